@@ -1,0 +1,39 @@
+# cohort: top-level entry points. The README's first lines use `make demo` and `make test`.
+BUILD ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: all deps build test demo asan tsan bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+
+build: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j 1
+
+# The main job. Until the DDP example lands this is a 2-rank allreduce benchmark,
+# checked element by element (-c 1), over shared memory and then over TCP.
+demo: build
+	$(BUILD)/cohort run --nproc-per-node 2 $(BUILD)/cohort bench allreduce -b 8 -e 64M -f 4 -c 1
+	COHORT_TRANSPORT=tcp $(BUILD)/cohort run --nproc-per-node 2 $(BUILD)/cohort bench allreduce -b 8 -e 64M -f 4 -c 1
+
+asan:
+	$(MAKE) test BUILD=build-asan BUILD_TYPE=RelWithDebInfo CMAKE_FLAGS=-DCOHORT_SANITIZE=address
+
+tsan:
+	$(MAKE) test BUILD=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_FLAGS=-DCOHORT_SANITIZE=thread
+
+bench: build
+	bench/compare_peers.sh
+
+clean:
+	rm -rf build build-asan build-tsan

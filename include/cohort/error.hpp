@@ -1,0 +1,47 @@
+// cohort/error.hpp: the exceptions cohort throws (see docs/errors.md).
+//
+// Errors a user can cause or recover from are typed exceptions whose message
+// says the cause and the fix. Broken internal invariants are not exceptions:
+// they abort with file:line (COHORT_ASSERT in src/core/check.hpp).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace cohort {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Bad arguments: wrong count, dtype, root, rank not in group, bad flag value.
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+// A deadline passed (COHORT_TIMEOUT or a per-call timeout).
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A peer died, closed its connection, aborted, or sent something we did not expect.
+// peer() is the rank in the group that failed (-1 if unknown).
+class PeerError : public Error {
+ public:
+  PeerError(const std::string& what, int peer) : Error(what), peer_(peer) {}
+  int peer() const { return peer_; }
+
+ private:
+  int peer_;
+};
+
+// Operating-system failures: sockets, files, shared memory.
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace cohort

@@ -1,0 +1,118 @@
+// cohort/process_group.hpp: the process group, its collectives and Work handles.
+//
+// A ProcessGroup is a fixed set of ranks that run collectives together. Every
+// call returns a Work at once; the collective runs on the group's progress
+// thread (or, when nothing is queued and the message is small, inline on the
+// calling thread: see docs/algorithms.md), and calls on one group complete in
+// the order they were issued. Issue a group's calls from one thread at a time.
+//
+// Buffers are not copied: keep them alive and untouched until the Work completes.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cohort/error.hpp"
+#include "cohort/store.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort {
+
+// Handle to one asynchronous operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual bool is_completed() const = 0;
+  // Blocks until the operation completes and rethrows its error, if any. A
+  // timeout of zero means the group's timeout. Throws TimeoutError if the
+  // operation has not completed in time (the operation itself keeps its own deadline).
+  virtual void wait(Millis timeout = Millis(0)) = 0;
+  // The error the operation failed with, or nullptr (also while still running).
+  virtual std::exception_ptr error() const = 0;
+  // A short description: "allreduce #12 (f32 x 1024, sum)".
+  virtual std::string describe() const = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// Per-call options. A timeout of zero means the group's (COHORT_TIMEOUT).
+struct AllreduceOptions { ReduceOp op = ReduceOp::Sum; Millis timeout{0}; };
+struct BroadcastOptions { int root = 0; Millis timeout{0}; };
+struct ReduceOptions { ReduceOp op = ReduceOp::Sum; int root = 0; Millis timeout{0}; };
+struct AllgatherOptions { Millis timeout{0}; };
+struct ReduceScatterOptions { ReduceOp op = ReduceOp::Sum; Millis timeout{0}; };
+struct GatherOptions { int root = 0; Millis timeout{0}; };
+struct ScatterOptions { int root = 0; Millis timeout{0}; };
+struct AlltoallOptions { Millis timeout{0}; };
+struct BarrierOptions { Millis timeout{0}; };
+struct SendRecvOptions { int tag = 0; Millis timeout{0}; };
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "native", "mpi", ...
+  virtual std::string backend_name() const = 0;
+  // Ranks of this group in the world group, by group rank.
+  virtual const std::vector<int>& world_ranks() const = 0;
+
+  // Out-of-place: recv = op over ranks of send. send.count == recv.count.
+  // In-place: pass the same buffer as send and recv.
+  virtual WorkPtr allreduce(Buffer send, Buffer recv, AllreduceOptions opts = {}) = 0;
+  WorkPtr allreduce(Buffer buf, AllreduceOptions opts = {}) { return allreduce(buf, buf, opts); }
+  // Root's buf is copied into every rank's buf.
+  virtual WorkPtr broadcast(Buffer buf, BroadcastOptions opts = {}) = 0;
+  // recv (significant at root only, may be empty elsewhere) = op over ranks of send.
+  virtual WorkPtr reduce(Buffer send, Buffer recv, ReduceOptions opts = {}) = 0;
+  // recv.count == size() * send.count; rank r's send lands at recv[r * send.count].
+  virtual WorkPtr allgather(Buffer send, Buffer recv, AllgatherOptions opts = {}) = 0;
+  // send.count == size() * recv.count; rank r gets op over ranks of send[r * recv.count ...].
+  virtual WorkPtr reduce_scatter(Buffer send, Buffer recv, ReduceScatterOptions opts = {}) = 0;
+  // At root, recv.count == size() * send.count; elsewhere recv is ignored.
+  virtual WorkPtr gather(Buffer send, Buffer recv, GatherOptions opts = {}) = 0;
+  // At root, send.count == size() * recv.count; elsewhere send is ignored.
+  virtual WorkPtr scatter(Buffer send, Buffer recv, ScatterOptions opts = {}) = 0;
+  // send.count == recv.count == size() * k; block j of send goes to rank j,
+  // block i of recv comes from rank i.
+  virtual WorkPtr alltoall(Buffer send, Buffer recv, AlltoallOptions opts = {}) = 0;
+  virtual WorkPtr barrier(BarrierOptions opts = {}) = 0;
+  // Point to point. Messages between a pair with the same tag match in order;
+  // the receiver's count must equal the sender's.
+  virtual WorkPtr send(Buffer buf, int dst, SendRecvOptions opts = {}) = 0;
+  virtual WorkPtr recv(Buffer buf, int src, SendRecvOptions opts = {}) = 0;
+
+  // A sub-group of the ranks listed (group ranks of this group, any order gives
+  // the new group's rank order). Every rank of this group must call it with the
+  // same list, in the same order relative to its other new_group calls. Returns
+  // nullptr on ranks that are not in `ranks`.
+  virtual std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) = 0;
+
+  // Stops the progress thread and releases transports. Pending Work fails.
+  virtual void shutdown() = 0;
+};
+
+struct InitOptions {
+  std::string backend = "native";  // or COHORT_BACKEND
+  // Unset fields come from the environment (RANK, WORLD_SIZE, LOCAL_RANK,
+  // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the launcher's COHORT_STORE_* ).
+  std::optional<int> rank;
+  std::optional<int> world_size;
+  std::shared_ptr<Store> store;    // given: used as is (tests run ranks as threads)
+  Millis timeout{0};               // 0: COHORT_TIMEOUT
+  std::string transport;           // "" (auto), "shm", "tcp"; or COHORT_TRANSPORT
+};
+
+// Builds the world group. With no store given, it connects to the launcher's
+// store (COHORT_STORE_ADDR/PORT) or, started without the launcher, to the one
+// rank 0 serves at MASTER_ADDR:MASTER_PORT.
+std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts = {});
+
+// The cohort library's version, "major.minor.patch".
+const char* version();
+
+}  // namespace cohort

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs the Debian packages cohort needs, only those that are missing.
+# Idempotent and quiet when everything is present.
+#   scripts/install-deps.sh          build + test dependencies
+#   scripts/install-deps.sh --peers  also the peer systems used by bench/compare_peers.sh
+set -euo pipefail
+
+pkgs=(cmake make g++ pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev
+      libgtest-dev libgmock-dev libhwloc-dev iproute2 procps)
+if [[ "${1:-}" == "--peers" ]]; then
+  pkgs+=(openmpi-bin libopenmpi-dev python3-torch python3-numpy)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+  SUDO=sudo
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,29 @@
+// `cohort env`: every COHORT_* knob with its current value, default and meaning.
+#include <cstdio>
+#include <string>
+
+#include "commands.hpp"
+#include "core/env.hpp"
+
+namespace cohort::tools {
+
+void add_env_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("env", "list every COHORT_* environment knob with its value and meaning");
+  static bool markdown = false;
+  cmd->add_flag("--markdown", markdown, "print a markdown table (docs/env.md is made this way)");
+  cmd->callback([&exit_code] {
+    auto knobs = core::all_knobs();
+    if (markdown) {
+      std::printf("| variable | default | meaning |\n|---|---|---|\n");
+      for (const auto* k : knobs) std::printf("| `%s` | `%s` | %s |\n", k->name(), k->default_value(), k->help());
+    } else {
+      for (const auto* k : knobs) {
+        std::string v = k->str();
+        std::printf("%-28s = %-12s %s\n    %s\n", k->name(), v.c_str(), k->is_set() ? "(set)" : "(default)", k->help());
+      }
+    }
+    exit_code = 0;
+  });
+}
+
+}  // namespace cohort::tools

@@ -1,0 +1,13 @@
+// The `cohort` CLI's subcommands. Each file tools/cmd_NAME.cpp adds one; its
+// callback does the work and stores the process exit code in `exit_code`.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace cohort::tools {
+
+void add_run_command(CLI::App& app, int& exit_code);    // cmd_run.cpp: the launcher
+void add_bench_command(CLI::App& app, int& exit_code);  // cmd_bench.cpp: nccl-tests style benchmark
+void add_env_command(CLI::App& app, int& exit_code);    // cmd_env.cpp: every COHORT_* knob
+
+}  // namespace cohort::tools

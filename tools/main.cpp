@@ -1,0 +1,26 @@
+// cohort: one binary, subcommands like git (run, bench, env, ...).
+#include <cstdio>
+#include <exception>
+
+#include "cohort/error.hpp"
+#include "cohort/process_group.hpp"
+#include "commands.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"cohort: distributed training runtime (collectives, launcher, benchmarks)", "cohort"};
+  app.set_version_flag("--version", std::string("cohort ") + cohort::version());
+  app.require_subcommand(1);
+  int exit_code = 0;
+  cohort::tools::add_run_command(app, exit_code);
+  cohort::tools::add_bench_command(app, exit_code);
+  cohort::tools::add_env_command(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const cohort::Error& e) {
+    std::fprintf(stderr, "cohort: error: %s\n", e.what());
+    return 1;
+  }
+  return exit_code;
+}
