@@ -10,8 +10,8 @@
 
 namespace cohort {
 
-bool dtype_is_valid(DType t) { return static_cast<int>(t) >= 0 && static_cast<int>(t) < kNumDTypes; }
-bool reduce_op_is_valid(ReduceOp op) { return static_cast<int>(op) >= 0 && static_cast<int>(op) < kNumReduceOps; }
+bool dtype_is_valid(DType t) { return static_cast<int>(t) < kNumDTypes; }
+bool reduce_op_is_valid(ReduceOp op) { return static_cast<int>(op) < kNumReduceOps; }
 
 size_t dtype_size(DType t) {
   switch (t) {

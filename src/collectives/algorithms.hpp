@@ -1,0 +1,38 @@
+// Every collective algorithm, one per file in this folder. Each takes a Comm
+// whose key and deadline are set, raw byte pointers and counts that the group
+// layer has validated, and blocks until this rank's part is done.
+// ReduceOp::Avg arrives here as Sum; the group layer divides afterwards.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "collectives/comm.hpp"
+
+namespace cohort::collectives {
+
+// allreduce
+void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
+void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
+
+// broadcast
+void broadcast_binomial(Comm& c, uint8_t* buf, size_t bytes, int root);
+void broadcast_pipeline(Comm& c, uint8_t* buf, size_t bytes, int root, size_t segment);
+
+// reduce
+void reduce_binomial(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int root);
+
+// allgather / reduce_scatter
+void allgather_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank);
+void allgather_direct(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank);
+void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op);
+
+// rooted and personalised
+void gather_linear(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank, int root);
+void scatter_linear(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank, int root);
+void alltoall_direct(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank);
+
+// synchronisation
+void barrier_dissemination(Comm& c);
+
+}  // namespace cohort::collectives

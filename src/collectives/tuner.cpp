@@ -1,0 +1,135 @@
+#include "collectives/tuner.hpp"
+
+#include <sstream>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "core/env.hpp"
+
+namespace cohort::collectives {
+namespace {
+
+const core::Knob kAlgo{"COHORT_ALGO", "",
+                       "force algorithms: one name for every collective that has it (ring, recursive_doubling, binomial, "
+                       "pipeline, direct), or a list like allreduce=ring,broadcast=binomial"};
+
+// Which algorithms can run which collective.
+bool supports(Coll c, Algo a) {
+  switch (c) {
+    case Coll::Allreduce: return a == Algo::Ring || a == Algo::RecursiveDoubling;
+    case Coll::Broadcast: return a == Algo::Binomial || a == Algo::Pipeline;
+    case Coll::Reduce: return a == Algo::Binomial;
+    case Coll::Allgather: return a == Algo::Ring || a == Algo::Direct;
+    case Coll::ReduceScatter: return a == Algo::Ring;
+    case Coll::Gather:
+    case Coll::Scatter: return a == Algo::Linear;
+    case Coll::Alltoall: return a == Algo::Direct;
+    case Coll::Barrier: return a == Algo::Dissemination;
+    case Coll::Send:
+    case Coll::Recv: return a == Algo::Direct;
+  }
+  return false;
+}
+
+std::optional<Algo> parse_algo(const std::string& s) {
+  if (s == "ring") return Algo::Ring;
+  if (s == "recursive_doubling" || s == "rd") return Algo::RecursiveDoubling;
+  if (s == "binomial" || s == "tree") return Algo::Binomial;
+  if (s == "pipeline" || s == "chain") return Algo::Pipeline;
+  if (s == "direct") return Algo::Direct;
+  if (s == "linear") return Algo::Linear;
+  if (s == "dissemination") return Algo::Dissemination;
+  return std::nullopt;
+}
+
+}  // namespace
+
+const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::Allreduce: return "allreduce";
+    case Coll::Broadcast: return "broadcast";
+    case Coll::Reduce: return "reduce";
+    case Coll::Allgather: return "allgather";
+    case Coll::ReduceScatter: return "reduce_scatter";
+    case Coll::Gather: return "gather";
+    case Coll::Scatter: return "scatter";
+    case Coll::Alltoall: return "alltoall";
+    case Coll::Barrier: return "barrier";
+    case Coll::Send: return "send";
+    case Coll::Recv: return "recv";
+  }
+  return "?";
+}
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::Ring: return "ring";
+    case Algo::RecursiveDoubling: return "recursive_doubling";
+    case Algo::Binomial: return "binomial";
+    case Algo::Pipeline: return "pipeline";
+    case Algo::Direct: return "direct";
+    case Algo::Linear: return "linear";
+    case Algo::Dissemination: return "dissemination";
+  }
+  return "?";
+}
+
+Algo choose(const TunerInput& in, const Thresholds& t) {
+  switch (in.coll) {
+    case Coll::Allreduce:
+      return in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp) ? Algo::RecursiveDoubling
+                                                                                          : Algo::Ring;
+    case Coll::Broadcast:
+      return in.nranks <= 2 || in.bytes <= t.broadcast_binomial_max ? Algo::Binomial : Algo::Pipeline;
+    case Coll::Reduce: return Algo::Binomial;
+    case Coll::Allgather:
+      return in.nranks <= 8 && in.bytes <= t.allgather_direct_max ? Algo::Direct : Algo::Ring;
+    case Coll::ReduceScatter: return Algo::Ring;
+    case Coll::Gather:
+    case Coll::Scatter: return Algo::Linear;
+    case Coll::Alltoall: return Algo::Direct;
+    case Coll::Barrier: return Algo::Dissemination;
+    case Coll::Send:
+    case Coll::Recv: return Algo::Direct;
+  }
+  return Algo::Direct;
+}
+
+std::optional<Algo> override_from_env(Coll c, const std::string& spec) {
+  if (spec.empty()) return std::nullopt;
+  std::stringstream ss(spec);
+  std::string item;
+  std::optional<Algo> result;
+  while (std::getline(ss, item, ',')) {
+    std::string coll, name = item;
+    auto eq = item.find('=');
+    if (eq != std::string::npos) {
+      coll = item.substr(0, eq);
+      name = item.substr(eq + 1);
+    }
+    auto a = parse_algo(name);
+    if (!a)
+      throw InvalidArgument(fmt::format("COHORT_ALGO: unknown algorithm '{}'; use ring, recursive_doubling, binomial, "
+                                        "pipeline or direct",
+                                        name));
+    if (!coll.empty()) {
+      if (coll != coll_name(c)) continue;
+      if (!supports(c, *a))
+        throw InvalidArgument(fmt::format("COHORT_ALGO: {} cannot run {}", algo_name(*a), coll_name(c)));
+      result = a;
+    } else if (supports(c, *a)) {
+      result = a;  // a bare name applies to every collective that has it
+    }
+  }
+  return result;
+}
+
+Algo select(const TunerInput& in) {
+  static const std::string spec = kAlgo.str();
+  if (auto a = override_from_env(in.coll, spec)) return *a;
+  return choose(in);
+}
+
+}  // namespace cohort::collectives

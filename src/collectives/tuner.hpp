@@ -1,0 +1,44 @@
+// The tuner: which algorithm runs a collective, as a pure function of the
+// collective, message size, group size and transport mix (so tests can call
+// it directly). COHORT_ALGO overrides it. Thresholds and the measurements
+// behind them: docs/algorithms.md.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+namespace cohort::collectives {
+
+enum class Coll { Allreduce, Broadcast, Reduce, Allgather, ReduceScatter, Gather, Scatter, Alltoall, Barrier, Send, Recv };
+const char* coll_name(Coll c);
+
+enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination };
+const char* algo_name(Algo a);
+
+struct TunerInput {
+  Coll coll;
+  size_t bytes;    // per-rank buffer bytes (allreduce, broadcast, reduce); per-rank block (allgather, ...)
+  int nranks;
+  bool all_shm;    // every peer is on this host over shared memory
+};
+
+struct Thresholds {
+  size_t allreduce_rd_max_shm = 16 * 1024;   // recursive doubling up to here, ring above
+  size_t allreduce_rd_max_tcp = 64 * 1024;
+  size_t broadcast_binomial_max = 256 * 1024;
+  size_t allgather_direct_max = 32 * 1024;   // per-rank block, and only for nranks <= 8
+};
+
+// The default choice.
+Algo choose(const TunerInput& in, const Thresholds& t = Thresholds{});
+
+// Parses COHORT_ALGO ("ring", "allreduce=ring,broadcast=binomial", ...) for one
+// collective. nullopt: no override. Throws InvalidArgument for unknown names or
+// an algorithm that cannot run this collective.
+std::optional<Algo> override_from_env(Coll c, const std::string& spec);
+
+// The override (if any) or the default; what the group calls.
+Algo select(const TunerInput& in);
+
+}  // namespace cohort::collectives

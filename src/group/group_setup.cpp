@@ -1,0 +1,152 @@
+// NativeGroup set-up: who is on which host, which transport reaches each
+// peer, sub-groups, and the public entry points that build OpDescs.
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/log.hpp"
+#include "group/native_group.hpp"
+#include "transport/tcp/tcp_transport.hpp"
+
+namespace cohort::group {
+namespace {
+
+// Ranks with the same identity share /dev/shm and a network stack: same
+// hostname, same boot, same network namespace (so that tests with one
+// "host" per namespace really use TCP between them).
+std::string host_identity() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
+  return fmt::format("{}|{}|{}", host, boot, n > 0 ? std::string(ns, n) : "");
+}
+
+}  // namespace
+
+void NativeGroup::connect() {
+  const int n = setup_.size, me = setup_.rank;
+  auto& store = *setup_.store;
+  auto deadline = core::Deadline::after(setup_.timeout);
+  conns_.resize(n);
+  if (n == 1) {
+    engine_ = std::make_unique<transport::Engine>(nullptr);
+    comm_ = std::make_unique<collectives::Comm>(0, 1, std::vector<transport::Connection*>(1, nullptr), engine_.get());
+    return;
+  }
+  const std::string pref = setup_.transport;
+  if (!pref.empty() && pref != "shm" && pref != "tcp")
+    throw InvalidArgument(fmt::format("COHORT_TRANSPORT={} is not a transport; use shm, tcp or leave it unset", pref));
+
+  store.set_string(fmt::format("host/{}", me), host_identity());
+  std::vector<std::string> hosts(n);
+  for (int r = 0; r < n; ++r) hosts[r] = store.get_string(fmt::format("host/{}", r), Millis(std::max(1, deadline.remaining_ms())));
+
+  std::vector<int> local, remote;
+  for (int r = 0; r < n; ++r) {
+    if (hosts[r] == hosts[me] && pref != "tcp") local.push_back(r);
+    else if (r != me) remote.push_back(r);
+  }
+  if (pref == "shm" && !remote.empty())
+    throw InvalidArgument(fmt::format("COHORT_TRANSPORT=shm but ranks {} are on other hosts; unset it to use TCP for them",
+                                      fmt::join(remote, ",")));
+  if (pref == "tcp") local.clear();
+
+  if (local.size() > 1) {
+    transport::ShmOptions so;
+    so.name = fmt::format("cohort-{}-g{}-r{}", setup_.run_id, setup_.group_id, setup_.world_ranks[local.front()]);
+    so.local_ranks = local;
+    so.my_rank = me;
+    shm_ = transport::ShmTransport::open(so, store, deadline);
+    for (int r : local)
+      if (r != me) conns_[r] = shm_->connect(r);
+  }
+  if (!remote.empty()) {
+    transport::TcpOptions to;
+    to.my_rank = me;
+    to.size = n;
+    to.peers = remote;
+    to.group_id = setup_.run_id + "/" + setup_.group_id;
+    to.route_hint = setup_.route_hint;
+    auto tcp = transport::TcpTransport::open(to, store, deadline);
+    for (int r : remote) conns_[r] = tcp->take(r);
+  }
+  all_shm_ = remote.empty();
+  engine_ = std::make_unique<transport::Engine>(shm_.get());
+  std::vector<transport::Connection*> raw(n, nullptr);
+  for (int r = 0; r < n; ++r) raw[r] = conns_[r].get();
+  comm_ = std::make_unique<collectives::Comm>(me, n, std::move(raw), engine_.get());
+  COHORT_INFO(kInit, "group {}: rank {}/{} connected: {} peer(s) over shm, {} over tcp", setup_.group_id, me, n,
+              local.empty() ? 0 : local.size() - 1, remote.size());
+}
+
+std::string NativeGroup::transport_of(int peer) const {
+  if (peer == setup_.rank) return "self";
+  if (peer < 0 || peer >= setup_.size || !conns_[peer]) return "none";
+  return transport::kind_name(conns_[peer]->kind());
+}
+
+std::shared_ptr<ProcessGroup> NativeGroup::new_group(const std::vector<int>& ranks) {
+  std::set<int> seen;
+  for (int r : ranks) {
+    if (r < 0 || r >= setup_.size)
+      throw InvalidArgument(fmt::format("new_group: rank {} is out of range; this group has ranks 0..{}", r, setup_.size - 1));
+    if (!seen.insert(r).second) throw InvalidArgument(fmt::format("new_group: rank {} is listed twice", r));
+  }
+  if (ranks.empty()) throw InvalidArgument("new_group: the list of ranks is empty");
+  // Every rank of this group counts new_group calls, members or not, so that
+  // the ids agree everywhere.
+  const std::string id = fmt::format("{}.{}", setup_.group_id, ++subgroups_);
+  auto it = std::find(ranks.begin(), ranks.end(), setup_.rank);
+  if (it == ranks.end()) return nullptr;
+  GroupSetup s = setup_;
+  s.group_id = id;
+  s.rank = static_cast<int>(it - ranks.begin());
+  s.size = static_cast<int>(ranks.size());
+  s.world_ranks.clear();
+  for (int r : ranks) s.world_ranks.push_back(setup_.world_ranks[r]);
+  s.store = std::make_shared<PrefixStore>("g" + id, setup_.root_store);
+  return NativeGroup::create(std::move(s));
+}
+
+WorkPtr NativeGroup::allreduce(Buffer send, Buffer recv, AllreduceOptions o) {
+  return submit(OpDesc{collectives::Coll::Allreduce, send, recv, o.op, 0, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::broadcast(Buffer buf, BroadcastOptions o) {
+  return submit(OpDesc{collectives::Coll::Broadcast, buf, buf, ReduceOp::Sum, o.root, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::reduce(Buffer send, Buffer recv, ReduceOptions o) {
+  return submit(OpDesc{collectives::Coll::Reduce, send, recv, o.op, o.root, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::allgather(Buffer send, Buffer recv, AllgatherOptions o) {
+  return submit(OpDesc{collectives::Coll::Allgather, send, recv, ReduceOp::Sum, 0, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::reduce_scatter(Buffer send, Buffer recv, ReduceScatterOptions o) {
+  return submit(OpDesc{collectives::Coll::ReduceScatter, send, recv, o.op, 0, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::gather(Buffer send, Buffer recv, GatherOptions o) {
+  return submit(OpDesc{collectives::Coll::Gather, send, recv, ReduceOp::Sum, o.root, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::scatter(Buffer send, Buffer recv, ScatterOptions o) {
+  return submit(OpDesc{collectives::Coll::Scatter, send, recv, ReduceOp::Sum, o.root, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::alltoall(Buffer send, Buffer recv, AlltoallOptions o) {
+  return submit(OpDesc{collectives::Coll::Alltoall, send, recv, ReduceOp::Sum, 0, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::barrier(BarrierOptions o) {
+  return submit(OpDesc{collectives::Coll::Barrier, {}, {}, ReduceOp::Sum, 0, -1, 0, o.timeout});
+}
+WorkPtr NativeGroup::send(Buffer buf, int dst, SendRecvOptions o) {
+  return submit(OpDesc{collectives::Coll::Send, buf, {}, ReduceOp::Sum, 0, dst, o.tag, o.timeout});
+}
+WorkPtr NativeGroup::recv(Buffer buf, int src, SendRecvOptions o) {
+  return submit(OpDesc{collectives::Coll::Recv, {}, buf, ReduceOp::Sum, 0, src, o.tag, o.timeout});
+}
+
+}  // namespace cohort::group

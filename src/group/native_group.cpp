@@ -1,0 +1,224 @@
+// NativeGroup: queue, progress thread, execution and failure handling.
+#include "group/native_group.hpp"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "collectives/algorithms.hpp"
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "core/reduce.hpp"
+
+namespace cohort::group {
+namespace {
+
+const core::Knob kInlineBytes{"COHORT_INLINE_BYTES", "64K",
+                              "operations of at most this many bytes run on the caller's thread when nothing is queued "
+                              "(no thread hand-off); 0 sends everything to the progress thread",
+                              core::KnobKind::Bytes};
+const core::Knob kPipelineSeg{"COHORT_PIPELINE_BYTES", "256K", "segment size of pipelined algorithms (broadcast chain)",
+                              core::KnobKind::Bytes};
+
+using collectives::Algo;
+using collectives::Coll;
+
+}  // namespace
+
+NativeGroup::NativeGroup(GroupSetup setup)
+    : setup_(std::move(setup)),
+      inline_max_(kInlineBytes.bytes()),
+      pipeline_segment_(std::max<size_t>(4096, kPipelineSeg.bytes())) {
+  p2p_sent_.assign(setup_.size, 0);
+  p2p_recvd_.assign(setup_.size, 0);
+}
+
+std::shared_ptr<NativeGroup> NativeGroup::create(GroupSetup setup) {
+  std::shared_ptr<NativeGroup> g(new NativeGroup(std::move(setup)));
+  g->connect();
+  return g;
+}
+
+NativeGroup::~NativeGroup() { shutdown(); }
+
+void NativeGroup::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& [d, w] : queue_)
+    w->complete(std::make_exception_ptr(Error(fmt::format("{} was cancelled: the group was shut down", d.describe()))));
+  queue_.clear();
+}
+
+WorkPtr NativeGroup::submit(OpDesc d) {
+  validate(d, setup_.rank, setup_.size);
+  std::unique_lock<std::mutex> lk(mu_);
+  if (stopping_) throw Error(fmt::format("{}: the process group was shut down", collectives::coll_name(d.coll)));
+  d.seq = next_seq_++;
+  if (queue_.empty() && !busy_ && d.bytes() <= inline_max_) {
+    busy_ = true;
+    lk.unlock();
+    auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
+    std::exception_ptr err;
+    try {
+      execute(d);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    w->complete(err);
+    lk.lock();
+    busy_ = false;
+    return w;
+  }
+  auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
+  queue_.emplace_back(std::move(d), w);
+  if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
+  lk.unlock();
+  cv_.notify_one();
+  return w;
+}
+
+void NativeGroup::progress_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    // Inline operations run only while the queue is empty and we are idle, so
+    // waiting for !busy_ keeps the issue order.
+    cv_.wait(lk, [&] { return stopping_ || (!queue_.empty() && !busy_); });
+    if (stopping_) return;
+    auto [d, w] = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    std::exception_ptr err;
+    try {
+      execute(d);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    w->complete(err);
+    lk.lock();
+    busy_ = false;
+  }
+}
+
+void NativeGroup::execute(OpDesc& d) {
+  if (broken_) {
+    try {
+      std::rethrow_exception(broken_);
+    } catch (const Error& e) {
+      throw Error(fmt::format("rank {}: {} not started: this group failed earlier: {}", setup_.rank, d.describe(), e.what()));
+    }
+  }
+  try {
+    run_algorithm(d);
+  } catch (...) {
+    fail(d, std::current_exception());
+  }
+}
+
+void NativeGroup::run_algorithm(OpDesc& d) {
+  namespace c = collectives;
+  auto timeout = d.timeout.count() > 0 ? d.timeout : setup_.timeout;
+  auto deadline = core::Deadline::after(timeout);
+  auto& comm = *comm_;
+  auto* sp = static_cast<const uint8_t*>(d.send.data);
+  auto* rp = static_cast<uint8_t*>(d.recv.data);
+  const DType t = d.coll == Coll::Recv || d.coll == Coll::Broadcast ? d.recv.dtype : d.send.dtype;
+  const size_t es = dtype_size(t);
+  const ReduceOp op = d.op == ReduceOp::Avg ? ReduceOp::Sum : d.op;
+  const int n = setup_.size;
+
+  if (d.coll == Coll::Send || d.coll == Coll::Recv) {
+    const bool is_send = d.coll == Coll::Send;
+    uint64_t& counter = is_send ? p2p_sent_[d.peer] : p2p_recvd_[d.peer];
+    comm.begin(transport::MsgKey{counter++, static_cast<uint32_t>(d.tag), 1}, deadline);
+    COHORT_TRACE(kColl, "{} direct", d.describe());
+    if (is_send) comm.send(d.peer, sp, d.send.bytes());
+    else comm.recv(d.peer, rp, d.recv.bytes());
+    return;
+  }
+
+  comm.begin(transport::MsgKey{d.seq, 0, 0}, deadline);
+  size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
+                           ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
+                           : d.bytes();
+  Algo a = c::select(c::TunerInput{d.coll, tuner_bytes, n, all_shm_});
+  COHORT_TRACE(kColl, "{} {} bytes algo {}", d.describe(), d.bytes(), c::algo_name(a));
+
+  switch (d.coll) {
+    case Coll::Allreduce:
+      if (a == Algo::Ring) c::allreduce_ring(comm, sp, rp, d.send.count, t, op);
+      else c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
+      if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
+      return;
+    case Coll::Broadcast:
+      if (n == 1) return;
+      if (a == Algo::Pipeline) c::broadcast_pipeline(comm, rp, d.recv.bytes(), d.root, pipeline_segment_);
+      else c::broadcast_binomial(comm, rp, d.recv.bytes(), d.root);
+      return;
+    case Coll::Reduce:
+      c::reduce_binomial(comm, sp, rp, d.send.count, t, op, d.root);
+      if (d.op == ReduceOp::Avg && setup_.rank == d.root) core::scale_avg(rp, d.recv.count, t, n);
+      return;
+    case Coll::Allgather:
+      if (a == Algo::Direct) c::allgather_direct(comm, sp, rp, d.send.bytes());
+      else c::allgather_ring(comm, sp, rp, d.send.bytes());
+      return;
+    case Coll::ReduceScatter:
+      c::reduce_scatter_ring(comm, sp, rp, d.recv.count, t, op);
+      if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
+      return;
+    case Coll::Gather: c::gather_linear(comm, sp, rp, d.send.bytes(), d.root); return;
+    case Coll::Scatter: c::scatter_linear(comm, sp, rp, d.recv.bytes(), d.root); return;
+    case Coll::Alltoall: {
+      const size_t b = d.send.bytes() / n;
+      if (sp == rp) {  // in place: the algorithm needs the input intact while it writes the output
+        uint8_t* copy = comm.scratch(d.send.bytes());
+        std::memcpy(copy, sp, d.send.bytes());
+        sp = copy;
+      }
+      c::alltoall_direct(comm, sp, rp, b);
+      return;
+    }
+    case Coll::Barrier: c::barrier_dissemination(comm); return;
+    case Coll::Send:
+    case Coll::Recv: return;  // handled above
+  }
+  (void)es;
+}
+
+void NativeGroup::fail(const OpDesc& d, std::exception_ptr cause) {
+  std::string ctx = fmt::format("rank {} (group {}, world rank {}): {} [{} bytes] failed", setup_.rank, setup_.group_id,
+                                setup_.world_ranks[setup_.rank], d.describe(), d.bytes());
+  std::exception_ptr wrapped;
+  std::string reason;
+  try {
+    std::rethrow_exception(cause);
+  } catch (const PeerError& e) {
+    reason = e.what();
+    wrapped = std::make_exception_ptr(PeerError(fmt::format("{}: {}", ctx, e.what()), e.peer()));
+  } catch (const TimeoutError& e) {
+    reason = e.what();
+    wrapped = std::make_exception_ptr(TimeoutError(fmt::format(
+        "{}: {}; HINT: a peer is slow, hung or never called this collective; raise COHORT_TIMEOUT if the work is just long",
+        ctx, e.what())));
+  } catch (const InvalidArgument& e) {
+    std::rethrow_exception(cause);  // nothing was sent: the group stays usable
+  } catch (const std::exception& e) {
+    reason = e.what();
+    wrapped = std::make_exception_ptr(Error(fmt::format("{}: {}", ctx, e.what())));
+  }
+  COHORT_WARN(kColl, "{}: {}", ctx, reason);
+  std::string why = fmt::format("rank {} failed in {}: {}", setup_.rank, d.describe(), reason);
+  for (auto& c : conns_)
+    if (c) c->abort(why);
+  broken_ = wrapped;
+  std::rethrow_exception(wrapped);
+}
+
+}  // namespace cohort::group

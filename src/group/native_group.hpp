@@ -1,0 +1,101 @@
+// NativeGroup: the ProcessGroup of cohort's own transports (shm + tcp).
+//
+// Threads: the caller issues operations (from one thread at a time); each is
+// validated at once, numbered, and queued. A progress thread, started on the
+// first queued operation, executes them in order. An operation of at most
+// COHORT_INLINE_BYTES that finds the queue empty runs inline on the caller's
+// thread instead: no hand-off, which is what a small allreduce's latency needs.
+//
+// Failure: the first failed operation aborts every connection (so that peers
+// fail fast instead of waiting for their timeout) and breaks the group: later
+// operations fail at once with the original error.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cohort/process_group.hpp"
+#include "collectives/comm.hpp"
+#include "group/op.hpp"
+#include "group/work.hpp"
+#include "transport/engine.hpp"
+#include "transport/shm/shm_transport.hpp"
+
+namespace cohort::group {
+
+struct GroupSetup {
+  int rank = 0;
+  int size = 1;
+  std::vector<int> world_ranks;  // world rank of each group rank
+  std::shared_ptr<Store> store;  // already prefixed for this group
+  std::shared_ptr<Store> root_store;  // the world's store (sub-groups prefix it again)
+  std::string group_id;          // "0" for the world, "0.1", ... for sub-groups
+  std::string run_id;
+  Millis timeout{300000};
+  std::string transport;         // "", "shm" or "tcp"
+  std::string route_hint;        // host to route TCP towards (the store's host)
+};
+
+class NativeGroup final : public ProcessGroup, public std::enable_shared_from_this<NativeGroup> {
+ public:
+  // Connects to every peer (collective over the group's ranks).
+  static std::shared_ptr<NativeGroup> create(GroupSetup setup);
+  ~NativeGroup() override;
+
+  int rank() const override { return setup_.rank; }
+  int size() const override { return setup_.size; }
+  std::string backend_name() const override { return "native"; }
+  const std::vector<int>& world_ranks() const override { return setup_.world_ranks; }
+
+  WorkPtr allreduce(Buffer send, Buffer recv, AllreduceOptions opts) override;
+  WorkPtr broadcast(Buffer buf, BroadcastOptions opts) override;
+  WorkPtr reduce(Buffer send, Buffer recv, ReduceOptions opts) override;
+  WorkPtr allgather(Buffer send, Buffer recv, AllgatherOptions opts) override;
+  WorkPtr reduce_scatter(Buffer send, Buffer recv, ReduceScatterOptions opts) override;
+  WorkPtr gather(Buffer send, Buffer recv, GatherOptions opts) override;
+  WorkPtr scatter(Buffer send, Buffer recv, ScatterOptions opts) override;
+  WorkPtr alltoall(Buffer send, Buffer recv, AlltoallOptions opts) override;
+  WorkPtr barrier(BarrierOptions opts) override;
+  WorkPtr send(Buffer buf, int dst, SendRecvOptions opts) override;
+  WorkPtr recv(Buffer buf, int src, SendRecvOptions opts) override;
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) override;
+  void shutdown() override;
+
+  // Which transport reaches each peer ("shm", "tcp", "self"), for logs and tests.
+  std::string transport_of(int peer) const;
+
+ private:
+  explicit NativeGroup(GroupSetup setup);
+  void connect();
+  WorkPtr submit(OpDesc d);
+  void execute(OpDesc& d);       // on the progress thread or inline
+  void run_algorithm(OpDesc& d);
+  void progress_loop();
+  [[noreturn]] void fail(const OpDesc& d, std::exception_ptr cause);
+
+  GroupSetup setup_;
+  std::unique_ptr<transport::ShmTransport> shm_;
+  std::vector<std::unique_ptr<transport::Connection>> conns_;
+  std::unique_ptr<transport::Engine> engine_;
+  std::unique_ptr<collectives::Comm> comm_;
+  bool all_shm_ = true;
+  size_t inline_max_ = 0;
+  size_t pipeline_segment_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<OpDesc, std::shared_ptr<WorkImpl>>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::thread thread_;
+  uint64_t next_seq_ = 0;
+  std::vector<uint64_t> p2p_sent_, p2p_recvd_;
+  std::exception_ptr broken_;
+  int subgroups_ = 0;
+};
+
+}  // namespace cohort::group

@@ -1,0 +1,128 @@
+#include "group/op.hpp"
+
+#include <fmt/format.h>
+
+namespace cohort::group {
+
+using collectives::Coll;
+
+size_t OpDesc::bytes() const {
+  size_t s = send.count * dtype_size(send.dtype), r = recv.count * dtype_size(recv.dtype);
+  return s > r ? s : r;
+}
+
+std::string OpDesc::describe() const {
+  const Buffer& b = (coll == Coll::Recv || coll == Coll::Broadcast) ? recv : send;
+  std::string extra;
+  switch (coll) {
+    case Coll::Allreduce:
+    case Coll::ReduceScatter: extra = fmt::format(", {}", reduce_op_name(op)); break;
+    case Coll::Reduce: extra = fmt::format(", {}, root {}", reduce_op_name(op), root); break;
+    case Coll::Broadcast:
+    case Coll::Gather:
+    case Coll::Scatter: extra = fmt::format(", root {}", root); break;
+    case Coll::Send: extra = fmt::format(", to rank {}, tag {}", peer, tag); break;
+    case Coll::Recv: extra = fmt::format(", from rank {}, tag {}", peer, tag); break;
+    default: break;
+  }
+  if (coll == Coll::Barrier) return fmt::format("barrier #{}", seq);
+  return fmt::format("{} #{} ({} x {}{})", collectives::coll_name(coll), seq, dtype_is_valid(b.dtype) ? dtype_name(b.dtype) : "?",
+                     b.count, extra);
+}
+
+namespace {
+
+[[noreturn]] void bad(const OpDesc& d, const std::string& msg) {
+  throw InvalidArgument(fmt::format("{}: {}", collectives::coll_name(d.coll), msg));
+}
+
+void check_buffer(const OpDesc& d, const Buffer& b, const char* which) {
+  if (!dtype_is_valid(b.dtype))
+    bad(d, fmt::format("{} buffer has an unknown dtype (value {}); use one of f32, f64, f16, bf16, i8, u8, i32, i64", which,
+                       static_cast<int>(b.dtype)));
+  if (b.count > 0 && b.data == nullptr) bad(d, fmt::format("{} buffer is null but its count is {}", which, b.count));
+}
+
+void check_root(const OpDesc& d, int size) {
+  if (d.root < 0 || d.root >= size)
+    bad(d, fmt::format("root {} is out of range; this group has ranks 0..{}", d.root, size - 1));
+}
+
+bool overlaps(const Buffer& a, const Buffer& b) {
+  auto* a0 = static_cast<const uint8_t*>(a.data);
+  auto* b0 = static_cast<const uint8_t*>(b.data);
+  return a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+}  // namespace
+
+void validate(const OpDesc& d, int rank, int size) {
+  using C = Coll;
+  if (!reduce_op_is_valid(d.op))
+    bad(d, fmt::format("unknown reduce op (value {}); use sum, prod, min, max or avg", static_cast<int>(d.op)));
+  const bool uses_send = d.coll != C::Recv && d.coll != C::Broadcast && d.coll != C::Barrier;
+  const bool uses_recv = d.coll != C::Send && d.coll != C::Barrier;
+  if (uses_send) check_buffer(d, d.send, "send");
+  if (uses_recv) check_buffer(d, d.recv, "recv");
+  if (uses_send && uses_recv && d.send.dtype != d.recv.dtype) {
+    bool recv_ignored = (d.coll == C::Reduce || d.coll == C::Gather) && rank != d.root;
+    bool send_ignored = d.coll == C::Scatter && rank != d.root;
+    if (!recv_ignored && !send_ignored)
+      bad(d, fmt::format("send is {} but recv is {}; both buffers must have the same dtype", dtype_name(d.send.dtype),
+                         dtype_name(d.recv.dtype)));
+  }
+  const size_t n = static_cast<size_t>(size);
+  switch (d.coll) {
+    case C::Allreduce:
+      if (d.send.count != d.recv.count)
+        bad(d, fmt::format("send has {} elements but recv has {}; they must be equal (or pass one buffer for in-place)",
+                           d.send.count, d.recv.count));
+      if (d.send.data != d.recv.data && overlaps(d.send, d.recv))
+        bad(d, "send and recv overlap without being the same buffer; pass one buffer for in-place");
+      break;
+    case C::Broadcast: check_root(d, size); break;
+    case C::Reduce:
+      check_root(d, size);
+      if (rank == d.root && d.recv.count != d.send.count)
+        bad(d, fmt::format("at the root, recv has {} elements but send has {}; they must be equal", d.recv.count,
+                           d.send.count));
+      break;
+    case C::Allgather:
+      if (d.recv.count != n * d.send.count)
+        bad(d, fmt::format("recv has {} elements but must have group size x send count = {} x {} = {}", d.recv.count, n,
+                           d.send.count, n * d.send.count));
+      break;
+    case C::ReduceScatter:
+      if (d.send.count != n * d.recv.count)
+        bad(d, fmt::format("send has {} elements but must have group size x recv count = {} x {} = {}", d.send.count, n,
+                           d.recv.count, n * d.recv.count));
+      break;
+    case C::Gather:
+      check_root(d, size);
+      if (rank == d.root && d.recv.count != n * d.send.count)
+        bad(d, fmt::format("at the root, recv has {} elements but must have group size x send count = {} x {} = {}",
+                           d.recv.count, n, d.send.count, n * d.send.count));
+      break;
+    case C::Scatter:
+      check_root(d, size);
+      if (rank == d.root && d.send.count != n * d.recv.count)
+        bad(d, fmt::format("at the root, send has {} elements but must have group size x recv count = {} x {} = {}",
+                           d.send.count, n, d.recv.count, n * d.recv.count));
+      break;
+    case C::Alltoall:
+      if (d.send.count != d.recv.count || d.send.count % n != 0)
+        bad(d, fmt::format("send has {} and recv {} elements; both must be equal and divisible by the group size {}",
+                           d.send.count, d.recv.count, n));
+      break;
+    case C::Send:
+    case C::Recv:
+      if (d.peer < 0 || d.peer >= size)
+        bad(d, fmt::format("peer rank {} is out of range; this group has ranks 0..{}", d.peer, size - 1));
+      if (d.peer == rank) bad(d, fmt::format("rank {} cannot send to or receive from itself", rank));
+      if (d.tag < 0) bad(d, fmt::format("tag {} is negative; tags must be >= 0", d.tag));
+      break;
+    case C::Barrier: break;
+  }
+}
+
+}  // namespace cohort::group

@@ -1,0 +1,64 @@
+// Shared-memory transport: ranks on one host exchange messages through FIFOs
+// of slots in one segment per (run, group, host).
+//
+// Segment: a header (abort record), one control block per local rank (pid,
+// doorbell futex word, sleeping flag), then one FIFO per ordered pair of local
+// ranks. A FIFO is nslots slots; a slot is a 64-byte header line (ready counter,
+// message key, offsets, and up to 16 bytes of inline payload, so a small
+// message is one cache line) followed by slot_bytes of payload.
+//
+// Sender: waits for a free slot (tail), fills it, publishes it with a release
+// store of its ready counter, and rings the receiver's doorbell only if the
+// receiver said it is asleep. Receiver: polls the next slot's ready counter,
+// checks the header against the message it expects, hands the payload to its
+// sink (copy or reduce straight out of the slot), and advances tail.
+//
+// Lifetime: the lowest local rank creates /dev/shm/cohort-<run>-<group>-<leader>;
+// once every local rank has mapped it, it is unlinked, so a crash leaves nothing
+// behind (the launcher also removes /dev/shm/cohort-<run>-* at exit).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/store.hpp"
+#include "core/clock.hpp"
+#include "transport/transport.hpp"
+
+namespace cohort::transport {
+
+struct ShmOptions {
+  std::string name;              // segment name without the leading '/'
+  std::vector<int> local_ranks;  // group ranks on this host, ascending
+  int my_rank = 0;               // this rank's group rank (one of local_ranks)
+  size_t slot_bytes = 0;         // 0: COHORT_SHM_SLOT_BYTES
+  size_t nslots = 0;             // 0: COHORT_SHM_NSLOTS
+};
+
+class ShmTransport : public Waiter {
+ public:
+  // Creates or attaches the segment, synchronising the local ranks through
+  // `store` (keys under "shm/"). Throws IoError (with a hint about /dev/shm
+  // space) or TimeoutError naming the local ranks that never attached.
+  static std::unique_ptr<ShmTransport> open(const ShmOptions& opts, Store& store, core::Deadline deadline);
+  ~ShmTransport() override;
+
+  // A connection to another local rank (group rank).
+  std::unique_ptr<Connection> connect(int peer_rank);
+
+  uint32_t prepare_sleep() override;
+  void sleep(uint32_t token, int timeout_us) override;
+  void finish_sleep() override;
+
+  struct Impl;
+
+ private:
+  explicit ShmTransport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Removes every /dev/shm/cohort-<run_id>-* segment (the launcher calls it at exit).
+int remove_stale_segments(const std::string& run_id);
+
+}  // namespace cohort::transport

@@ -1,0 +1,240 @@
+// TcpTransport set-up: interface choice, listen, connect / accept, hello.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "transport/tcp/tcp_transport.hpp"
+
+namespace cohort::transport {
+namespace {
+
+const core::Knob kIfname{"COHORT_SOCKET_IFNAME", "",
+                         "network interface for TCP connections between ranks: eth0, a prefix (eth), =eth0 (exact) or "
+                         "^docker (exclude); default: the interface that routes to the store's host"};
+const core::Knob kSockBuf{"COHORT_SOCKET_BUFFER", "4M", "SO_SNDBUF / SO_RCVBUF for rank-to-rank sockets (0: system default)",
+                          core::KnobKind::Bytes};
+
+constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
+constexpr uint32_t kHelloVersion = 1;
+
+struct Hello {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t group_hash;
+  int32_t rank;
+  uint32_t pad;
+};
+
+std::string err(int e) { return std::strerror(e); }
+
+bool write_all(int fd, const void* p, size_t n, core::Deadline dl) {
+  auto* b = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    ssize_t w = ::send(fd, b, n, MSG_NOSIGNAL);
+    if (w > 0) { b += w; n -= static_cast<size_t>(w); continue; }
+    if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
+      pollfd pfd{fd, POLLOUT, 0};
+      if (dl.passed()) return false;
+      ::poll(&pfd, 1, std::min(100, dl.remaining_ms()));
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+bool read_all(int fd, void* p, size_t n, core::Deadline dl) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    pollfd pfd{fd, POLLIN, 0};
+    if (dl.passed()) return false;
+    int pr = ::poll(&pfd, 1, std::min(100, dl.remaining_ms()));
+    if (pr <= 0) continue;
+    ssize_t r = ::recv(fd, b, n, 0);
+    if (r > 0) { b += r; n -= static_cast<size_t>(r); continue; }
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    return false;
+  }
+  return true;
+}
+
+void tune_socket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int buf = static_cast<int>(kSockBuf.bytes());
+  if (buf > 0) {
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  }
+}
+
+bool if_matches(const std::string& spec, const std::string& name) {
+  if (spec.empty()) return true;
+  if (spec[0] == '^') return !if_matches(spec.substr(1), name);
+  if (spec[0] == '=') return name == spec.substr(1);
+  return name.rfind(spec, 0) == 0;
+}
+
+std::pair<std::string, uint16_t> split_hostport(const std::string& s) {
+  auto c = s.rfind(':');
+  return {s.substr(0, c), static_cast<uint16_t>(std::stoi(s.substr(c + 1)))};
+}
+
+}  // namespace
+
+std::string choose_local_address(const std::string& route_hint) {
+  std::string spec = kIfname.str();
+  if (spec.empty()) {
+    // Ask the kernel which source address it would use towards the store's
+    // host. connect() on a UDP socket sends nothing.
+    std::string host = route_hint.empty() ? "127.0.0.1" : route_hint;
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_DGRAM;
+    addrinfo* res = nullptr;
+    if (getaddrinfo(host.c_str(), "9", &hints, &res) == 0 && res != nullptr) {
+      int s = ::socket(AF_INET, SOCK_DGRAM, 0);
+      std::string out;
+      if (s >= 0 && ::connect(s, res->ai_addr, res->ai_addrlen) == 0) {
+        sockaddr_in local{};
+        socklen_t len = sizeof(local);
+        if (getsockname(s, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+          char buf[INET_ADDRSTRLEN];
+          inet_ntop(AF_INET, &local.sin_addr, buf, sizeof(buf));
+          out = buf;
+        }
+      }
+      if (s >= 0) close(s);
+      freeaddrinfo(res);
+      if (!out.empty()) return out;
+    }
+    return "127.0.0.1";
+  }
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) != 0) throw IoError(fmt::format("getifaddrs failed: {}", err(errno)));
+  std::string found, seen;
+  for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP)) continue;
+    char buf[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof(buf));
+    seen += fmt::format("{}{} ({})", seen.empty() ? "" : ", ", i->ifa_name, buf);
+    if (found.empty() && if_matches(spec, i->ifa_name)) found = buf;
+  }
+  freeifaddrs(ifs);
+  if (found.empty())
+    throw InvalidArgument(fmt::format("COHORT_SOCKET_IFNAME={} matches no IPv4 interface that is up; interfaces here: {}",
+                                      spec, seen));
+  return found;
+}
+
+TcpTransport::~TcpTransport() {
+  for (auto& [peer, fd] : fds_) close(fd);
+}
+
+std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& store, core::Deadline deadline) {
+  std::unique_ptr<TcpTransport> t(new TcpTransport());
+  t->local_addr_ = choose_local_address(opts.route_hint);
+  const uint64_t group_hash = std::hash<std::string>{}(opts.group_id);
+
+  int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (lfd < 0) throw IoError(fmt::format("socket() failed: {}", err(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  inet_pton(AF_INET, t->local_addr_.c_str(), &addr.sin_addr);
+  addr.sin_port = 0;
+  if (::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(lfd, 1024) != 0) {
+    int e = errno;
+    close(lfd);
+    throw IoError(fmt::format("cannot listen on {}: {}; HINT: set COHORT_SOCKET_IFNAME to an interface of this host",
+                              t->local_addr_, err(e)));
+  }
+  socklen_t alen = sizeof(addr);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &alen);
+  const std::string me = fmt::format("{}:{}", t->local_addr_, ntohs(addr.sin_port));
+  store.set_string(fmt::format("tcp/{}", opts.my_rank), me);
+  COHORT_INFO(kNet, "tcp: listening on {} (group {})", me, opts.group_id);
+
+  std::set<int> to_accept;
+  for (int p : opts.peers) {
+    if (p > opts.my_rank) { to_accept.insert(p); continue; }
+    // Connect to lower ranks; retry while their listener is not up yet.
+    auto [host, port] = split_hostport(store.get_string(fmt::format("tcp/{}", p), Millis(std::max(1, deadline.remaining_ms()))));
+    sockaddr_in pa{};
+    pa.sin_family = AF_INET;
+    pa.sin_port = htons(port);
+    inet_pton(AF_INET, host.c_str(), &pa.sin_addr);
+    int fd = -1;
+    int last_err = 0;
+    while (fd < 0) {
+      fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      tune_socket(fd);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
+      last_err = errno;
+      close(fd);
+      fd = -1;
+      if (deadline.passed()) {
+        close(lfd);
+        throw TimeoutError(fmt::format("rank {} cannot connect to rank {} at {}:{}: {}; HINT: is a firewall blocking the "
+                                       "port? set COHORT_SOCKET_IFNAME to the interface that reaches the other hosts",
+                                       opts.my_rank, p, host, port, err(last_err)));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    Hello h{kHelloMagic, kHelloVersion, group_hash, opts.my_rank, 0};
+    if (!write_all(fd, &h, sizeof(h), deadline)) {
+      close(fd);
+      close(lfd);
+      throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed", opts.my_rank, p, host, port), p);
+    }
+    t->fds_[p] = fd;
+  }
+
+  while (!to_accept.empty()) {
+    pollfd pfd{lfd, POLLIN, 0};
+    if (deadline.passed()) {
+      close(lfd);
+      std::string missing;
+      for (int p : to_accept) missing += fmt::format("{}{}", missing.empty() ? "" : ",", p);
+      throw TimeoutError(fmt::format("rank {} waited for TCP connections from ranks [{}] on {} until the timeout; "
+                                     "HINT: are those ranks running, and can they reach this address?",
+                                     opts.my_rank, missing, me));
+    }
+    if (::poll(&pfd, 1, std::min(100, deadline.remaining_ms())) <= 0) continue;
+    int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    tune_socket(fd);
+    Hello h{};
+    if (!read_all(fd, &h, sizeof(h), core::Deadline::after(std::chrono::seconds(5))) || h.magic != kHelloMagic ||
+        h.version != kHelloVersion || h.group_hash != group_hash || to_accept.count(h.rank) == 0) {
+      COHORT_WARN(kNet, "tcp: refused a connection on {} with a bad hello (magic {:#x}, version {}, rank {})", me, h.magic,
+                  h.version, h.rank);
+      close(fd);
+      continue;
+    }
+    to_accept.erase(h.rank);
+    t->fds_[h.rank] = fd;
+  }
+  close(lfd);
+  for (auto& [p, fd] : t->fds_) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return t;
+}
+
+}  // namespace cohort::transport

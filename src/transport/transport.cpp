@@ -1,0 +1,21 @@
+#include "transport/transport.hpp"
+
+#include <cstring>
+
+#include "core/reduce.hpp"
+
+namespace cohort::transport {
+
+const char* kind_name(Kind k) { return k == Kind::Shm ? "shm" : "tcp"; }
+
+void Sink::deliver(const uint8_t* data, size_t offset, size_t len) const {
+  if (len == 0) return;
+  if (mode == Copy) {
+    std::memcpy(dst + offset, data, len);
+  } else {
+    size_t esize = dtype_size(dtype);
+    core::reduce(dst + offset, other + offset, data, len / esize, dtype, op);
+  }
+}
+
+}  // namespace cohort::transport
