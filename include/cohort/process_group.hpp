@@ -50,6 +50,15 @@ struct AlltoallOptions { Millis timeout{0}; };
 struct BarrierOptions { Millis timeout{0}; };
 struct SendRecvOptions { int tag = 0; Millis timeout{0}; };
 
+// One send or receive of a batch_isend_irecv call.
+struct P2POp {
+  enum Kind { Send, Recv };
+  Kind kind = Send;
+  Buffer buf;
+  int peer = -1;
+  int tag = 0;
+};
+
 class ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;
@@ -85,6 +94,13 @@ class ProcessGroup {
   // the receiver's count must equal the sender's.
   virtual WorkPtr send(Buffer buf, int dst, SendRecvOptions opts = {}) = 0;
   virtual WorkPtr recv(Buffer buf, int src, SendRecvOptions opts = {}) = 0;
+  // Runs every send and receive of the list together, like PyTorch's
+  // batch_isend_irecv: none waits for another, so "everyone sends to the
+  // right and receives from the left" cannot deadlock. A send or recv issued
+  // alone completes only when the peer has taken the data (past the transport's
+  // buffering), so pairs of large plain send/recv must be ordered (even ranks
+  // send first) or batched with this call.
+  virtual WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops, Millis timeout = Millis(0)) = 0;
 
   // A sub-group of the ranks listed (group ranks of this group, any order gives
   // the new group's rank order). Every rank of this group must call it with the

@@ -28,7 +28,8 @@ bool supports(Coll c, Algo a) {
     case Coll::Alltoall: return a == Algo::Direct;
     case Coll::Barrier: return a == Algo::Dissemination;
     case Coll::Send:
-    case Coll::Recv: return a == Algo::Direct;
+    case Coll::Recv:
+    case Coll::P2PBatch: return a == Algo::Direct;
   }
   return false;
 }
@@ -59,6 +60,7 @@ const char* coll_name(Coll c) {
     case Coll::Barrier: return "barrier";
     case Coll::Send: return "send";
     case Coll::Recv: return "recv";
+    case Coll::P2PBatch: return "batch_isend_irecv";
   }
   return "?";
 }
@@ -92,7 +94,8 @@ Algo choose(const TunerInput& in, const Thresholds& t) {
     case Coll::Alltoall: return Algo::Direct;
     case Coll::Barrier: return Algo::Dissemination;
     case Coll::Send:
-    case Coll::Recv: return Algo::Direct;
+    case Coll::Recv:
+    case Coll::P2PBatch: return Algo::Direct;
   }
   return Algo::Direct;
 }

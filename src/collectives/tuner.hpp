@@ -10,7 +10,7 @@
 
 namespace cohort::collectives {
 
-enum class Coll { Allreduce, Broadcast, Reduce, Allgather, ReduceScatter, Gather, Scatter, Alltoall, Barrier, Send, Recv };
+enum class Coll { Allreduce, Broadcast, Reduce, Allgather, ReduceScatter, Gather, Scatter, Alltoall, Barrier, Send, Recv, P2PBatch };
 const char* coll_name(Coll c);
 
 enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination };

@@ -149,4 +149,11 @@ WorkPtr NativeGroup::recv(Buffer buf, int src, SendRecvOptions o) {
   return submit(OpDesc{collectives::Coll::Recv, {}, buf, ReduceOp::Sum, 0, src, o.tag, o.timeout});
 }
 
+WorkPtr NativeGroup::batch_isend_irecv(const std::vector<P2POp>& ops, Millis timeout) {
+  OpDesc d{collectives::Coll::P2PBatch};
+  d.timeout = timeout;
+  d.batch = ops;
+  return submit(std::move(d));
+}
+
 }  // namespace cohort::group

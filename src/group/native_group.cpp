@@ -23,6 +23,23 @@ const core::Knob kPipelineSeg{"COHORT_PIPELINE_BYTES", "256K", "segment size of 
 using collectives::Algo;
 using collectives::Coll;
 
+std::string describe_key(const transport::MsgKey& k) {
+  if (k.kind == 1) return fmt::format("point-to-point message #{} (tag {})", k.seq, k.tag);
+  return describe_call(k.seq, k.tag, k.count);
+}
+
+// Both calls, by name: the heart of desync diagnosis.
+std::string mismatch_message(const transport::MessageMismatch& m) {
+  if (m.got == m.want)
+    return fmt::format("rank {} sent {} bytes for {} where this rank expected {} bytes; HINT: this is a cohort bug or "
+                       "memory corruption",
+                       m.peer(), m.got_bytes, describe_key(m.want), m.want_bytes);
+  return fmt::format("desync: rank {} is in {} while this rank is in {}; HINT: every rank must issue the same "
+                     "collectives in the same order with the same count, dtype, op and root (a rank that skipped or added "
+                     "a call, or a count that depends on the rank?)",
+                     m.peer(), describe_key(m.got), describe_key(m.want));
+}
+
 }  // namespace
 
 NativeGroup::NativeGroup(GroupSetup setup)
@@ -129,21 +146,15 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   auto* sp = static_cast<const uint8_t*>(d.send.data);
   auto* rp = static_cast<uint8_t*>(d.recv.data);
   const DType t = d.coll == Coll::Recv || d.coll == Coll::Broadcast ? d.recv.dtype : d.send.dtype;
-  const size_t es = dtype_size(t);
   const ReduceOp op = d.op == ReduceOp::Avg ? ReduceOp::Sum : d.op;
   const int n = setup_.size;
 
-  if (d.coll == Coll::Send || d.coll == Coll::Recv) {
-    const bool is_send = d.coll == Coll::Send;
-    uint64_t& counter = is_send ? p2p_sent_[d.peer] : p2p_recvd_[d.peer];
-    comm.begin(transport::MsgKey{counter++, static_cast<uint32_t>(d.tag), 1}, deadline);
-    COHORT_TRACE(kColl, "{} direct", d.describe());
-    if (is_send) comm.send(d.peer, sp, d.send.bytes());
-    else comm.recv(d.peer, rp, d.recv.bytes());
+  if (d.coll == Coll::Send || d.coll == Coll::Recv || d.coll == Coll::P2PBatch) {
+    run_p2p(d, deadline);
     return;
   }
 
-  comm.begin(transport::MsgKey{d.seq, 0, 0}, deadline);
+  comm.begin(transport::MsgKey{d.seq, d.fingerprint(), 0, d.call_count()}, deadline);
   size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
                            ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
                            : d.bytes();
@@ -187,9 +198,32 @@ void NativeGroup::run_algorithm(OpDesc& d) {
     }
     case Coll::Barrier: c::barrier_dissemination(comm); return;
     case Coll::Send:
-    case Coll::Recv: return;  // handled above
+    case Coll::Recv:
+    case Coll::P2PBatch: return;  // run_p2p
   }
-  (void)es;
+}
+
+// Point-to-point messages are numbered per (peer, direction), not by the
+// group's sequence, since the two ends issue different numbers of them.
+void NativeGroup::run_p2p(OpDesc& d, core::Deadline deadline) {
+  std::vector<transport::SendOp> sends;
+  std::vector<transport::RecvOp> recvs;
+  auto add = [&](P2POp::Kind kind, Buffer b, int peer, int tag) {
+    const size_t bytes = b.count * dtype_size(b.dtype);
+    if (kind == P2POp::Send) {
+      transport::MsgKey key{p2p_sent_[peer]++, static_cast<uint32_t>(tag), 1, 0};
+      sends.push_back({conns_[peer].get(), static_cast<const uint8_t*>(b.data), bytes, key});
+    } else {
+      transport::MsgKey key{p2p_recvd_[peer]++, static_cast<uint32_t>(tag), 1, 0};
+      recvs.push_back({conns_[peer].get(), bytes, key, transport::Sink::copy_to(b.data)});
+    }
+  };
+  if (d.coll == Coll::Send) add(P2POp::Send, d.send, d.peer, d.tag);
+  else if (d.coll == Coll::Recv) add(P2POp::Recv, d.recv, d.peer, d.tag);
+  else
+    for (const auto& o : d.batch) add(o.kind, o.buf, o.peer, o.tag);
+  COHORT_TRACE(kColl, "{} direct", d.describe());
+  engine_->run(sends, recvs, deadline);
 }
 
 void NativeGroup::fail(const OpDesc& d, std::exception_ptr cause) {
@@ -199,6 +233,9 @@ void NativeGroup::fail(const OpDesc& d, std::exception_ptr cause) {
   std::string reason;
   try {
     std::rethrow_exception(cause);
+  } catch (const transport::MessageMismatch& m) {
+    reason = mismatch_message(m);
+    wrapped = std::make_exception_ptr(PeerError(fmt::format("{}: {}", ctx, reason), m.peer()));
   } catch (const PeerError& e) {
     reason = e.what();
     wrapped = std::make_exception_ptr(PeerError(fmt::format("{}: {}", ctx, e.what()), e.peer()));

@@ -62,6 +62,7 @@ class NativeGroup final : public ProcessGroup, public std::enable_shared_from_th
   WorkPtr barrier(BarrierOptions opts) override;
   WorkPtr send(Buffer buf, int dst, SendRecvOptions opts) override;
   WorkPtr recv(Buffer buf, int src, SendRecvOptions opts) override;
+  WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops, Millis timeout) override;
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) override;
   void shutdown() override;
 
@@ -74,6 +75,7 @@ class NativeGroup final : public ProcessGroup, public std::enable_shared_from_th
   WorkPtr submit(OpDesc d);
   void execute(OpDesc& d);       // on the progress thread or inline
   void run_algorithm(OpDesc& d);
+  void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();
   [[noreturn]] void fail(const OpDesc& d, std::exception_ptr cause);
 

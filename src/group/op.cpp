@@ -7,6 +7,11 @@ namespace cohort::group {
 using collectives::Coll;
 
 size_t OpDesc::bytes() const {
+  if (coll == Coll::P2PBatch) {
+    size_t total = 0;
+    for (const auto& o : batch) total += o.buf.count * dtype_size(o.buf.dtype);
+    return total;
+  }
   size_t s = send.count * dtype_size(send.dtype), r = recv.count * dtype_size(recv.dtype);
   return s > r ? s : r;
 }
@@ -26,8 +31,41 @@ std::string OpDesc::describe() const {
     default: break;
   }
   if (coll == Coll::Barrier) return fmt::format("barrier #{}", seq);
+  if (coll == Coll::P2PBatch) return fmt::format("batch_isend_irecv #{} ({} ops, {} bytes)", seq, batch.size(), bytes());
   return fmt::format("{} #{} ({} x {}{})", collectives::coll_name(coll), seq, dtype_is_valid(b.dtype) ? dtype_name(b.dtype) : "?",
                      b.count, extra);
+}
+
+uint64_t OpDesc::call_count() const {
+  switch (coll) {
+    case Coll::Broadcast:
+    case Coll::ReduceScatter:
+    case Coll::Scatter:
+    case Coll::Recv: return recv.count;
+    case Coll::Barrier:
+    case Coll::P2PBatch: return 0;
+    default: return send.count;
+  }
+}
+
+uint32_t OpDesc::fingerprint() const {
+  const Buffer& b = (coll == Coll::Recv || coll == Coll::Broadcast || coll == Coll::ReduceScatter) ? recv : send;
+  const bool reduces = coll == Coll::Allreduce || coll == Coll::Reduce || coll == Coll::ReduceScatter;
+  const bool rooted = coll == Coll::Broadcast || coll == Coll::Reduce || coll == Coll::Gather || coll == Coll::Scatter;
+  uint32_t dt = coll == Coll::Barrier ? 0 : static_cast<uint32_t>(b.dtype);
+  uint32_t o = reduces ? static_cast<uint32_t>(op) : 0;
+  uint32_t r = rooted ? static_cast<uint32_t>(root) & 0xfffffu : 0;
+  return static_cast<uint32_t>(coll) | (dt << 5) | (o << 9) | (r << 12);
+}
+
+std::string describe_call(uint64_t seq, uint32_t fp, uint64_t count) {
+  OpDesc d{static_cast<Coll>(fp & 0x1f)};
+  d.seq = seq;
+  d.op = static_cast<ReduceOp>((fp >> 9) & 0x7);
+  d.root = static_cast<int>((fp >> 12) & 0xfffff);
+  Buffer b{nullptr, count, static_cast<DType>((fp >> 5) & 0xf)};
+  d.send = d.recv = b;
+  return d.describe();
 }
 
 namespace {
@@ -60,8 +98,8 @@ void validate(const OpDesc& d, int rank, int size) {
   using C = Coll;
   if (!reduce_op_is_valid(d.op))
     bad(d, fmt::format("unknown reduce op (value {}); use sum, prod, min, max or avg", static_cast<int>(d.op)));
-  const bool uses_send = d.coll != C::Recv && d.coll != C::Broadcast && d.coll != C::Barrier;
-  const bool uses_recv = d.coll != C::Send && d.coll != C::Barrier;
+  const bool uses_send = d.coll != C::Recv && d.coll != C::Broadcast && d.coll != C::Barrier && d.coll != C::P2PBatch;
+  const bool uses_recv = d.coll != C::Send && d.coll != C::Barrier && d.coll != C::P2PBatch;
   if (uses_send) check_buffer(d, d.send, "send");
   if (uses_recv) check_buffer(d, d.recv, "recv");
   if (uses_send && uses_recv && d.send.dtype != d.recv.dtype) {
@@ -122,6 +160,16 @@ void validate(const OpDesc& d, int rank, int size) {
       if (d.tag < 0) bad(d, fmt::format("tag {} is negative; tags must be >= 0", d.tag));
       break;
     case C::Barrier: break;
+    case C::P2PBatch:
+      if (d.batch.empty()) bad(d, "the list of operations is empty");
+      for (const auto& o : d.batch) {
+        OpDesc one{o.kind == P2POp::Send ? C::Send : C::Recv};
+        (o.kind == P2POp::Send ? one.send : one.recv) = o.buf;
+        one.peer = o.peer;
+        one.tag = o.tag;
+        validate(one, rank, size);
+      }
+      break;
   }
 }
 

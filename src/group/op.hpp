@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "cohort/process_group.hpp"
 #include "collectives/tuner.hpp"
@@ -20,12 +21,22 @@ struct OpDesc {
   int tag = 0;
   Millis timeout{0};
   uint64_t seq = 0;  // set when queued
+  std::vector<P2POp> batch;  // P2PBatch only
 
   // Bytes this rank moves, for the inline-path threshold and messages.
   size_t bytes() const;
   // "allreduce #12 (f32 x 1024, sum)"
   std::string describe() const;
+
+  // What identifies the call on every rank: its element count (in nccl-tests'
+  // sense per collective) and a fingerprint of collective, dtype, op and root.
+  // Both travel in every message (MsgKey count and tag).
+  uint64_t call_count() const;
+  uint32_t fingerprint() const;
 };
+
+// "broadcast #3 (f32 x 64, root 1)" from what a message carried.
+std::string describe_call(uint64_t seq, uint32_t fingerprint, uint64_t count);
 
 // Throws InvalidArgument naming the call, what was wrong and how to fix it.
 void validate(const OpDesc& d, int rank, int size);

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cohort/error.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort::transport {
@@ -23,13 +24,27 @@ namespace cohort::transport {
 enum class Kind : uint8_t { Shm = 0, Tcp = 1 };
 const char* kind_name(Kind k);
 
-// Identifies a message. Collectives use kind 0 and the group's sequence number;
-// point-to-point messages use kind 1, a per-pair counter and the user's tag.
+// Identifies a message. Collectives use kind 0, the group's sequence number,
+// a fingerprint of the call (collective, dtype, op, root) as tag and the
+// call's element count, so that a receiver notices ranks that issued
+// different calls. Point-to-point messages use kind 1, a per-pair counter and
+// the user's tag.
 struct MsgKey {
   uint64_t seq = 0;
   uint32_t tag = 0;
   uint32_t kind = 0;
+  uint64_t count = 0;
   bool operator==(const MsgKey&) const = default;
+};
+
+// The message that arrived is not the one this rank expected. The group
+// layer turns both keys into a message naming both calls.
+class MessageMismatch : public PeerError {
+ public:
+  MessageMismatch(const std::string& what, int peer, MsgKey got, uint64_t got_bytes, MsgKey want, uint64_t want_bytes)
+      : PeerError(what, peer), got(got), want(want), got_bytes(got_bytes), want_bytes(want_bytes) {}
+  MsgKey got, want;
+  uint64_t got_bytes, want_bytes;
 };
 
 // What a receiver does with the bytes of a message as they arrive.

@@ -50,6 +50,7 @@ class ShmConnection final : public Connection {
       slot->seq = op.key.seq;
       slot->tag = op.key.tag;
       slot->kind = op.key.kind;
+      slot->count = op.key.count;
       slot->msg_bytes = op.bytes;
       slot->offset = op.done;
       slot->len = static_cast<uint32_t>(len);
@@ -71,7 +72,7 @@ class ShmConnection final : public Connection {
       auto* slot = slot_at(in_, recvd_);
       if (slot->ready.load(std::memory_order_acquire) != recvd_ + 1) break;
       if (slot->seq != op.key.seq || slot->tag != op.key.tag || slot->kind != op.key.kind ||
-          slot->msg_bytes != op.bytes || slot->offset != op.done || slot->len > op.bytes - op.done)
+          slot->count != op.key.count || slot->msg_bytes != op.bytes || slot->offset != op.done || slot->len > op.bytes - op.done)
         throw_mismatch(op, *slot);
       const uint8_t* data = slot->len <= kInlineBytes ? slot->inline_data : payload(slot);
       op.sink.deliver(data, op.done, slot->len);
@@ -137,14 +138,13 @@ class ShmConnection final : public Connection {
   }
 
   [[noreturn]] void throw_mismatch(const RecvOp& op, const SlotHdr& s) const {
-    const char* k = s.kind == 0 ? "collective" : "point-to-point";
-    const char* ek = op.key.kind == 0 ? "collective" : "point-to-point";
-    throw PeerError(
-        fmt::format("{} sent a {} message #{} (tag {}) of {} bytes at offset {}, but this rank expected a {} message #{} "
-                    "(tag {}) of {} bytes at offset {}; HINT: the ranks called different collectives or passed different "
-                    "counts (every rank must issue the same collectives in the same order with matching sizes)",
-                    describe(), k, s.seq, s.tag, s.msg_bytes, s.offset, ek, op.key.seq, op.key.tag, op.bytes, op.done),
-        peer_);
+    MsgKey got{s.seq, s.tag, s.kind, s.count};
+    throw MessageMismatch(
+        fmt::format("{} sent message #{} (tag {:#x}, count {}) of {} bytes at offset {}, but this rank expected #{} "
+                    "(tag {:#x}, count {}) of {} bytes at offset {}",
+                    describe(), s.seq, s.tag, s.count, s.msg_bytes, s.offset, op.key.seq, op.key.tag, op.key.count, op.bytes,
+                    op.done),
+        peer_, got, s.msg_bytes, op.key, op.bytes);
   }
 
   ShmTransport::Impl* t_;

@@ -14,7 +14,7 @@ namespace cohort::transport::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553544f4843ull;  // "COHTSEG1"
 inline constexpr uint32_t kVersion = 1;
-inline constexpr size_t kInlineBytes = 16;
+inline constexpr size_t kInlineBytes = 8;
 
 struct alignas(64) SegHeader {
   uint64_t magic;
@@ -45,6 +45,7 @@ struct alignas(64) SlotHdr {
   uint32_t tag;
   uint32_t kind;
   uint32_t pad;
+  uint64_t count;
   uint8_t inline_data[kInlineBytes];
 };
 static_assert(sizeof(SlotHdr) == 64);

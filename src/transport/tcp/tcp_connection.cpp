@@ -30,8 +30,9 @@ struct WireHeader {
   uint32_t tag;
   uint32_t pad;
   uint64_t bytes;
+  uint64_t count;
 };
-static_assert(sizeof(WireHeader) == 32);
+static_assert(sizeof(WireHeader) == 40);
 
 class TcpConnection final : public Connection {
  public:
@@ -43,7 +44,7 @@ class TcpConnection final : public Connection {
 
   bool progress_send(SendOp& op) override {
     // op.state[0]: header bytes sent so far.
-    WireHeader h{kMsgMagic, op.key.kind, op.key.seq, op.key.tag, 0, op.bytes};
+    WireHeader h{kMsgMagic, op.key.kind, op.key.seq, op.key.tag, 0, op.bytes, op.key.count};
     bool moved = false;
     while (!op.complete) {
       iovec iov[2];
@@ -140,16 +141,13 @@ class TcpConnection final : public Connection {
       throw PeerError(fmt::format("{} sent a malformed message header (magic {:#x}); the stream is out of sync",
                                   describe(), hdr_.magic),
                       peer_);
-    if (hdr_.kind != op.key.kind || hdr_.seq != op.key.seq || hdr_.tag != op.key.tag || hdr_.bytes != op.bytes) {
-      const char* k = hdr_.kind == 0 ? "collective" : "point-to-point";
-      const char* ek = op.key.kind == 0 ? "collective" : "point-to-point";
-      throw PeerError(
-          fmt::format("{} sent a {} message #{} (tag {}) of {} bytes, but this rank expected a {} message #{} (tag {}) of "
-                      "{} bytes; HINT: the ranks called different collectives or passed different counts (every rank "
-                      "must issue the same collectives in the same order with matching sizes)",
-                      describe(), k, hdr_.seq, hdr_.tag, hdr_.bytes, ek, op.key.seq, op.key.tag, op.bytes),
-          peer_);
-    }
+    MsgKey got{hdr_.seq, hdr_.tag, hdr_.kind, hdr_.count};
+    if (!(got == op.key) || hdr_.bytes != op.bytes)
+      throw MessageMismatch(fmt::format("{} sent message #{} (tag {:#x}, count {}) of {} bytes, but this rank expected #{} "
+                                        "(tag {:#x}, count {}) of {} bytes",
+                                        describe(), hdr_.seq, hdr_.tag, hdr_.count, hdr_.bytes, op.key.seq, op.key.tag,
+                                        op.key.count, op.bytes),
+                            peer_, got, hdr_.bytes, op.key, op.bytes);
   }
 
   [[noreturn]] void throw_closed(const char* doing, int e) {

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Runs cohort's benchmark and the peers' (Open MPI, PyTorch gloo) on the same
+sizes, interleaved, REPS times, and prints busbw / latency side by side with
+ratios (median over reps). Invoked by bench/compare_peers.sh; see
+docs/performance.md for the latest table and the commands.
+
+Rows of every program have the nccl-tests shape:
+  size count type redop [root] time algbw busbw #wrong [in-place columns]
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def parse_rows(text, has_root):
+    """size -> (time_us, busbw, wrong) from nccl-tests style rows (out-of-place columns)."""
+    out = {}
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        f = line.split()
+        if not f[0].isdigit():
+            continue
+        base = 5 if has_root else 4
+        try:
+            out[int(f[0])] = (float(f[base]), float(f[base + 2]), f[base + 3])
+        except (ValueError, IndexError):
+            pass
+    return out
+
+
+def run(cmd, env_extra=None, timeout=600):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if p.returncode != 0:
+        sys.stderr.write(f"command failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-3000:]}\n")
+    return p.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cohort", required=True, help="path of the cohort binary")
+    ap.add_argument("--coll", default="allreduce")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--no-gloo", action="store_true")
+    args = ap.parse_args()
+
+    sizes = ",".join(str(s) for s in SIZES)
+    mpi_coll = {"broadcast": "bcast"}.get(args.coll, args.coll)
+    top = max(SIZES)
+    configs = {
+        "cohort shm": lambda: parse_rows(run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
+                                              "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"]), True),
+        "mpi shm": lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
+                                           os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll, "-b", "8",
+                                           "-e", str(top), "-f", "4"]), False),
+        "cohort tcp": lambda: parse_rows(run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
+                                              "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"],
+                                             {"COHORT_TRANSPORT": "tcp"}), True),
+        "mpi tcp": lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np), "--mca", "btl",
+                                           "tcp,self", os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll, "-b", "8",
+                                           "-e", str(top), "-f", "4"]), False),
+    }
+    if not args.no_gloo:
+        configs["gloo tcp"] = lambda: parse_rows(run(["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee",
+                                                      "9:0", "--nnodes", "1", "--nproc_per_node", str(args.np), "--master_addr",
+                                                      "127.0.0.1", "--master_port", "29511",
+                                                      os.path.join(HERE, "peers/gloo_allreduce.py"), "-c", args.coll, "-b", "8",
+                                                      "-e", str(top), "-f", "4"], {"GLOO_SOCKET_IFNAME": "lo"}), False)
+
+    results = {k: [] for k in configs}
+    for rep in range(args.reps):
+        for name, fn in configs.items():  # interleaved: the host's vCPU placement drifts over minutes
+            print(f"# rep {rep + 1}/{args.reps}: {name}", file=sys.stderr, flush=True)
+            results[name].append(fn())
+
+    def med(name, size, idx):
+        vals = [r[size][idx] for r in results[name] if size in r]
+        return statistics.median(vals) if vals else None
+
+    def fmt(v, unit):
+        if v is None:
+            return "-"
+        return f"{v:.2f} us" if unit == "us" else f"{v:.2f}"
+
+    print(f"## {args.coll}, {args.np} ranks, float32 sum, median of {args.reps} interleaved runs\n")
+    names = list(configs)
+    print("| size | " + " | ".join(names) + " | cohort shm / mpi shm | cohort tcp / mpi tcp" +
+          ("" if args.no_gloo else " | cohort tcp / gloo | cohort shm / gloo") + " |")
+    print("|---" * (len(names) + (2 if args.no_gloo else 4) + 1) + "|")
+    for s in SIZES:
+        small = s <= 1024
+        idx = 0 if small else 1  # time for latency-bound sizes, busbw otherwise
+        vals = {n: med(n, s, idx) for n in names}
+
+        def ratio(a, b):
+            if vals.get(a) is None or vals.get(b) is None or vals[b] == 0:
+                return "-"
+            # Report "x better": for times lower is better.
+            r = vals[b] / vals[a] if small else vals[a] / vals[b]
+            return f"{r:.2f}x"
+        label = f"{s} B" if s < 1024 else (f"{s >> 10} KiB" if s < (1 << 20) else f"{s >> 20} MiB")
+        unit = "us" if small else "GB/s"
+        cells = [fmt(vals[n], unit) for n in names]
+        extra = [ratio("cohort shm", "mpi shm"), ratio("cohort tcp", "mpi tcp")]
+        if not args.no_gloo:
+            extra += [ratio("cohort tcp", "gloo tcp"), ratio("cohort shm", "gloo tcp")]
+        print(f"| {label} ({unit}) | " + " | ".join(cells + extra) + " |")
+    wrong = {n: sorted({r[s][2] for r in results[n] for s in r}) for n in names}
+    print(f"\n#wrong seen: {wrong}")
+    print("Ratios are 'times better than the peer': time_peer / time_ours for 8 B and 1 KiB, busbw_ours / busbw_peer above.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+// Pure functions: reduction kernels, half conversions, env parsing, the tuner.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cohort/cohort.hpp"
+#include "collectives/tuner.hpp"
+#include "core/env.hpp"
+#include "core/reduce.hpp"
+
+namespace cohort {
+namespace {
+
+TEST(Half, RoundTripsEveryFiniteHalf) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if ((h & 0x7c00) == 0x7c00) continue;  // inf / nan
+    float f = core::half_to_float(static_cast<uint16_t>(h));
+    EXPECT_EQ(core::float_to_half(f), h) << "half bits " << h;
+  }
+}
+
+TEST(Half, RoundsToNearestEven) {
+  EXPECT_EQ(core::half_to_float(core::float_to_half(1.0f + 1.0f / 2048)), 1.0f);          // tie -> even (down)
+  EXPECT_EQ(core::half_to_float(core::float_to_half(1.0f + 3.0f / 2048)), 1.0f + 4.0f / 2048);  // tie -> even (up)
+  EXPECT_EQ(core::half_to_float(core::float_to_half(70000.0f)), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(core::half_to_float(core::float_to_half(65504.0f)), 65504.0f);
+  EXPECT_EQ(core::half_to_float(core::float_to_half(std::ldexp(1.0f, -24))), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_TRUE(std::isnan(core::half_to_float(core::float_to_half(NAN))));
+}
+
+TEST(Bf16, RoundTripAndRounding) {
+  for (uint32_t b = 0; b < 0x10000; b += 7) {
+    if ((b & 0x7f80) == 0x7f80) continue;
+    EXPECT_EQ(core::float_to_bf16(core::bf16_to_float(static_cast<uint16_t>(b))), b);
+  }
+  EXPECT_EQ(core::bf16_to_float(core::float_to_bf16(257.0f)), 256.0f);  // tie -> even
+  EXPECT_EQ(core::bf16_to_float(core::float_to_bf16(259.0f)), 260.0f);
+}
+
+TEST(Reduce, EveryOpOnFloatsAndInts) {
+  float a[5] = {1, -2, 3, 4, 5}, b[5] = {2, 2, -1, 4, 0.5f}, d[5];
+  core::reduce(d, a, b, 5, DType::F32, ReduceOp::Sum);
+  EXPECT_EQ(d[1], 0.0f);
+  core::reduce(d, a, b, 5, DType::F32, ReduceOp::Prod);
+  EXPECT_EQ(d[4], 2.5f);
+  core::reduce(d, a, b, 5, DType::F32, ReduceOp::Min);
+  EXPECT_EQ(d[2], -1.0f);
+  core::reduce(d, a, b, 5, DType::F32, ReduceOp::Max);
+  EXPECT_EQ(d[0], 2.0f);
+  int8_t x[2] = {100, -100}, y[2] = {100, -100}, z[2];
+  core::reduce(z, x, y, 2, DType::I8, ReduceOp::Sum);  // wraps, like NCCL and MPI
+  EXPECT_EQ(z[0], static_cast<int8_t>(200));
+  int64_t avg[3] = {7, 8, -9};
+  core::scale_avg(avg, 3, DType::I64, 2);
+  EXPECT_EQ(avg[0], 3);
+  EXPECT_EQ(avg[2], -4);
+  // In place (dst aliases a) is allowed.
+  core::reduce(a, a, b, 5, DType::F32, ReduceOp::Sum);
+  EXPECT_EQ(a[0], 3.0f);
+}
+
+TEST(Reduce, HalfTypesReduceInFloat) {
+  uint16_t a = core::float_to_half(1.5f), b = core::float_to_half(2.25f), d;
+  core::reduce(&d, &a, &b, 1, DType::F16, ReduceOp::Sum);
+  EXPECT_EQ(core::half_to_float(d), 3.75f);
+  uint16_t p = core::float_to_bf16(3.0f), q = core::float_to_bf16(-2.0f), r;
+  core::reduce(&r, &p, &q, 1, DType::BF16, ReduceOp::Prod);
+  EXPECT_EQ(core::bf16_to_float(r), -6.0f);
+}
+
+TEST(Env, ParsesSizesAndDurations) {
+  EXPECT_EQ(core::parse_bytes("4096"), 4096u);
+  EXPECT_EQ(core::parse_bytes("64K"), 65536u);
+  EXPECT_EQ(core::parse_bytes("1MiB"), 1u << 20);
+  EXPECT_EQ(core::parse_bytes("2g"), 2ull << 30);
+  EXPECT_FALSE(core::parse_bytes("lots"));
+  EXPECT_FALSE(core::parse_bytes("-3"));
+  EXPECT_DOUBLE_EQ(*core::parse_seconds("500ms"), 0.5);
+  EXPECT_DOUBLE_EQ(*core::parse_seconds("5m"), 300.0);
+  EXPECT_FALSE(core::parse_seconds("soon"));
+}
+
+TEST(Env, BadKnobValueNamesTheKnob) {
+  static const core::Knob k{"COHORT_TEST_ONLY_KNOB", "1", "a knob that only this test reads", core::KnobKind::Int};
+  setenv("COHORT_TEST_ONLY_KNOB", "many", 1);
+  try {
+    (void)k.integer();
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("COHORT_TEST_ONLY_KNOB=many"), std::string::npos) << e.what();
+  }
+  unsetenv("COHORT_TEST_ONLY_KNOB");
+}
+
+TEST(Env, EveryKnobIsDocumentedAndNamedCohort) {
+  auto knobs = core::all_knobs();
+  EXPECT_GT(knobs.size(), 8u);
+  for (const auto* k : knobs) {
+    EXPECT_EQ(std::string(k->name()).rfind("COHORT_", 0), 0u) << k->name();
+    EXPECT_GT(std::strlen(k->help()), 10u) << k->name();
+  }
+}
+
+TEST(Tuner, SmallAllreduceIsLatencyOptimalLargeIsRing) {
+  using namespace collectives;
+  EXPECT_EQ(choose({Coll::Allreduce, 8, 2, true}), Algo::RecursiveDoubling);
+  EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 2, true}), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 8, false}), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Broadcast, 64 << 20, 8, true}), Algo::Pipeline);
+  EXPECT_EQ(choose({Coll::Broadcast, 8, 8, true}), Algo::Binomial);
+}
+
+TEST(Tuner, EnvOverride) {
+  using namespace collectives;
+  EXPECT_EQ(override_from_env(Coll::Allreduce, "ring"), Algo::Ring);
+  EXPECT_EQ(override_from_env(Coll::Broadcast, "ring"), std::nullopt);  // bare names apply where they can
+  EXPECT_EQ(override_from_env(Coll::Broadcast, "allreduce=ring,broadcast=pipeline"), Algo::Pipeline);
+  EXPECT_EQ(override_from_env(Coll::Allreduce, ""), std::nullopt);
+  EXPECT_THROW(override_from_env(Coll::Allreduce, "fastest"), InvalidArgument);
+  EXPECT_THROW(override_from_env(Coll::Broadcast, "broadcast=ring"), InvalidArgument);
+}
+
+TEST(Dtype, NamesAndParsing) {
+  EXPECT_EQ(parse_dtype("float"), DType::F32);
+  EXPECT_EQ(parse_dtype("BF16"), DType::BF16);
+  EXPECT_EQ(parse_dtype("complex"), std::nullopt);
+  EXPECT_EQ(parse_reduce_op("mean"), ReduceOp::Avg);
+  EXPECT_EQ(dtype_size(DType::I64), 8u);
+  EXPECT_THROW(dtype_size(static_cast<DType>(42)), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace cohort

@@ -1,0 +1,176 @@
+// `cohort bench COLL`: an nccl-tests style benchmark of one collective, run
+// under `cohort run` (every rank runs it). Flags and columns follow
+// nccl-tests: size count type redop root time algbw busbw #wrong, out-of-place
+// then in-place; busbw factors from nccl-tests' PERFORMANCE.md.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "bench_colls.hpp"
+#include "commands.hpp"
+#include "core/env.hpp"
+
+namespace cohort::tools {
+namespace {
+
+struct BenchFlags {
+  std::string coll;
+  std::string min_bytes = "8", max_bytes = "64M", sizes;
+  double factor = 2;
+  int iters = 20, warmup = 5, check = 1, root = 0;
+  std::string dtype = "float", op = "sum";
+};
+
+std::vector<size_t> size_list(const BenchFlags& f) {
+  std::vector<size_t> out;
+  if (!f.sizes.empty()) {
+    std::stringstream ss(f.sizes);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      auto b = core::parse_bytes(item);
+      if (!b) throw InvalidArgument(fmt::format("--sizes: '{}' is not a byte size (use e.g. 8,1K,1M,64M)", item));
+      out.push_back(*b);
+    }
+    return out;
+  }
+  auto lo = core::parse_bytes(f.min_bytes), hi = core::parse_bytes(f.max_bytes);
+  if (!lo || !hi || *lo > *hi)
+    throw InvalidArgument(fmt::format("-b {} -e {}: need two byte sizes with -b <= -e (e.g. -b 8 -e 64M)", f.min_bytes, f.max_bytes));
+  if (f.factor <= 1) throw InvalidArgument(fmt::format("-f {}: the step factor must be > 1", f.factor));
+  for (double s = double(*lo); s <= double(*hi) * 1.0000001; s *= f.factor) out.push_back(size_t(s));
+  return out;
+}
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Rank 0 prints; the others stay quiet (their numbers are folded into rank 0's).
+void say(ProcessGroup& pg, const std::string& s) {
+  if (pg.rank() == 0) {
+    std::fputs(s.c_str(), stdout);
+    std::fflush(stdout);
+  }
+}
+
+void print_header(ProcessGroup& pg, const BenchFlags& f, const std::vector<size_t>& sizes) {
+  char host[64] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string me = fmt::format("#  Rank {:3d} Pid {:7d} on {:>16}", pg.rank(), getpid(), host);
+  std::vector<char> line(96, 0), all(96 * pg.size(), 0);
+  std::memcpy(line.data(), me.data(), std::min(me.size(), line.size() - 1));
+  pg.allgather(Buffer{line.data(), line.size(), DType::U8}, Buffer{all.data(), all.size(), DType::U8})->wait();
+  say(pg, fmt::format("# cohort bench {}: nranks {} minBytes {} maxBytes {} warmup iters: {} iters: {} validation: {}\n#\n",
+                      f.coll, pg.size(), sizes.front(), sizes.back(), f.warmup, f.iters == 0 ? std::string("auto") : std::to_string(f.iters),
+                      f.check));
+  for (int r = 0; r < pg.size(); ++r) say(pg, std::string(all.data() + r * 96) + "\n");
+  say(pg, "#\n");
+  say(pg, fmt::format("#{:>79}{:>36}\n", "out-of-place", "in-place"));
+  say(pg, fmt::format("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}\n", "size", "count",
+                      "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"));
+  say(pg, fmt::format("#{:>11}  {:>12}  {:>8}  {:>6}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}  {:>9}  {:>7}  {:>7}  {:>6}\n", "(B)",
+                      "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""));
+}
+
+int run_bench(const BenchFlags& f) {
+  const BenchColl* coll = find_bench_coll(f.coll);
+  if (coll == nullptr) {
+    std::string names;
+    for (auto& n : bench_coll_names()) names += " " + n;
+    throw InvalidArgument(fmt::format("unknown collective '{}'; choose one of:{}", f.coll, names));
+  }
+  auto dt = parse_dtype(f.dtype);
+  if (!dt) throw InvalidArgument(fmt::format("-d {}: unknown dtype; use float, double, half, bf16, int8, uint8, int32, int64", f.dtype));
+  auto op = parse_reduce_op(f.op);
+  if (!op) throw InvalidArgument(fmt::format("-o {}: unknown op; use sum, prod, min, max or avg", f.op));
+  auto sizes = size_list(f);
+
+  auto pg = init_process_group();
+  const int n = pg->size();
+  if (f.root < 0 || f.root >= n) throw InvalidArgument(fmt::format("-r {}: root out of range 0..{}", f.root, n - 1));
+  const size_t es = dtype_size(*dt);
+  size_t max_send = 0, max_recv = 0;
+  for (size_t s : sizes) {
+    size_t sc, rc;
+    coll->counts(s / es, n, sc, rc);
+    max_send = std::max(max_send, sc);
+    max_recv = std::max(max_recv, rc);
+  }
+  std::vector<uint8_t> sendbuf(max_send * es + 64), recvbuf(max_recv * es + 64);
+  print_header(*pg, f, sizes);
+
+  double bw_sum = 0;
+  int bw_rows = 0;
+  int64_t total_wrong = 0;
+  for (size_t size : sizes) {
+    size_t sc, rc;
+    coll->counts(size / es, n, sc, rc);
+    size_t count = std::max(sc, rc);
+    size_t bytes = count * es;
+    if (std::string(coll->name) == "allgather" || std::string(coll->name) == "reduce_scatter" ||
+        std::string(coll->name) == "gather" || std::string(coll->name) == "scatter")
+      bytes = std::max(sc, rc) * es;
+    std::string row = fmt::format("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}", bytes, count, dtype_name(*dt),
+                                  coll->reduces ? std::string(reduce_op_name(*op)) : "none", coll->rooted ? f.root : -1);
+    const int iters = f.iters > 0 ? f.iters : int(std::clamp<size_t>((size_t(2) << 30) / std::max<size_t>(bytes, 1), 5, 1000));
+    for (int in_place = 0; in_place < 2; ++in_place) {
+      BenchCase c{coll, *dt, *op, f.root, in_place == 1};
+      Buffer send{sendbuf.data(), sc, *dt}, recv{recvbuf.data(), rc, *dt};
+      fill_inputs(*pg, c, send, recv);
+      for (int i = 0; i < f.warmup; ++i) run_once(*pg, c, send, recv)->wait();
+      pg->barrier()->wait();
+      double t0 = now_us();
+      for (int i = 0; i < iters; ++i) run_once(*pg, c, send, recv)->wait();
+      double us = (now_us() - t0) / iters;
+      double sum_us = us;
+      pg->allreduce(Buffer{&sum_us, 1, DType::F64})->wait();
+      us = sum_us / n;
+      int64_t wrong = 0;
+      if (f.check) {
+        fill_inputs(*pg, c, send, recv);
+        run_once(*pg, c, send, recv)->wait();
+        wrong = count_wrong(*pg, c, send, recv);
+        pg->allreduce(Buffer{&wrong, 1, DType::I64})->wait();
+        total_wrong += wrong;
+      }
+      double algbw = bytes / us / 1e3;  // GB/s with 1 GB = 1e9 B
+      double busbw = algbw * coll->factor(n);
+      bw_sum += busbw;
+      ++bw_rows;
+      row += fmt::format("  {:>9.2f}  {:>7.2f}  {:>7.2f}  {:>6}", us, algbw, busbw, f.check ? std::to_string(wrong) : "N/A");
+    }
+    say(*pg, row + "\n");
+  }
+  say(*pg, fmt::format("# Out of bounds values : {} {}\n", total_wrong, total_wrong == 0 ? "OK" : "FAILED"));
+  say(*pg, fmt::format("# Avg bus bandwidth    : {:.4f}\n#\n", bw_rows ? bw_sum / bw_rows : 0.0));
+  pg->shutdown();
+  return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, int& exit_code) {
+  static BenchFlags f;
+  auto* cmd = app.add_subcommand("bench", "nccl-tests style benchmark of one collective; run it under `cohort run`");
+  cmd->add_option("collective", f.coll, "allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall, gather, scatter, sendrecv")
+      ->required();
+  cmd->add_option("-b,--minbytes", f.min_bytes, "smallest size (e.g. 8, 1K, 1M)");
+  cmd->add_option("-e,--maxbytes", f.max_bytes, "largest size");
+  cmd->add_option("-f,--stepfactor", f.factor, "multiply the size by this between rows");
+  cmd->add_option("--sizes", f.sizes, "explicit comma list of sizes instead of -b/-e/-f (e.g. 8,1K,1M,64M)");
+  cmd->add_option("-n,--iters", f.iters, "timed iterations per size (0: clamp(2 GiB / size, 5, 1000), as the peer scripts)");
+  cmd->add_option("-w,--warmup_iters", f.warmup, "untimed iterations first");
+  cmd->add_option("-c,--check", f.check, "1: check every element of the result after the timed loop");
+  cmd->add_option("-d,--datatype", f.dtype, "float, double, half, bf16, int8, uint8, int32, int64");
+  cmd->add_option("-o,--op", f.op, "sum, prod, min, max, avg");
+  cmd->add_option("-r,--root", f.root, "root rank of rooted collectives");
+  cmd->callback([&exit_code] { exit_code = run_bench(f); });
+}
+
+}  // namespace cohort::tools
