@@ -203,6 +203,17 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   }
 }
 
+std::string NativeGroup::record_first_failure(const std::string& why) {
+  try {
+    Bytes mine(why.begin(), why.end());
+    Bytes cur = setup_.store->compare_set("failure", Bytes{}, mine);
+    return std::string(cur.begin(), cur.end());
+  } catch (const std::exception& e) {
+    COHORT_WARN(kColl, "could not record the failure in the store: {}", e.what());  // the store's host may be gone too
+    return {};
+  }
+}
+
 // Point-to-point messages are numbered per (peer, direction), not by the
 // group's sequence, since the two ends issue different numbers of them.
 void NativeGroup::run_p2p(OpDesc& d, core::Deadline deadline) {
@@ -250,8 +261,23 @@ void NativeGroup::fail(const OpDesc& d, std::exception_ptr cause) {
     reason = e.what();
     wrapped = std::make_exception_ptr(Error(fmt::format("{}: {}", ctx, e.what())));
   }
-  COHORT_WARN(kColl, "{}: {}", ctx, reason);
   std::string why = fmt::format("rank {} failed in {}: {}", setup_.rank, d.describe(), reason);
+  // Record the group's first failure in the store before aborting our
+  // connections: a peer that then sees our sockets close can name the root
+  // cause instead of just "rank X closed the connection".
+  std::string first = record_first_failure(why);
+  if (!first.empty() && first != why) {
+    try {
+      std::rethrow_exception(wrapped);
+    } catch (const PeerError& e) {
+      wrapped = std::make_exception_ptr(PeerError(fmt::format("{}; first failure in the group: {}", e.what(), first), e.peer()));
+    } catch (const TimeoutError& e) {
+      wrapped = std::make_exception_ptr(TimeoutError(fmt::format("{}; first failure in the group: {}", e.what(), first)));
+    } catch (const Error& e) {
+      wrapped = std::make_exception_ptr(Error(fmt::format("{}; first failure in the group: {}", e.what(), first)));
+    }
+  }
+  COHORT_WARN(kColl, "{}: {}", ctx, reason);
   for (auto& c : conns_)
     if (c) c->abort(why);
   broken_ = wrapped;

@@ -78,6 +78,8 @@ class NativeGroup final : public ProcessGroup, public std::enable_shared_from_th
   void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();
   [[noreturn]] void fail(const OpDesc& d, std::exception_ptr cause);
+  // compare_set of the group's "failure" key: returns the first failure recorded (maybe ours).
+  std::string record_first_failure(const std::string& why);
 
   GroupSetup setup_;
   std::unique_ptr<transport::ShmTransport> shm_;
