@@ -144,8 +144,12 @@ class Agent {
       code = attempts();
     } catch (const Interrupted& e) {
       say(fmt::format("received {} while waiting for the other nodes; stopping", signal_name(e.signal())));
+      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+                                signal_name(e.signal())));
       code = 128 + e.signal();
-    } catch (...) {
+    } catch (const std::exception& e) {
+      if (joined_) publish_final(fmt::format("the launcher of node {} ({}) failed: {}", opts_.node_rank, job_.host,
+                                             e.what()));
       finish_up();
       throw;
     }
@@ -179,25 +183,33 @@ class Agent {
 
   int attempts() {
     for (int attempt = 0;; ++attempt) {
-      if (rdzv_) rdzv_->join(attempt, job_.cohort_run_id);
+      attempt_ = attempt;
+      if (rdzv_) {
+        joined_ = false;
+        rdzv_->join(attempt, job_.cohort_run_id);
+        joined_ = true;
+      }
       std::vector<WorkerPlan> plans = plan_attempt(job_, attempt);
-      bool store_lost = false;
+      bool no_restart = false;  // the store is gone, or a launcher left the job
       MonitorOptions mo;
       mo.signals = &signals_;
       mo.term_timeout = knob_ms(kTermTimeout);
       if (rdzv_) {
         mo.check_remote = [&]() -> std::optional<std::string> {
           try {
-            return rdzv_->failure(attempt);
+            std::optional<RemoteFailure> f = rdzv_->failure(attempt);
+            if (!f) return std::nullopt;
+            no_restart = no_restart || f->final;
+            return f->what;
           } catch (const std::exception& e) {
-            store_lost = true;
+            no_restart = true;
             return fmt::format("lost the launcher's store at {}:{} ({}); node 0's launcher has probably exited",
                                job_.ep.store_addr, job_.ep.store_port, e.what());
           }
         };
         mo.on_local_failure = [&](const WorkerExit& e) {
           try {
-            rdzv_->publish_failure(attempt, describe_failure(job_, e));
+            rdzv_->publish_failure(attempt, {describe_failure(job_, e), false});
           } catch (const std::exception& ex) {
             COHORT_WARN(kLaunch, "could not tell the other nodes about the failure: {}", ex.what());
           }
@@ -209,15 +221,18 @@ class Agent {
 
       if (r.outcome == AttemptResult::Outcome::Interrupted) {
         say(fmt::format("received {}; stopped {} worker(s)", signal_name(r.signal), r.stopped));
+        publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+                                  signal_name(r.signal)));
         return 128 + r.signal;
       }
       std::string what;
       std::string stopped;
       if (r.outcome == AttemptResult::Outcome::Succeeded) {
         if (!rdzv_) return 0;
-        std::optional<std::string> remote = rdzv_->finish(attempt);
+        std::optional<RemoteFailure> remote = rdzv_->finish(attempt);
         if (!remote) return 0;
-        what = *remote;
+        what = remote->what;
+        no_restart = remote->final;
         stopped = "the workers of this node had already finished";
       } else if (r.outcome == AttemptResult::Outcome::WorkerFailed) {
         what = describe_failure(job_, *r.failure);
@@ -227,7 +242,7 @@ class Agent {
         what = r.remote_failure;
         stopped = fmt::format("stopped the {} worker(s) on this node (node {})", r.stopped, opts_.node_rank);
       }
-      if (attempt < opts_.max_restarts && !store_lost) {
+      if (attempt < opts_.max_restarts && !no_restart) {
         say(fmt::format("{}; {}; restarting the workers (restart {} of {})", what, stopped, attempt + 1,
                         opts_.max_restarts));
         continue;
@@ -236,6 +251,17 @@ class Agent {
           opts_.max_restarts > 0 ? fmt::format("; no restarts left (--max-restarts {})", opts_.max_restarts) : "";
       say(fmt::format("{}; {}{}", what, stopped, restarts));
       return 1;
+    }
+  }
+
+  // A launcher that stops or fails takes its node out of the job: the other
+  // nodes stop too, without restarting (they would wait for this node in vain).
+  void publish_final(const std::string& what) {
+    if (!rdzv_) return;
+    try {
+      rdzv_->publish_failure(attempt_, {what, true});
+    } catch (const std::exception& e) {
+      COHORT_WARN(kLaunch, "could not tell the other nodes that this one stopped: {}", e.what());
     }
   }
 
@@ -251,6 +277,8 @@ class Agent {
   std::unique_ptr<TcpStoreServer> server_;
   std::shared_ptr<Store> store_;
   std::unique_ptr<StaticRendezvous> rdzv_;
+  int attempt_ = 0;
+  bool joined_ = false;  // this node is part of attempt_ (so its failures concern the others)
 };
 
 }  // namespace

@@ -79,6 +79,7 @@ std::vector<NodeInfo> StaticRendezvous::join(int attempt, std::string& cohort_ru
           "raise COHORT_RDZV_TIMEOUT",
           rank_list(absent), seconds(opts_.join_timeout), opts_.nnodes, rank_list(absent)));
     sleep_or_throw(deadline.remaining_ms(static_cast<int>(opts_.poll.count())));
+    if (auto f = failure(attempt); f && f->final) throw PeerError("the job was stopped before it started: " + f->what, -1);
     absent = missing(attempt, "node");
   }
 
@@ -99,17 +100,18 @@ std::vector<NodeInfo> StaticRendezvous::join(int attempt, std::string& cohort_ru
   return nodes;
 }
 
-void StaticRendezvous::publish_failure(int attempt, const std::string& what) {
-  store_.compare_set(attempt_key(attempt, "failed"), {}, to_bytes(what));
+void StaticRendezvous::publish_failure(int attempt, const RemoteFailure& failure) {
+  store_.compare_set(attempt_key(attempt, "failed"), {}, to_bytes((failure.final ? "F " : "R ") + failure.what));
 }
 
-std::optional<std::string> StaticRendezvous::failure(int attempt) {
+std::optional<RemoteFailure> StaticRendezvous::failure(int attempt) {
   std::string k = attempt_key(attempt, "failed");
   if (!store_.check({k})) return std::nullopt;
-  return store_.get_string(k);
+  std::string v = store_.get_string(k);
+  return RemoteFailure{v.size() >= 2 ? v.substr(2) : v, v.rfind("F ", 0) == 0};
 }
 
-std::optional<std::string> StaticRendezvous::finish(int attempt) {
+std::optional<RemoteFailure> StaticRendezvous::finish(int attempt) {
   store_.set(attempt_key(attempt, fmt::format("done/{}", opts_.node_rank)), to_bytes("ok"));
   auto deadline = Deadline::after(opts_.finish_timeout);
   for (;;) {

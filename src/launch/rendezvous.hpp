@@ -6,7 +6,8 @@
 //   cohort_run_id    the job's COHORT_RUN_ID, written by node 0 before it joins
 //   a<k>/node/<i>    "host pid nproc max_restarts" of node i (first writer wins:
 //                    a second launcher with the same --node-rank is refused)
-//   a<k>/failed      the first failure of attempt k, as one line (first wins)
+//   a<k>/failed      the first failure of attempt k: "R " (restartable) or "F "
+//                    (final: a launcher was stopped) and one line (first wins)
 //   a<k>/done/<i>    node i's workers all exited 0
 //   left/<i>         node i's launcher is exiting and needs the store no more
 // A launcher joins attempt k, runs its workers while watching a<k>/failed, then
@@ -48,6 +49,12 @@ struct NodeInfo {
   int max_restarts = 0;
 };
 
+// Another node's failure, as published.
+struct RemoteFailure {
+  std::string what;
+  bool final = false;  // a launcher left the job: restarting cannot help
+};
+
 struct RendezvousOptions {
   std::string run_id = "none";  // TORCHELASTIC_RUN_ID: namespaces the keys
   int nnodes = 1;
@@ -69,18 +76,19 @@ class StaticRendezvous {
   // them by node rank. Node 0 decides `cohort_run_id` (at attempt 0); the others
   // read it into `cohort_run_id`. Throws TimeoutError naming the missing node
   // ranks, InvalidArgument for a duplicate node rank or a mismatched
-  // --nproc-per-node / --max-restarts.
+  // --nproc-per-node / --max-restarts, PeerError when a launcher that already
+  // joined left the job (a final failure).
   std::vector<NodeInfo> join(int attempt, std::string& cohort_run_id);
 
   // Publishes this node's failure of attempt k; the first publication wins.
-  void publish_failure(int attempt, const std::string& what);
-  // Another node's failure of attempt k, if there is one. One store round trip.
-  std::optional<std::string> failure(int attempt);
+  void publish_failure(int attempt, const RemoteFailure& failure);
+  // The failure of attempt k, if one was published. Two store round trips.
+  std::optional<RemoteFailure> failure(int attempt);
 
   // This node's workers all succeeded: publishes that and waits until every node
-  // has (nullopt) or one failed (its message). TimeoutError names the nodes
-  // that did not finish within finish_timeout.
-  std::optional<std::string> finish(int attempt);
+  // has (nullopt) or one failed. TimeoutError names the nodes that did not
+  // finish within finish_timeout.
+  std::optional<RemoteFailure> finish(int attempt);
 
   // This launcher is exiting. Node 0 first waits (up to leave_timeout, or a stop
   // signal) for the nodes that joined to leave, so they can still read the
