@@ -8,6 +8,7 @@
 
 #include "core/clock.hpp"
 #include "core/log.hpp"
+#include "launch/run_id.hpp"
 
 namespace cohort::launch {
 namespace {
@@ -17,8 +18,10 @@ using core::Deadline;
 Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 std::string to_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
 
-std::string encode(const NodeInfo& n) {
-  return fmt::format("{} {} {} {}", n.host, n.pid, n.nproc_per_node, n.max_restarts);
+// The nonce makes each launcher's registration unique even when host and pid
+// coincide (containers), so compare_set tells a duplicate node rank apart.
+std::string encode(const NodeInfo& n, const std::string& nonce) {
+  return fmt::format("{} {} {} {} {}", n.host, n.pid, n.nproc_per_node, n.max_restarts, nonce);
 }
 
 NodeInfo decode(int node_rank, const std::string& text) {
@@ -59,7 +62,7 @@ std::vector<NodeInfo> StaticRendezvous::join(int attempt, std::string& cohort_ru
   if (opts_.node_rank == 0 && attempt == 0) store_.set(key("cohort_run_id"), to_bytes(cohort_run_id));
 
   NodeInfo me{opts_.node_rank, opts_.host, static_cast<long>(getpid()), opts_.nproc_per_node, opts_.max_restarts};
-  Bytes mine = to_bytes(encode(me));
+  Bytes mine = to_bytes(encode(me, random_hex(16)));
   Bytes now = store_.compare_set(attempt_key(attempt, fmt::format("node/{}", opts_.node_rank)), {}, mine);
   if (now != mine) {
     NodeInfo other = decode(opts_.node_rank, to_string(now));

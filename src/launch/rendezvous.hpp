@@ -4,7 +4,7 @@
 // client. Keys live under "cohort/launch/<run_id>/" and, per attempt k (the
 // restart count), under ".../a<k>/":
 //   cohort_run_id    the job's COHORT_RUN_ID, written by node 0 before it joins
-//   a<k>/node/<i>    "host pid nproc max_restarts" of node i (first writer wins:
+//   a<k>/node/<i>    "host pid nproc max_restarts nonce" of node i (first writer wins:
 //                    a second launcher with the same --node-rank is refused)
 //   a<k>/failed      the first failure of attempt k: "R " (restartable) or "F "
 //                    (final: a launcher was stopped) and one line (first wins)
