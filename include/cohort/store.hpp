@@ -118,6 +118,11 @@ struct TcpStoreOptions {
   bool is_server = false;      // also run a TcpStoreServer in this process
   Millis timeout{std::chrono::minutes(5)};
   Millis connect_timeout{std::chrono::seconds(60)};  // keep retrying while the server starts
+  // Where the in-process server listens when is_server: every IPv4 interface by
+  // default, as c10d does. `host` is how other machines reach this one; bound
+  // here it could catch the wrong interface (a hostname that /etc/hosts maps
+  // to 127.0.1.1, say).
+  std::string server_host = "0.0.0.0";
 };
 
 // The client. One TCP connection; calls from several threads are serialised.
