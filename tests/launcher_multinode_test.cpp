@@ -88,9 +88,10 @@ TEST(LauncherMultiNode, FailureOnNode1StopsNode0) {
 TEST(LauncherMultiNode, NodesRestartTogether) {
   int port = lt::free_port_pair();
   ASSERT_GT(port, 0);
-  // Only rank 1 (node 1) fails, on attempt 0. Node 0's worker succeeded, yet
-  // node 0 must restart with node 1: the restart is the whole job's.
-  std::vector<std::string> prog = {lt::prog("launch_behave"), "fail_until_restart=1", "fail_rank=1"};
+  // Only rank 1 (node 1) fails, on attempt 0, a second after starting. Node 0's
+  // worker has succeeded by then, yet node 0 must restart with node 1: the
+  // restart is the whole job's.
+  std::vector<std::string> prog = {lt::prog("launch_behave"), "fail_until_restart=1", "fail_rank=1", "delay_ms=1000"};
   lt::Proc node0(node_args(2, 0, port, 1, prog, {"--max-restarts", "1"}), kQuick);
   lt::Proc node1(node_args(2, 1, port, 1, prog, {"--max-restarts", "1"}), kQuick);
   auto r0 = node0.wait(90), r1 = node1.wait(90);
@@ -98,7 +99,8 @@ TEST(LauncherMultiNode, NodesRestartTogether) {
   EXPECT_EQ(r1.status, 0) << r1.err;
   EXPECT_TRUE(contains(r0.out, "[rank0]: restart 0")) << r0.out;
   EXPECT_TRUE(contains(r0.out, "[rank0]: restart 1")) << r0.out;
-  EXPECT_TRUE(contains(r0.err, "restarting the workers (restart 1 of 1)")) << r0.err;
+  EXPECT_TRUE(contains(r0.err, "the workers of this node had already finished; restarting the workers (restart 1 of 1)"))
+      << r0.err;
   EXPECT_TRUE(contains(r1.out, "[rank1]: restart 1")) << r1.out;
 }
 

@@ -45,9 +45,9 @@ std::shared_ptr<Store> connect_store(const std::string& host, int port, std::chr
       last_error = e.what();
     }
     if (deadline.passed())
-      throw TimeoutError(fmt::format("cannot reach the launcher's store at {}:{} within {} s (last error: {}); start "
-                                     "the launcher with --node-rank 0 there, check --master-addr/--rdzv-endpoint, "
-                                     "and that the port is open between the hosts",
+      throw TimeoutError(fmt::format("cannot reach the launcher's store at {}:{} within {} s: start the launcher with "
+                                     "--node-rank 0 there, check --master-addr/--rdzv-endpoint and that the port is "
+                                     "open between the hosts, or raise COHORT_RDZV_TIMEOUT (last error: {})",
                                      host, port, timeout.count() / 1000.0, last_error));
     int sig = signals.wait_stop_signal(deadline.remaining_ms(500));
     if (sig != 0) throw Interrupted(sig);

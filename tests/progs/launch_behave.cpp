@@ -4,7 +4,7 @@
 //   fail_rank=R code=C   rank R exits with code C after delay_ms (default 100)
 //   kill_rank=R          rank R kills itself with SIGKILL after delay_ms
 //   fail_until_restart=K exit 3 while TORCHELASTIC_RESTART_COUNT < K, else 0 (only
-//                        rank R does with fail_rank=R; the others exit 0 at once)
+//                        rank R does with fail_rank=R, after delay_ms; the others exit 0 at once)
 //   sleep=S              everyone else sleeps S seconds, then exits 0
 //   ignore_term          ignore SIGTERM (the launcher must fall back to SIGKILL)
 //   shm                  create /dev/shm/cohort-<COHORT_RUN_ID>-test<rank> and print its path
@@ -78,8 +78,9 @@ int main(int argc, char** argv) {
   if (fail_until >= 0) {
     int restart = env_int("TORCHELASTIC_RESTART_COUNT", -1);
     write_str(1, "restart " + std::to_string(restart) + "\n");
-    bool failing = fail_rank < 0 || rank == fail_rank;
-    return failing && restart < fail_until ? 3 : 0;
+    bool failing = (fail_rank < 0 || rank == fail_rank) && restart < fail_until;
+    if (failing && fail_rank >= 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    return failing ? 3 : 0;
   }
   if (rank == fail_rank || rank == kill_rank) {
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
