@@ -247,8 +247,9 @@ class Agent {
                         opts_.max_restarts));
         continue;
       }
-      std::string restarts =
-          opts_.max_restarts > 0 ? fmt::format("; no restarts left (--max-restarts {})", opts_.max_restarts) : "";
+      std::string restarts = opts_.max_restarts > 0 && attempt >= opts_.max_restarts
+                                 ? fmt::format("; no restarts left (--max-restarts {})", opts_.max_restarts)
+                                 : "";
       say(fmt::format("{}; {}{}", what, stopped, restarts));
       return 1;
     }

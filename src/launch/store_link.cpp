@@ -38,7 +38,10 @@ std::shared_ptr<Store> connect_store(const std::string& host, int port, std::chr
       TcpStoreOptions o;
       o.host = host;
       o.port = static_cast<uint16_t>(port);
-      o.timeout = std::chrono::seconds(60);
+      // Every call the launcher makes is a quick look (check, set, get of a key
+      // known to exist); a store that does not answer in 15 s is gone, and the
+      // monitor loop must not stall longer than that.
+      o.timeout = std::chrono::seconds(15);
       o.connect_timeout = std::chrono::seconds(1);  // short tries, so stop signals are seen between them
       return std::make_shared<TcpStore>(o);
     } catch (const Error& e) {
