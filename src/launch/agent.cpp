@@ -1,0 +1,293 @@
+#include "launch/agent.hpp"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "cohort/store.hpp"
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "launch/monitor.hpp"
+#include "launch/rendezvous.hpp"
+#include "launch/run_id.hpp"
+#include "launch/store_link.hpp"
+#include "launch/worker_env.hpp"
+
+extern char** environ;
+
+namespace cohort::launch {
+namespace {
+
+const core::Knob kTermTimeout{"COHORT_TERM_TIMEOUT", "10s",
+                              "cohort run: grace period between SIGTERM and SIGKILL when stopping workers",
+                              core::KnobKind::Seconds};
+const core::Knob kRdzvTimeout{"COHORT_RDZV_TIMEOUT", "600s",
+                              "cohort run: how long a launcher waits for the store and for all --nnodes nodes to join",
+                              core::KnobKind::Seconds};
+const core::Knob kRdzvFinishTimeout{
+    "COHORT_RDZV_FINISH_TIMEOUT", "300s",
+    "cohort run: after this node's workers succeeded, how long its launcher waits for the other nodes' workers",
+    core::KnobKind::Seconds};
+
+std::chrono::milliseconds knob_ms(const core::Knob& k) {
+  return std::chrono::milliseconds(static_cast<long long>(k.seconds() * 1000.0));
+}
+
+void say(const std::string& line) { std::fprintf(stderr, "cohort run: %s\n", line.c_str()); }
+
+std::string this_host() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+// Everything fixed for the job before its first attempt.
+struct Job {
+  const LaunchOptions& opts;
+  Endpoints ep;
+  std::string run_id;         // TORCHELASTIC_RUN_ID
+  std::string cohort_run_id;  // COHORT_RUN_ID
+  std::string exe;            // resolved argv[0]
+  std::vector<std::string> argv;
+  std::string log_root;       // empty: no log files
+  std::string host;
+  bool set_omp = false;
+};
+
+std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt) {
+  JobEnv env;
+  env.nproc_per_node = job.opts.nproc_per_node;
+  env.nnodes = job.opts.nnodes;
+  env.node_rank = job.opts.node_rank;
+  env.role = job.opts.role;
+  env.master_addr = job.ep.master_addr;
+  env.master_port = job.ep.master_port;
+  env.store_addr = job.ep.store_addr;
+  env.store_port = job.ep.store_port;
+  env.restart_count = attempt;
+  env.max_restarts = job.opts.max_restarts;
+  env.run_id = job.run_id;
+  env.cohort_run_id = job.cohort_run_id;
+  env.set_omp_threads = job.set_omp;
+  std::vector<WorkerPlan> plans;
+  for (int lr = 0; lr < job.opts.nproc_per_node; ++lr) {
+    WorkerPlan p;
+    p.local_rank = lr;
+    p.global_rank = job.opts.node_rank * job.opts.nproc_per_node + lr;
+    p.spawn.path = job.exe;
+    p.spawn.argv = job.argv;
+    p.spawn.env = merge_environment(environ, worker_env_vars(env, lr));
+    p.route = route_streams(job.opts, lr);
+    if (!job.log_root.empty()) p.log_dir = worker_log_dir(job.log_root, job.cohort_run_id, attempt, lr);
+    plans.push_back(std::move(p));
+  }
+  return plans;
+}
+
+// "rank 1 (local 1, pid 4242) exited with code 3", plus the node with several.
+std::string describe_failure(const Job& job, const WorkerExit& e) {
+  std::string where = job.opts.nnodes > 1 ? fmt::format(" on node {} ({})", job.opts.node_rank, job.host) : "";
+  return fmt::format("rank {} (local {}, pid {}){} {}", e.global_rank, e.local_rank, e.pid, where, describe_exit(e));
+}
+
+std::string make_log_root(const LaunchOptions& opts) {
+  if (!opts.log_dir.empty()) return opts.log_dir;
+  bool any_file = false;
+  for (int lr = 0; lr < opts.nproc_per_node; ++lr) {
+    StreamRoute r = route_streams(opts, lr);
+    any_file = any_file || r.file_out || r.file_err;
+  }
+  if (!any_file) return "";
+  std::string tmpl = (std::filesystem::temp_directory_path() / "cohort_logs_XXXXXX").string();
+  if (mkdtemp(tmpl.data()) == nullptr)
+    throw IoError(fmt::format("cannot create a log directory {}: {}; pass --log-dir DIR", tmpl, std::strerror(errno)));
+  return tmpl;
+}
+
+Job prepare(const LaunchOptions& opts) {
+  Job job{opts, resolve_endpoints(opts)};
+  job.run_id = opts.standalone && opts.run_id == "none" ? random_hex(32) : opts.run_id;
+  job.cohort_run_id = make_cohort_run_id(job.run_id);
+  const char* python = std::getenv("PYTHON_EXEC");
+  job.argv = worker_argv(opts, python != nullptr && *python != '\0' ? python : "python3");
+  const char* path = std::getenv("PATH");
+  job.exe = resolve_program(job.argv[0], path != nullptr ? path : "/usr/bin:/bin");
+  if (job.argv[0] != opts.command[0] && !opts.module && !std::filesystem::exists(opts.command[0]))
+    throw InvalidArgument(fmt::format("script {} does not exist; check the path (or pass --no-python to run a "
+                                      "program of that name directly)", opts.command[0]));
+  job.host = this_host();
+  job.set_omp = omp_threads_default_needed(std::getenv("OMP_NUM_THREADS"), opts.nproc_per_node);
+  job.log_root = make_log_root(opts);
+  return job;
+}
+
+class Agent {
+ public:
+  explicit Agent(const LaunchOptions& opts) : opts_(opts), job_(prepare(opts)) {}
+
+  int run() {
+    start_stores();
+    if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
+    if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, job_.cohort_run_id));
+    int code = 1;
+    try {
+      code = attempts();
+    } catch (const Interrupted& e) {
+      say(fmt::format("received {} while waiting for the other nodes; stopping", signal_name(e.signal())));
+      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+                                signal_name(e.signal())));
+      code = 128 + e.signal();
+    } catch (const std::exception& e) {
+      if (joined_) publish_final(fmt::format("the launcher of node {} ({}) failed: {}", opts_.node_rank, job_.host,
+                                             e.what()));
+      finish_up();
+      throw;
+    }
+    finish_up();
+    return code;
+  }
+
+ private:
+  void start_stores() {
+    const bool multi = opts_.nnodes > 1;
+    if (opts_.node_rank == 0) {
+      server_ = host_store(job_.ep.store_bind, job_.ep.store_port);
+      job_.ep.store_port = server_->port();
+    }
+    if (opts_.standalone) job_.ep.master_port = pick_free_port(job_.ep.master_addr);
+    if (!multi) return;
+    std::string addr = opts_.node_rank == 0 ? "127.0.0.1" : job_.ep.store_addr;
+    store_ = connect_store(addr, job_.ep.store_port, knob_ms(kRdzvTimeout), signals_);
+    RendezvousOptions r;
+    r.run_id = job_.run_id;
+    r.nnodes = opts_.nnodes;
+    r.node_rank = opts_.node_rank;
+    r.nproc_per_node = opts_.nproc_per_node;
+    r.max_restarts = opts_.max_restarts;
+    r.host = job_.host;
+    r.join_timeout = knob_ms(kRdzvTimeout);
+    r.finish_timeout = knob_ms(kRdzvFinishTimeout);
+    r.leave_timeout = knob_ms(kTermTimeout) + std::chrono::seconds(30);
+    rdzv_ = std::make_unique<StaticRendezvous>(*store_, r, signals_);
+  }
+
+  int attempts() {
+    for (int attempt = 0;; ++attempt) {
+      attempt_ = attempt;
+      if (rdzv_) {
+        joined_ = false;
+        rdzv_->join(attempt, job_.cohort_run_id);
+        joined_ = true;
+      }
+      std::vector<WorkerPlan> plans = plan_attempt(job_, attempt);
+      bool no_restart = false;  // the store is gone, or a launcher left the job
+      MonitorOptions mo;
+      mo.signals = &signals_;
+      mo.term_timeout = knob_ms(kTermTimeout);
+      if (rdzv_) {
+        mo.check_remote = [&]() -> std::optional<std::string> {
+          try {
+            std::optional<RemoteFailure> f = rdzv_->failure(attempt);
+            if (!f) return std::nullopt;
+            no_restart = no_restart || f->final;
+            return f->what;
+          } catch (const std::exception& e) {
+            no_restart = true;
+            return fmt::format("lost the launcher's store at {}:{} ({}); node 0's launcher has probably exited",
+                               job_.ep.store_addr, job_.ep.store_port, e.what());
+          }
+        };
+        mo.on_local_failure = [&](const WorkerExit& e) {
+          try {
+            rdzv_->publish_failure(attempt, {describe_failure(job_, e), false});
+          } catch (const std::exception& ex) {
+            COHORT_WARN(kLaunch, "could not tell the other nodes about the failure: {}", ex.what());
+          }
+        };
+      }
+      AttemptResult r = run_attempt(plans, mo);
+      remove_shm_segments(job_.cohort_run_id);
+      if (r.unkillable) say("some workers survived SIGKILL; giving up on them (they may be stuck in the kernel)");
+
+      if (r.outcome == AttemptResult::Outcome::Interrupted) {
+        say(fmt::format("received {}; stopped {} worker(s)", signal_name(r.signal), r.stopped));
+        publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+                                  signal_name(r.signal)));
+        return 128 + r.signal;
+      }
+      std::string what;
+      std::string stopped;
+      if (r.outcome == AttemptResult::Outcome::Succeeded) {
+        if (!rdzv_) return 0;
+        std::optional<RemoteFailure> remote = rdzv_->finish(attempt);
+        if (!remote) return 0;
+        what = remote->what;
+        no_restart = remote->final;
+        stopped = "the workers of this node had already finished";
+      } else if (r.outcome == AttemptResult::Outcome::WorkerFailed) {
+        what = describe_failure(job_, *r.failure);
+        stopped = fmt::format("stopped the other {} worker(s){}", r.stopped, rdzv_ ? " on this node" : "");
+        if (!r.failure->stderr_log.empty()) stopped += fmt::format("; its stderr is in {}", r.failure->stderr_log);
+      } else {
+        what = r.remote_failure;
+        stopped = fmt::format("stopped the {} worker(s) on this node (node {})", r.stopped, opts_.node_rank);
+      }
+      if (attempt < opts_.max_restarts && !no_restart) {
+        say(fmt::format("{}; {}; restarting the workers (restart {} of {})", what, stopped, attempt + 1,
+                        opts_.max_restarts));
+        continue;
+      }
+      std::string restarts = opts_.max_restarts > 0 && attempt >= opts_.max_restarts
+                                 ? fmt::format("; no restarts left (--max-restarts {})", opts_.max_restarts)
+                                 : "";
+      say(fmt::format("{}; {}{}", what, stopped, restarts));
+      return 1;
+    }
+  }
+
+  // A launcher that stops or fails takes its node out of the job: the other
+  // nodes stop too, without restarting (they would wait for this node in vain).
+  void publish_final(const std::string& what) {
+    if (!rdzv_) return;
+    try {
+      rdzv_->publish_failure(attempt_, {what, true});
+    } catch (const std::exception& e) {
+      COHORT_WARN(kLaunch, "could not tell the other nodes that this one stopped: {}", e.what());
+    }
+  }
+
+  void finish_up() {
+    remove_shm_segments(job_.cohort_run_id);
+    if (rdzv_) rdzv_->leave();
+  }
+
+  // The signal channel comes first: the store server's thread must inherit the blocked mask.
+  SignalChannel signals_;
+  const LaunchOptions& opts_;
+  Job job_;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::shared_ptr<Store> store_;
+  std::unique_ptr<StaticRendezvous> rdzv_;
+  int attempt_ = 0;
+  bool joined_ = false;  // this node is part of attempt_ (so its failures concern the others)
+};
+
+}  // namespace
+
+int run_job(const LaunchOptions& opts) {
+  validate(opts);
+  Agent agent(opts);
+  return agent.run();
+}
+
+}  // namespace cohort::launch

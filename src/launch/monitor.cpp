@@ -1,0 +1,281 @@
+#include "launch/monitor.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "core/clock.hpp"
+#include "core/log.hpp"
+
+namespace cohort::launch {
+
+std::string describe_exit(const WorkerExit& e) {
+  if (e.signal != 0) return fmt::format("was killed by signal {} ({})", e.signal, signal_name(e.signal));
+  return fmt::format("exited with code {}", e.exit_code);
+}
+
+namespace {
+
+using core::Clock;
+using Outcome = AttemptResult::Outcome;
+
+// A poll timeout that caps every sleep, so a lost wake-up costs a second, not a hang.
+constexpr int kMaxSleepMs = 1000;
+
+struct Worker {
+  WorkerPlan* plan = nullptr;
+  pid_t pid = -1;
+  bool running = false;
+  int pipe_fd[2] = {-1, -1};                // read ends: stdout, stderr
+  std::unique_ptr<StreamSink> sink[2];
+};
+
+class Monitor {
+ public:
+  Monitor(std::vector<WorkerPlan>& plans, const MonitorOptions& opts) : opts_(opts) {
+    workers_.resize(plans.size());
+    for (size_t i = 0; i < plans.size(); ++i) workers_[i].plan = &plans[i];
+  }
+
+  ~Monitor() {
+    for (auto& w : workers_)
+      for (int& fd : w.pipe_fd)
+        if (fd >= 0) close(fd);
+  }
+
+  AttemptResult run() {
+    std::exception_ptr setup_error;
+    try {
+      open_sinks();
+      for (auto& w : workers_) start(w);
+    } catch (...) {
+      setup_error = std::current_exception();
+      begin_stop(Clock::now());
+    }
+    loop();
+    if (setup_error) std::rethrow_exception(setup_error);
+    return result_;
+  }
+
+ private:
+  void open_sinks() {
+    for (auto& w : workers_) {
+      const WorkerPlan& p = *w.plan;
+      std::string prefix = fmt::format("[rank{}]: ", p.global_rank);
+      w.sink[0] = std::make_unique<StreamSink>(p.route.console_out ? STDOUT_FILENO : -1, prefix,
+                                               p.route.file_out ? p.log_dir + "/stdout.log" : "");
+      w.sink[1] = std::make_unique<StreamSink>(p.route.console_err ? STDERR_FILENO : -1, prefix,
+                                               p.route.file_err ? p.log_dir + "/stderr.log" : "");
+    }
+  }
+
+  void start(Worker& w) {
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0) throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(errno)));
+    if (pipe2(err, O_CLOEXEC) != 0) {
+      int e = errno;
+      close(out[0]);
+      close(out[1]);
+      throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(e)));
+    }
+    w.pipe_fd[0] = out[0];
+    w.pipe_fd[1] = err[0];
+    SpawnRequest req = w.plan->spawn;
+    req.stdout_fd = out[1];
+    req.stderr_fd = err[1];
+    req.signal_mask = &opts_.signals->original_mask();
+    pid_t pid = -1;
+    try {
+      pid = spawn_worker(req);
+    } catch (...) {
+      close(out[1]);
+      close(err[1]);
+      throw;
+    }
+    close(out[1]);
+    close(err[1]);
+    for (int fd : w.pipe_fd) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    w.pid = pid;
+    w.running = true;
+    COHORT_INFO(kLaunch, "started rank {} (local {}) as pid {}: {}", w.plan->global_rank, w.plan->local_rank, pid,
+                fmt::join(req.argv, " "));
+  }
+
+  // Stops every worker: SIGTERM now, SIGKILL at kill_at_. The groups of workers
+  // that already exited are signalled too, for children they left behind (a
+  // group id is not reused while the group has members).
+  void begin_stop(Clock::time_point now) {
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& w : workers_) {
+      if (w.running) ++result_.stopped;
+      if (w.pid > 0) signal_group(w.pid, SIGTERM);
+    }
+    kill_at_ = now + opts_.term_timeout;
+    COHORT_INFO(kLaunch, "sent SIGTERM to {} running worker(s); SIGKILL in {} ms", result_.stopped,
+                opts_.term_timeout.count());
+  }
+
+  void kill_all(Clock::time_point now) {
+    for (auto& w : workers_)
+      if (w.pid > 0) signal_group(w.pid, SIGKILL);
+    killed_ = true;
+    give_up_at_ = now + opts_.kill_wait;
+  }
+
+  void reap(Clock::time_point now) {
+    for (auto& w : workers_) {
+      if (!w.running) continue;
+      int status = 0;
+      pid_t r = waitpid(w.pid, &status, WNOHANG);
+      if (r == 0 || (r < 0 && errno == EINTR)) continue;
+      w.running = false;
+      if (r < 0) continue;  // not our child any more: nothing to report
+      WorkerExit e{w.plan->local_rank, w.plan->global_rank, w.pid, 0, 0, ""};
+      if (WIFEXITED(status)) e.exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
+      COHORT_INFO(kLaunch, "rank {} (local {}, pid {}) {}", e.global_rank, e.local_rank, e.pid, describe_exit(e));
+      if ((e.exit_code == 0 && e.signal == 0) || stopping_) continue;
+      if (!w.sink[1]->to_console()) e.stderr_log = w.sink[1]->log_path();
+      result_.outcome = Outcome::WorkerFailed;
+      result_.failure = e;
+      if (opts_.on_local_failure) opts_.on_local_failure(e);
+      begin_stop(now);
+    }
+  }
+
+  void on_signals() {
+    for (int sig : opts_.signals->drain()) {
+      if (!is_stop_signal(sig)) continue;  // SIGCHLD: reap() runs every turn
+      COHORT_INFO(kLaunch, "received {}", signal_name(sig));
+      if (result_.signal == 0) result_.signal = sig;
+      result_.outcome = Outcome::Interrupted;
+      auto now = Clock::now();
+      if (stopping_ && !killed_) kill_all(now);  // asked twice: do not wait out the grace period
+      begin_stop(now);
+    }
+  }
+
+  void check_remote(Clock::time_point now) {
+    if (!opts_.check_remote || stopping_ || now < next_remote_) return;
+    next_remote_ = now + opts_.remote_poll_interval;
+    std::optional<std::string> remote;
+    try {
+      remote = opts_.check_remote();
+    } catch (const std::exception& ex) {
+      remote = ex.what();
+    }
+    if (!remote) return;
+    result_.outcome = Outcome::RemoteFailed;
+    result_.remote_failure = *remote;
+    begin_stop(now);
+  }
+
+  // Reads what is there now (bounded, so one chatty worker cannot starve the loop).
+  void read_pipe(Worker& w, int stream) {
+    int& fd = w.pipe_fd[stream];
+    for (int round = 0; round < 4 && fd >= 0; ++round) {
+      ssize_t n = read(fd, buf_, sizeof(buf_));
+      if (n > 0) {
+        w.sink[stream]->write(std::string_view(buf_, static_cast<size_t>(n)));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      close_pipe(w, stream);  // EOF or error
+    }
+  }
+
+  void close_pipe(Worker& w, int stream) {
+    if (w.pipe_fd[stream] < 0) return;
+    close(w.pipe_fd[stream]);
+    w.pipe_fd[stream] = -1;
+    w.sink[stream]->finish();
+  }
+
+  void loop() {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Worker*, int>> owners;
+    std::optional<Clock::time_point> all_exited_at;
+    for (;;) {
+      auto now = Clock::now();
+      reap(now);
+      check_remote(now);
+      bool any_running = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
+      bool any_pipe = std::any_of(workers_.begin(), workers_.end(),
+                                  [](const Worker& w) { return w.pipe_fd[0] >= 0 || w.pipe_fd[1] >= 0; });
+      if (!any_running) {
+        if (!all_exited_at) all_exited_at = now;
+        if (!any_pipe) break;
+        if (now >= *all_exited_at + opts_.drain_timeout) {
+          // Something the workers started still holds their output open: stop listening.
+          COHORT_INFO(kLaunch, "worker output still open {} ms after the last exit; closing it",
+                      opts_.drain_timeout.count());
+          for (auto& w : workers_)
+            for (int s = 0; s < 2; ++s) close_pipe(w, s);
+          break;
+        }
+      }
+      if (stopping_ && !killed_ && now >= kill_at_) kill_all(now);
+      if (killed_ && any_running && now >= give_up_at_) {
+        result_.unkillable = true;
+        break;
+      }
+
+      auto wake = now + std::chrono::milliseconds(kMaxSleepMs);
+      if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
+      if (killed_) wake = std::min(wake, give_up_at_);
+      if (all_exited_at) wake = std::min(wake, *all_exited_at + opts_.drain_timeout);
+      if (opts_.check_remote && !stopping_) wake = std::min(wake, next_remote_);
+      int timeout_ms = core::Deadline{wake}.remaining_ms(kMaxSleepMs);
+
+      fds.clear();
+      owners.clear();
+      fds.push_back({opts_.signals->fd(), POLLIN, 0});
+      for (auto& w : workers_)
+        for (int s = 0; s < 2; ++s)
+          if (w.pipe_fd[s] >= 0) {
+            fds.push_back({w.pipe_fd[s], POLLIN, 0});
+            owners.emplace_back(&w, s);
+          }
+      int rc = poll(fds.data(), fds.size(), timeout_ms);
+      if (rc < 0 && errno != EINTR)
+        throw IoError(fmt::format("cohort run: poll failed: {}", std::strerror(errno)));
+      if (rc <= 0) continue;
+      if (fds[0].revents != 0) on_signals();
+      for (size_t i = 1; i < fds.size(); ++i)
+        if (fds[i].revents != 0) read_pipe(*owners[i - 1].first, owners[i - 1].second);
+    }
+    for (auto& w : workers_)
+      for (int s = 0; s < 2; ++s) close_pipe(w, s);
+  }
+
+  const MonitorOptions& opts_;
+  std::vector<Worker> workers_;
+  AttemptResult result_;
+  bool stopping_ = false;
+  bool killed_ = false;
+  Clock::time_point kill_at_{};
+  Clock::time_point give_up_at_{};
+  Clock::time_point next_remote_{};
+  char buf_[64 * 1024];
+};
+
+}  // namespace
+
+AttemptResult run_attempt(std::vector<WorkerPlan>& plans, const MonitorOptions& opts) {
+  Monitor m(plans, opts);
+  return m.run();
+}
+
+}  // namespace cohort::launch

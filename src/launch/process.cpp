@@ -1,0 +1,149 @@
+#include "launch/process.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "core/check.hpp"
+
+namespace cohort::launch {
+namespace {
+
+sigset_t launcher_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&set, sig);
+  return set;
+}
+
+}  // namespace
+
+SignalChannel::SignalChannel() {
+  sigset_t set = launcher_signals();
+  COHORT_ASSERT(pthread_sigmask(SIG_BLOCK, &set, &original_mask_) == 0, "pthread_sigmask failed");
+  fd_ = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+  if (fd_ < 0) {
+    int err = errno;
+    pthread_sigmask(SIG_SETMASK, &original_mask_, nullptr);
+    throw IoError(fmt::format("cohort run: signalfd failed: {}", std::strerror(err)));
+  }
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  sigaction(SIGPIPE, &ignore, &original_pipe_);
+}
+
+SignalChannel::~SignalChannel() {
+  sigaction(SIGPIPE, &original_pipe_, nullptr);
+  close(fd_);
+  // Signals that arrived but were not read stay pending and fire once unblocked,
+  // which is what the caller would want for a late SIGINT.
+  pthread_sigmask(SIG_SETMASK, &original_mask_, nullptr);
+}
+
+std::vector<int> SignalChannel::drain() {
+  std::vector<int> sigs;
+  signalfd_siginfo info[16];
+  for (;;) {
+    ssize_t n = read(fd_, info, sizeof(info));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    for (size_t i = 0; i < static_cast<size_t>(n) / sizeof(signalfd_siginfo); ++i)
+      sigs.push_back(static_cast<int>(info[i].ssi_signo));
+  }
+  return sigs;
+}
+
+int SignalChannel::wait_stop_signal(int timeout_ms) {
+  pollfd p{fd_, POLLIN, 0};
+  int rc = poll(&p, 1, timeout_ms);
+  if (rc <= 0) return 0;
+  for (int sig : drain())
+    if (is_stop_signal(sig)) return sig;
+  return 0;
+}
+
+bool is_stop_signal(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT; }
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev != nullptr ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+pid_t spawn_worker(const SpawnRequest& req) {
+  // Everything the child touches is prepared here: between fork and exec only
+  // async-signal-safe calls are allowed (the launcher has other threads).
+  std::vector<char*> argv, envp;
+  for (const auto& a : req.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : req.env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devnull < 0) throw IoError(fmt::format("cohort run: cannot open /dev/null: {}", std::strerror(errno)));
+  int exec_status[2];  // the child writes errno here when exec fails; closed by a successful exec
+  if (pipe2(exec_status, O_CLOEXEC) != 0) {
+    int err = errno;
+    close(devnull);
+    throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(err)));
+  }
+  const pid_t launcher = getpid();
+
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != launcher) _exit(127);  // the launcher died before prctl took effect
+    dup2(devnull, STDIN_FILENO);
+    dup2(req.stdout_fd, STDOUT_FILENO);
+    dup2(req.stderr_fd, STDERR_FILENO);
+    // Descriptors the launcher did not mark close-on-exec (its store sockets, a
+    // caller's) must not leak into the worker.
+    close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
+    signal(SIGPIPE, SIG_DFL);
+    if (req.signal_mask != nullptr) sigprocmask(SIG_SETMASK, req.signal_mask, nullptr);
+    execve(req.path.c_str(), argv.data(), envp.data());
+    int err = errno;
+    ssize_t ignored = write(exec_status[1], &err, sizeof(err));
+    (void)ignored;
+    _exit(127);
+  }
+  int fork_errno = errno;
+  close(devnull);
+  close(exec_status[1]);
+  if (pid < 0) {
+    close(exec_status[0]);
+    throw IoError(fmt::format("cohort run: fork failed: {}; the machine may be out of processes or memory",
+                              std::strerror(fork_errno)));
+  }
+  setpgid(pid, pid);  // also here, so the group exists before we might signal it (EACCES after exec is fine)
+  int child_errno = 0;
+  ssize_t n;
+  do {
+    n = read(exec_status[0], &child_errno, sizeof(child_errno));
+  } while (n < 0 && errno == EINTR);
+  close(exec_status[0]);
+  if (n == static_cast<ssize_t>(sizeof(child_errno))) {
+    int status;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    throw IoError(fmt::format("cohort run: cannot start {}: {}; check that it is an executable for this machine",
+                              req.path, std::strerror(child_errno)));
+  }
+  return pid;
+}
+
+void signal_group(pid_t pgid, int sig) {
+  if (pgid <= 0) return;  // never kill(0) or kill(-1)
+  kill(-pgid, sig);
+}
+
+}  // namespace cohort::launch

@@ -1,0 +1,45 @@
+// The environment contract between the launcher and each worker: torchrun's
+// variable names, so that programs written for torchrun run unchanged, plus
+// cohort's own COHORT_STORE_ADDR / COHORT_STORE_PORT / COHORT_RUN_ID.
+// Pure functions; the agent calls them once per worker per attempt.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace cohort::launch {
+
+// What every worker of one node and one attempt shares.
+struct JobEnv {
+  int nproc_per_node = 1;   // LOCAL_WORLD_SIZE (the same on every node for now)
+  int nnodes = 1;           // GROUP_WORLD_SIZE
+  int node_rank = 0;        // GROUP_RANK
+  std::string role = "default";
+  std::string master_addr;
+  int master_port = 0;
+  std::string store_addr;   // COHORT_STORE_ADDR: the launcher-hosted store
+  int store_port = 0;
+  int restart_count = 0;    // TORCHELASTIC_RESTART_COUNT
+  int max_restarts = 0;
+  std::string run_id;       // TORCHELASTIC_RUN_ID (the user's --rdzv-id)
+  std::string cohort_run_id;  // COHORT_RUN_ID: unique per job, names /dev/shm/cohort-<id>-*
+  bool set_omp_threads = false;  // OMP_NUM_THREADS=1 (see omp_threads_default_needed)
+};
+
+using EnvVars = std::vector<std::pair<std::string, std::string>>;
+
+// The variables worker `local_rank` gets, in a fixed order. Global RANK is
+// node_rank * nproc_per_node + local_rank.
+EnvVars worker_env_vars(const JobEnv& job, int local_rank);
+
+// `base` (a NULL-terminated environ) with `vars` set over it, as "K=V" strings.
+std::vector<std::string> merge_environment(char** base, const EnvVars& vars);
+
+// torchrun sets OMP_NUM_THREADS=1 for every worker when it is unset and there is
+// more than one worker per node, so N workers do not each start one thread per CPU.
+bool omp_threads_default_needed(const char* current_value, int nproc_per_node);
+// The one-line notice printed when it does so.
+std::string omp_threads_notice(int nproc_per_node);
+
+}  // namespace cohort::launch

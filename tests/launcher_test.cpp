@@ -1,0 +1,272 @@
+// `cohort run` end to end, single node: real processes through the cohort
+// binary (tests/progs/launch_env.cpp and launch_behave.cpp are the workers).
+// Every run has a generous deadline; the only timing checks are upper bounds
+// far below the workers' own sleeps. Multi-node cases: launcher_multinode_test.cpp.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "launch_harness.hpp"
+
+namespace lt = launch_test;
+namespace fs = std::filesystem;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// rank -> (KEY -> VALUE) from launch_env's "[rankR]: KEY=VALUE" lines.
+std::map<int, std::map<std::string, std::string>> env_by_rank(const std::string& out, int nranks) {
+  std::map<int, std::map<std::string, std::string>> m;
+  for (int r = 0; r < nranks; ++r)
+    for (const auto& line : lt::lines_with(out, "[rank" + std::to_string(r) + "]: ")) {
+      auto eq = line.find('=');
+      if (eq != std::string::npos) m[r][line.substr(0, eq)] = line.substr(eq + 1);
+    }
+  return m;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TEST(Launcher, EnvContractForThreeWorkers) {
+  int port = lt::free_port_pair();
+  ASSERT_GT(port, 0);
+  auto r = lt::run({"run", "--nproc_per_node", "3", "--master-port", std::to_string(port), "--rdzv-id", "myjob",
+                    "--max-restarts", "2", lt::prog("launch_env")});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto env = env_by_rank(r.out, 3);
+  ASSERT_EQ(env.size(), 3u) << r.out;
+  std::set<std::string> run_ids;
+  for (int rank = 0; rank < 3; ++rank) {
+    auto& e = env[rank];
+    std::string R = std::to_string(rank);
+    EXPECT_EQ(e["RANK"], R);
+    EXPECT_EQ(e["LOCAL_RANK"], R);
+    EXPECT_EQ(e["WORLD_SIZE"], "3");
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["GROUP_RANK"], "0");
+    EXPECT_EQ(e["GROUP_WORLD_SIZE"], "1");
+    EXPECT_EQ(e["ROLE_RANK"], R);
+    EXPECT_EQ(e["ROLE_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["ROLE_NAME"], "default");
+    EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(e["MASTER_PORT"], std::to_string(port));
+    EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(e["TORCHELASTIC_MAX_RESTARTS"], "2");
+    EXPECT_EQ(e["TORCHELASTIC_RUN_ID"], "myjob");
+    EXPECT_EQ(e["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(e["OMP_NUM_THREADS"], "1");
+    EXPECT_EQ(e["COHORT_STORE_ADDR"], "127.0.0.1");
+    EXPECT_EQ(e["COHORT_STORE_PORT"], std::to_string(port + 1));
+    EXPECT_EQ(e["COHORT_RUN_ID"].rfind("myjob-", 0), 0u) << e["COHORT_RUN_ID"];
+    run_ids.insert(e["COHORT_RUN_ID"]);
+  }
+  EXPECT_EQ(run_ids.size(), 1u) << "every worker of a job shares COHORT_RUN_ID";
+  EXPECT_TRUE(contains(r.err, "OMP_NUM_THREADS=1")) << r.err;
+}
+
+TEST(Launcher, StandalonePicksSeparatePortsAndKeepsUserOmp) {
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_env")}, {{"OMP_NUM_THREADS", "4"}});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto env = env_by_rank(r.out, 2);
+  ASSERT_EQ(env.size(), 2u) << r.out;
+  EXPECT_NE(env[0]["MASTER_PORT"], env[0]["COHORT_STORE_PORT"]);
+  EXPECT_NE(env[0]["MASTER_PORT"], "0");
+  EXPECT_NE(env[0]["COHORT_STORE_PORT"], "0");
+  EXPECT_EQ(env[0]["OMP_NUM_THREADS"], "4");
+  EXPECT_FALSE(contains(r.err, "OMP_NUM_THREADS")) << r.err;
+  EXPECT_NE(env[0]["TORCHELASTIC_RUN_ID"], "none");  // --standalone makes one up, as torchrun does
+}
+
+TEST(Launcher, ProgramArgumentsPassThroughUntouched) {
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "1", lt::prog("launch_env"), "--nproc-per-node", "5",
+                    "-m", "--master-port=1", "--", "plain", "--help"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto args = lt::lines_with(r.out, "[rank0]: ARG");
+  std::vector<std::string> want = {"1=--nproc-per-node", "2=5", "3=-m", "4=--master-port=1", "5=--", "6=plain",
+                                   "7=--help"};
+  EXPECT_EQ(args, want) << r.out;
+  auto env = env_by_rank(r.out, 1);
+  EXPECT_EQ(env[0]["WORLD_SIZE"], "1");
+}
+
+TEST(Launcher, PythonScriptsAndModulesRunWithPython) {
+  if (system("python3 -c pass >/dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
+  std::string dir = lt::temp_dir();
+  std::ofstream(dir + "/show.py") << "import os, sys\nprint('py', os.environ['RANK'], sys.argv[1:])\n";
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", dir + "/show.py", "--lr", "1"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank1]: py 1 ['--lr', '1']")) << r.out;
+  auto m = lt::run({"run", "--standalone", "-m", "show", "x"}, {{"PYTHONPATH", dir}});
+  ASSERT_EQ(m.status, 0) << m.err;
+  EXPECT_TRUE(contains(m.out, "[rank0]: py 0 ['x']")) << m.out;
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, PrefixesLinesAndKeepsStreamsApart) {
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "say=hello",
+                    "warn=oops", "partial"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (std::string rank : {"0", "1"}) {
+    EXPECT_TRUE(contains(r.out, "[rank" + rank + "]: hello\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, "[rank" + rank + "]: partial\n")) << "a line written in two parts stays whole\n"
+                                                                       << r.out;
+    EXPECT_TRUE(contains(r.err, "[rank" + rank + "]: oops\n")) << r.err;
+  }
+  EXPECT_FALSE(contains(r.out, "oops"));
+  EXPECT_FALSE(contains(r.err, "hello"));
+}
+
+TEST(Launcher, FailingRankStopsTheOthers) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "pid_dir=" + dir,
+              "fail_rank=1", "code=3", "delay_ms=300", "sleep=120"});
+  auto pids = lt::wait_pid_files(dir, 2);
+  auto r = p.wait(60);
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_LT(r.seconds, 60) << "the sleeping rank was not stopped";
+  EXPECT_TRUE(contains(r.err, "cohort run: rank 1 (local 1, pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, ") exited with code 3; stopped the other 1 worker(s)")) << r.err;
+  ASSERT_EQ(pids.size(), 2u);
+  EXPECT_TRUE(lt::wait_gone(pids[0]));
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, RankKilledBySignalIsNamed) {
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "kill_rank=0",
+                    "sleep=120"});
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "rank 0 (local 0, pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "was killed by signal 9 (SIGKILL)")) << r.err;
+}
+
+TEST(Launcher, WorkerIgnoringSigtermGetsSigkill) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "pid_dir=" + dir,
+              "ignore_term", "fail_rank=1", "code=5", "delay_ms=300", "sleep=120"},
+             {{"COHORT_TERM_TIMEOUT", "500ms"}});
+  auto pids = lt::wait_pid_files(dir, 2);
+  auto r = p.wait(60);
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "exited with code 5")) << r.err;
+  ASSERT_EQ(pids.size(), 2u);
+  EXPECT_TRUE(lt::wait_gone(pids[0]));
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, SigtermToLauncherStopsWorkers) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "pid_dir=" + dir,
+              "sleep=120"});
+  auto pids = lt::wait_pid_files(dir, 2);
+  ASSERT_EQ(pids.size(), 2u);
+  kill(p.pid(), SIGTERM);
+  auto r = p.wait(60);
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  EXPECT_TRUE(contains(r.err, "received SIGTERM; stopped 2 worker(s)")) << r.err;
+  for (pid_t pid : pids) EXPECT_TRUE(lt::wait_gone(pid));
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, SigkilledLauncherLeavesNoOrphans) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "pid_dir=" + dir,
+              "sleep=120"});
+  auto pids = lt::wait_pid_files(dir, 2);
+  ASSERT_EQ(pids.size(), 2u);
+  kill(p.pid(), SIGKILL);
+  p.wait(30);
+  for (pid_t pid : pids) EXPECT_TRUE(lt::wait_gone(pid)) << "PR_SET_PDEATHSIG should have killed pid " << pid;
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, MaxRestartsRestartsFailedWorkers) {
+  auto ok = lt::run({"run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", lt::prog("launch_behave"),
+                     "fail_until_restart=1"});
+  EXPECT_EQ(ok.status, 0) << ok.err;
+  // Attempt 0: the first rank to fail stops the other, maybe before it printed.
+  EXPECT_TRUE(contains(ok.out, "]: restart 0\n")) << ok.out;
+  EXPECT_TRUE(contains(ok.out, "[rank0]: restart 1\n")) << ok.out;
+  EXPECT_TRUE(contains(ok.out, "[rank1]: restart 1\n")) << ok.out;
+  EXPECT_TRUE(contains(ok.err, "restarting the workers (restart 1 of 1)")) << ok.err;
+
+  auto spent = lt::run({"run", "--standalone", "--nproc-per-node", "1", "--max_restarts=1", lt::prog("launch_behave"),
+                        "fail_until_restart=5"});
+  EXPECT_EQ(spent.status, 1) << spent.err;
+  EXPECT_TRUE(contains(spent.err, "exited with code 3")) << spent.err;
+  EXPECT_TRUE(contains(spent.err, "no restarts left (--max-restarts 1)")) << spent.err;
+
+  auto none = lt::run({"run", "--standalone", lt::prog("launch_behave"), "fail_until_restart=1"});
+  EXPECT_EQ(none.status, 1) << none.err;
+}
+
+TEST(Launcher, BadFlagsFailClearly) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {{"run", "--nproc-per-node", "0", "true"}, "--nproc-per-node 0"},
+      {{"run", "--nproc-per-node", "many", "true"}, "--nproc-per-node many"},
+      {{"run", "--nnodes", "1:4", "true"}, "elastic membership (MIN < MAX) is not supported yet"},
+      {{"run", "--nnodes", "x", "true"}, "--nnodes x"},
+      {{"run", "--nnodes", "2", "--node-rank", "2", "true"}, "--node-rank 2 is outside 0..1"},
+      {{"run", "--standalone"}, "missing PROGRAM"},
+      {{"run", "--bogus-flag", "true"}, "unknown flag --bogus-flag"},
+      {{"run", "--tee", "7", "true"}, "--tee 7"},
+      {{"run", "--redirects", "0:3,x", "true"}, "--redirects 0:3,x"},
+      {{"run", "--standalone", "no-such-program-xyz"}, "'no-such-program-xyz' was not found in PATH"},
+      {{"run", "--standalone", "/nonexistent/train.py"}, "/nonexistent/train.py does not exist"},
+      {{"run", "--no-python", "-m", "mod"}, "cannot be used together"},
+  };
+  for (const auto& c : cases) {
+    auto r = lt::run(c.args);
+    EXPECT_NE(r.status, 0) << c.args[1];
+    EXPECT_TRUE(contains(r.err, c.message)) << "args " << c.args[1] << ": " << r.err;
+  }
+}
+
+TEST(Launcher, LogDirGetsPerRankFilesAndRedirectsHideConsole) {
+  std::string dir = lt::temp_dir();
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", "--log-dir", dir, "--redirects", "3", "--tee",
+                    "0:1", "--rdzv-id", "logs", lt::prog("launch_behave"), "say=to-out", "warn=to-err"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  // Rank 0's stdout is teed to the console; everything else only reaches the files.
+  EXPECT_TRUE(contains(r.out, "[rank0]: to-out")) << r.out;
+  EXPECT_FALSE(contains(r.out, "[rank1]")) << r.out;
+  EXPECT_FALSE(contains(r.err, "[rank")) << r.err;
+  std::vector<fs::path> runs(fs::directory_iterator(dir), fs::directory_iterator{});
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].filename().string().rfind("logs-", 0), 0u) << runs[0];
+  for (int lr = 0; lr < 2; ++lr) {
+    fs::path d = runs[0] / "attempt_0" / std::to_string(lr);
+    EXPECT_EQ(read_file(d / "stdout.log"), "to-out\n") << d;
+    EXPECT_EQ(read_file(d / "stderr.log"), "to-err\n") << d;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, RemovesSharedMemoryLeftByCrashedWorkers) {
+  if (!fs::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "shm", "fail_rank=0",
+                    "code=4"});
+  EXPECT_EQ(r.status, 1) << r.err;
+  auto paths = lt::lines_with(r.out, "[rank1]: SHM=");
+  ASSERT_EQ(paths.size(), 1u) << r.out;
+  EXPECT_FALSE(fs::exists(paths[0])) << paths[0];
+  auto paths0 = lt::lines_with(r.out, "[rank0]: SHM=");
+  ASSERT_EQ(paths0.size(), 1u) << r.out;
+  EXPECT_FALSE(fs::exists(paths0[0])) << paths0[0];
+}
+
+}  // namespace

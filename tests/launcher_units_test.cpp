@@ -1,0 +1,225 @@
+// The launcher's pure pieces, called directly: flag parsing, port resolution,
+// the worker environment, output line prefixing, run ids and shm cleanup.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "cohort/error.hpp"
+#include "launch/options.hpp"
+#include "launch/output.hpp"
+#include "launch/run_id.hpp"
+#include "launch/worker_env.hpp"
+
+using namespace cohort::launch;
+using cohort::InvalidArgument;
+
+TEST(LaunchOptions, StdSpecWholeAndPerRank) {
+  EXPECT_EQ(parse_std_spec("3", "--tee").for_rank(5), kStdBoth);
+  EXPECT_FALSE(parse_std_spec("0", "--tee").any());
+  StdSpec s = parse_std_spec("0:3,2:1", "--redirects");
+  EXPECT_EQ(s.for_rank(0), kStdBoth);
+  EXPECT_EQ(s.for_rank(1), kStdNone);
+  EXPECT_EQ(s.for_rank(2), kStdOut);
+  EXPECT_TRUE(s.any());
+  for (const char* bad : {"4", "", "x", "0:4", "0:3,0:1", ":3", "1:", "-1"})
+    EXPECT_THROW(parse_std_spec(bad, "--tee"), InvalidArgument) << bad;
+}
+
+TEST(LaunchOptions, NprocAndNnodes) {
+  EXPECT_EQ(parse_nproc("4"), 4);
+  EXPECT_EQ(parse_nproc("auto"), cpu_count());
+  EXPECT_EQ(parse_nproc("cpu"), cpu_count());
+  EXPECT_GE(cpu_count(), 1);
+  for (const char* bad : {"0", "-2", "two", "gpu", ""}) EXPECT_THROW(parse_nproc(bad), InvalidArgument) << bad;
+  EXPECT_EQ(parse_nnodes("3"), 3);
+  EXPECT_EQ(parse_nnodes("2:2"), 2);
+  try {
+    parse_nnodes("1:2");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("not supported yet"), std::string::npos) << e.what();
+  }
+  for (const char* bad : {"0", "2:1", "a:b", ":", "x"}) EXPECT_THROW(parse_nnodes(bad), InvalidArgument) << bad;
+}
+
+TEST(LaunchOptions, Endpoint) {
+  auto hp = parse_endpoint("node0:1234", 9);
+  EXPECT_EQ(hp.host, "node0");
+  EXPECT_EQ(hp.port, 1234);
+  EXPECT_EQ(parse_endpoint("node0", 9).port, 9);
+  EXPECT_EQ(parse_endpoint("[::1]:80", 9).host, "::1");
+  for (const char* bad : {":80", "h:0", "h:99999", "h:x", "::1:80", "[::1"})
+    EXPECT_THROW(parse_endpoint(bad, 9), InvalidArgument) << bad;
+}
+
+TEST(LaunchOptions, EndpointsKeepTheStoreOffMasterPort) {
+  LaunchOptions o;
+  o.command = {"prog"};
+  Endpoints e = resolve_endpoints(o);
+  EXPECT_EQ(e.master_addr, "127.0.0.1");
+  EXPECT_EQ(e.master_port, 29500);
+  EXPECT_EQ(e.store_port, 29501);
+  EXPECT_EQ(e.store_bind, "127.0.0.1");
+
+  o.nnodes = 2;
+  o.rdzv_endpoint = "head:29500";  // a torchrun habit: the endpoint on the default master port
+  e = resolve_endpoints(o);
+  EXPECT_EQ(e.store_addr, "head");
+  EXPECT_EQ(e.store_bind, "0.0.0.0");
+  EXPECT_EQ(e.store_port, 29500);
+  EXPECT_EQ(e.master_addr, "head");
+  EXPECT_EQ(e.master_port, 29501);
+
+  o.master_port_given = true;  // an explicit clash is the user's to fix
+  EXPECT_THROW(resolve_endpoints(o), InvalidArgument);
+
+  o.standalone = true;
+  o.nnodes = 1;
+  e = resolve_endpoints(o);
+  EXPECT_EQ(e.master_port, 0);
+  EXPECT_EQ(e.store_port, 0);
+}
+
+TEST(LaunchOptions, Validate) {
+  LaunchOptions o;
+  o.command = {"prog"};
+  EXPECT_NO_THROW(validate(o));
+  auto bad = [&](auto change) {
+    LaunchOptions c = o;
+    change(c);
+    EXPECT_THROW(validate(c), InvalidArgument);
+  };
+  bad([](LaunchOptions& c) { c.command.clear(); });
+  bad([](LaunchOptions& c) { c.command = {"--oops"}; });
+  bad([](LaunchOptions& c) { c.node_rank = 1; });
+  bad([](LaunchOptions& c) { c.rdzv_backend = "etcd"; });
+  bad([](LaunchOptions& c) { c.max_restarts = -1; });
+  bad([](LaunchOptions& c) { c.standalone = true, c.nnodes = 2; });
+  bad([](LaunchOptions& c) { c.tee = parse_std_spec("3:1", "--tee"); });  // local rank 3 of 1 worker
+  bad([](LaunchOptions& c) { c.rdzv_endpoint = "h:0"; });
+}
+
+TEST(LaunchOptions, WorkerArgvWrapsPythonLikeTorchrun) {
+  LaunchOptions o;
+  o.command = {"train.py", "--lr", "1"};
+  EXPECT_EQ(worker_argv(o, "python3"), (std::vector<std::string>{"python3", "-u", "train.py", "--lr", "1"}));
+  o.no_python = true;
+  EXPECT_EQ(worker_argv(o, "python3"), (std::vector<std::string>{"train.py", "--lr", "1"}));
+  o.no_python = false;
+  o.module = true;
+  o.command = {"pkg.main"};
+  EXPECT_EQ(worker_argv(o, "py"), (std::vector<std::string>{"py", "-u", "-m", "pkg.main"}));
+  o.module = false;
+  o.command = {"./bin", "x.py"};
+  EXPECT_EQ(worker_argv(o, "python3"), (std::vector<std::string>{"./bin", "x.py"}));
+}
+
+TEST(LaunchOptions, ResolveProgram) {
+  EXPECT_EQ(resolve_program("sh", "/nonexistent:/bin:/usr/bin"), "/bin/sh");
+  EXPECT_THROW(resolve_program("sh", "/nonexistent"), InvalidArgument);
+  EXPECT_THROW(resolve_program("/nonexistent/prog", "/bin"), InvalidArgument);
+  EXPECT_THROW(resolve_program("/tmp", "/bin"), InvalidArgument);  // a directory
+}
+
+TEST(WorkerEnv, GlobalRanksOnSecondNode) {
+  JobEnv job;
+  job.nproc_per_node = 4;
+  job.nnodes = 3;
+  job.node_rank = 1;
+  job.set_omp_threads = true;
+  auto vars = worker_env_vars(job, 2);
+  std::map<std::string, std::string> m(vars.begin(), vars.end());
+  EXPECT_EQ(m["RANK"], "6");
+  EXPECT_EQ(m["LOCAL_RANK"], "2");
+  EXPECT_EQ(m["WORLD_SIZE"], "12");
+  EXPECT_EQ(m["GROUP_RANK"], "1");
+  EXPECT_EQ(m["GROUP_WORLD_SIZE"], "3");
+  EXPECT_EQ(m["ROLE_RANK"], "6");
+  EXPECT_EQ(m["OMP_NUM_THREADS"], "1");
+  job.set_omp_threads = false;
+  for (const auto& [k, v] : worker_env_vars(job, 0)) EXPECT_NE(k, "OMP_NUM_THREADS");
+}
+
+TEST(WorkerEnv, MergeOverridesAndKeeps) {
+  std::string a = "PATH=/bin", b = "RANK=old", c = "NOEQUALS";
+  char* base[] = {a.data(), b.data(), c.data(), nullptr};
+  auto env = merge_environment(base, {{"RANK", "3"}, {"NEW", "x"}});
+  EXPECT_EQ(env, (std::vector<std::string>{"PATH=/bin", "RANK=3", "NEW=x"}));
+  EXPECT_TRUE(omp_threads_default_needed(nullptr, 2));
+  EXPECT_TRUE(omp_threads_default_needed("", 2));
+  EXPECT_FALSE(omp_threads_default_needed("8", 2));
+  EXPECT_FALSE(omp_threads_default_needed(nullptr, 1));
+}
+
+TEST(Output, PrefixerKeepsPartialLinesWhole) {
+  LinePrefixer p("[rank1]: ");
+  std::string out;
+  p.feed("he", out);
+  EXPECT_EQ(out, "");
+  p.feed("llo\nwor", out);
+  EXPECT_EQ(out, "[rank1]: hello\n");
+  p.feed("ld\n\n", out);
+  EXPECT_EQ(out, "[rank1]: hello\n[rank1]: world\n[rank1]: \n");
+  out.clear();
+  p.feed("tail", out);
+  p.finish(out);
+  EXPECT_EQ(out, "[rank1]: tail\n");
+  out.clear();
+  p.finish(out);
+  EXPECT_EQ(out, "");
+}
+
+TEST(Output, PrefixerBoundsLongLines) {
+  LinePrefixer p(">", 4);
+  std::string out;
+  p.feed("abcdef", out);  // no newline in sight: the pending part may not grow past 4 bytes
+  EXPECT_EQ(out, ">abcd\n");
+  p.feed("g\n", out);
+  EXPECT_EQ(out, ">abcd\n>efg\n");
+}
+
+TEST(Output, Routes) {
+  LaunchOptions o;
+  o.nproc_per_node = 2;
+  StreamRoute r = route_streams(o, 0);
+  EXPECT_TRUE(r.console_out && r.console_err);
+  EXPECT_FALSE(r.file_out || r.file_err);
+  o.redirects = parse_std_spec("1:2", "--redirects");
+  o.tee = parse_std_spec("0:1", "--tee");
+  r = route_streams(o, 1);
+  EXPECT_TRUE(r.console_out);
+  EXPECT_FALSE(r.console_err);
+  EXPECT_FALSE(r.file_out);
+  EXPECT_TRUE(r.file_err);
+  r = route_streams(o, 0);
+  EXPECT_TRUE(r.console_out && r.file_out);
+  EXPECT_FALSE(r.file_err);
+  o.log_dir = "/tmp/x";  // --log-dir: files for every stream
+  r = route_streams(o, 0);
+  EXPECT_TRUE(r.file_out && r.file_err);
+  EXPECT_EQ(worker_log_dir("/l", "job-1", 2, 3), "/l/job-1/attempt_2/3");
+}
+
+TEST(RunId, UniqueAndSafe) {
+  std::string a = make_cohort_run_id("my job/1"), b = make_cohort_run_id("my job/1");
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a.rfind("my_job_1-", 0), 0u) << a;
+  EXPECT_EQ(make_cohort_run_id("none").rfind("job-", 0), 0u);
+  EXPECT_LE(make_cohort_run_id(std::string(100, 'x')).size(), 24u + 1 + 8);
+}
+
+TEST(RunId, RemovesOnlyThisJobsSegments) {
+  namespace fs = std::filesystem;
+  std::string dir = (fs::temp_directory_path() / "cohort_shm_test_XXXXXX").string();
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  for (const char* name : {"cohort-j-1-a", "cohort-j-1-b", "cohort-j-10-a", "cohort-k-1-a", "other"})
+    std::ofstream(dir + "/" + name) << "x";
+  EXPECT_EQ(remove_shm_segments("j-1", dir), 2);
+  EXPECT_FALSE(fs::exists(dir + "/cohort-j-1-a"));
+  EXPECT_TRUE(fs::exists(dir + "/cohort-j-10-a"));
+  EXPECT_TRUE(fs::exists(dir + "/cohort-k-1-a"));
+  EXPECT_TRUE(fs::exists(dir + "/other"));
+  EXPECT_EQ(remove_shm_segments("j-1", dir + "/missing"), 0);
+  fs::remove_all(dir);
+}
