@@ -92,12 +92,33 @@ WorkPtr NativeGroup::submit(OpDesc d) {
     busy_ = false;
     return w;
   }
-  auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
+  auto w = std::make_shared<WorkImpl>(d, setup_.timeout, std::weak_ptr<WorkRunner>(weak_from_this()));
   queue_.emplace_back(std::move(d), w);
   if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
   lk.unlock();
   cv_.notify_one();
   return w;
+}
+
+bool NativeGroup::run_if_next(WorkImpl* w) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (busy_ || stopping_ || queue_.empty() || queue_.front().second.get() != w) return false;
+  auto [d, work] = std::move(queue_.front());
+  queue_.pop_front();
+  busy_ = true;
+  lk.unlock();
+  std::exception_ptr err;
+  try {
+    execute(d);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  work->complete(err);
+  lk.lock();
+  busy_ = false;
+  lk.unlock();
+  cv_.notify_all();  // the progress thread waits for !busy_ before it takes the next one
+  return true;
 }
 
 void NativeGroup::progress_loop() {

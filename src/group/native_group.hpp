@@ -40,7 +40,7 @@ struct GroupSetup {
   std::string route_hint;        // host to route TCP towards (the store's host)
 };
 
-class NativeGroup final : public ProcessGroup, public std::enable_shared_from_this<NativeGroup> {
+class NativeGroup final : public ProcessGroup, public WorkRunner, public std::enable_shared_from_this<NativeGroup> {
  public:
   // Connects to every peer (collective over the group's ranks).
   static std::shared_ptr<NativeGroup> create(GroupSetup setup);
@@ -65,6 +65,7 @@ class NativeGroup final : public ProcessGroup, public std::enable_shared_from_th
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops, Millis timeout) override;
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) override;
   void shutdown() override;
+  bool run_if_next(WorkImpl* w) override;
 
   // Which transport reaches each peer ("shm", "tcp", "self"), for logs and tests.
   std::string transport_of(int peer) const;

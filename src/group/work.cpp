@@ -1,6 +1,12 @@
 #include "group/work.hpp"
 
+#include <sched.h>
+
+#include <chrono>
+
 #include <fmt/format.h>
+
+#include "core/env.hpp"
 
 namespace cohort::group {
 
@@ -13,7 +19,21 @@ void WorkImpl::complete(std::exception_ptr err) {
   cv_.notify_all();
 }
 
+namespace {
+const core::Knob kWaitSpinUs{"COHORT_WAIT_SPIN_US", "20",
+                             "microseconds Work::wait polls for completion before it blocks on a condition variable",
+                             core::KnobKind::Int};
+}
+
 void WorkImpl::wait(Millis timeout) {
+  if (!done_.load(std::memory_order_acquire)) {
+    if (auto r = runner_.lock()) r->run_if_next(this);
+  }
+  if (!done_.load(std::memory_order_acquire)) {
+    static const int spin_us = static_cast<int>(kWaitSpinUs.integer());
+    auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) sched_yield();
+  }
   if (!done_.load(std::memory_order_acquire)) {
     Millis t = timeout.count() > 0 ? timeout : default_timeout_;
     std::unique_lock<std::mutex> lk(mu_);

@@ -12,9 +12,23 @@
 
 namespace cohort::group {
 
+class WorkImpl;
+
+// The group's side of Work::wait: a waiter whose operation is next in line
+// and not yet picked up by the progress thread runs it itself, which saves
+// two thread wake-ups (tens of microseconds on a VM) for call-then-wait code.
+class WorkRunner {
+ public:
+  virtual ~WorkRunner() = default;
+  // Runs `w` on the calling thread if it is at the head of the queue and the
+  // group is idle; returns false (doing nothing) otherwise.
+  virtual bool run_if_next(WorkImpl* w) = 0;
+};
+
 class WorkImpl final : public Work {
  public:
-  WorkImpl(const OpDesc& desc, Millis default_timeout) : desc_(desc), default_timeout_(default_timeout) {}
+  WorkImpl(const OpDesc& desc, Millis default_timeout, std::weak_ptr<WorkRunner> runner = {})
+      : desc_(desc), default_timeout_(default_timeout), runner_(std::move(runner)) {}
 
   bool is_completed() const override { return done_.load(std::memory_order_acquire); }
   void wait(Millis timeout) override;
@@ -26,6 +40,7 @@ class WorkImpl final : public Work {
  private:
   OpDesc desc_;  // formatted only when asked (the inline path must stay cheap)
   Millis default_timeout_;
+  std::weak_ptr<WorkRunner> runner_;
   std::atomic<bool> done_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
