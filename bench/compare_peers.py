@@ -9,6 +9,7 @@ Rows of every program have the nccl-tests shape:
 """
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ def parse_rows(text, has_root):
     """size -> (time_us, busbw, wrong) from nccl-tests style rows (out-of-place columns)."""
     out = {}
     for line in text.splitlines():
+        line = re.sub(r"^\[rank\d+\]: ", "", line)  # cohort run's per-rank prefix
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         f = line.split()

@@ -15,7 +15,10 @@ void add_env_command(CLI::App& app, int& exit_code) {
     auto knobs = core::all_knobs();
     if (markdown) {
       std::printf("| variable | default | meaning |\n|---|---|---|\n");
-      for (const auto* k : knobs) std::printf("| `%s` | `%s` | %s |\n", k->name(), k->default_value(), k->help());
+      for (const auto* k : knobs) {
+        std::string d = *k->default_value() ? "`" + std::string(k->default_value()) + "`" : "(unset)";
+        std::printf("| `%s` | %s | %s |\n", k->name(), d.c_str(), k->help());
+      }
     } else {
       for (const auto* k : knobs) {
         std::string v = k->str();

@@ -29,7 +29,7 @@ namespace {
 const core::Knob kIfname{"COHORT_SOCKET_IFNAME", "",
                          "network interface for TCP connections between ranks: eth0, a prefix (eth), =eth0 (exact) or "
                          "^docker (exclude); default: the interface that routes to the store's host"};
-const core::Knob kSockBuf{"COHORT_SOCKET_BUFFER", "4M", "SO_SNDBUF / SO_RCVBUF for rank-to-rank sockets (0: system default)",
+const core::Knob kSockBuf{"COHORT_SOCKET_BUFFER", "0", "SO_SNDBUF / SO_RCVBUF for rank-to-rank sockets (0: leave them to the kernel's autotuning, which measured best on loopback)",
                           core::KnobKind::Bytes};
 
 constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
