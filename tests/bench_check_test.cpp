@@ -24,6 +24,8 @@ std::string name(const Case& c) {
   return c.coll + "_np" + std::to_string(c.world) + "_" + c.transport + "_" + c.dtype + "_" + c.op;
 }
 
+void PrintTo(const Case& c, std::ostream* os) { *os << name(c); }
+
 class BenchCheck : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BenchCheck, ZeroWrong) {

@@ -94,6 +94,8 @@ struct Param {
   int world;
 };
 
+void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << " x " << p.world << " ranks"; }
+
 class Collectives : public ::testing::TestWithParam<Param> {};
 
 std::vector<size_t> counts_for(int n) {

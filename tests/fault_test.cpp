@@ -14,6 +14,8 @@ struct KillCase {
   int world;
 };
 
+void PrintTo(const KillCase& c, std::ostream* os) { *os << c.transport << " x " << c.world << " ranks"; }
+
 class KillMid : public ::testing::TestWithParam<KillCase> {};
 
 TEST_P(KillMid, OthersFailFastNamingTheDeadRank) {

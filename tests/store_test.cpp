@@ -20,6 +20,7 @@ using namespace std::chrono_literals;
 namespace {
 
 enum class Kind { Memory, Prefix, Tcp };
+void PrintTo(Kind k, std::ostream* os) { *os << (k == Kind::Memory ? "memory" : k == Kind::Prefix ? "prefix" : "tcp"); }
 
 Bytes B(const std::string& s) { return Bytes(s.begin(), s.end()); }
 

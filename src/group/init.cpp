@@ -94,7 +94,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   for (int r = 0; r < size; ++r) s.world_ranks.push_back(r);
   s.root_store = root;
   s.store = std::make_shared<PrefixStore>("g0", root);
-  s.group_id = "0";
+  s.group_id = std::string(1, '0');  // (not = "0": GCC 12 -Wrestrict false positive, PR 105329)
   s.run_id = run_id;
   s.timeout = timeout;
   s.transport = opts.transport.empty() ? kTransport.str() : opts.transport;

@@ -146,7 +146,9 @@ int remove_stale_segments(const std::string& run_id) {
   if (d == nullptr) return 0;
   while (dirent* e = readdir(d)) {
     if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
-      if (shm_unlink(("/" + std::string(e->d_name)).c_str()) == 0) ++removed;
+      std::string path(1, '/');
+      path += e->d_name;
+      if (shm_unlink(path.c_str()) == 0) ++removed;
     }
   }
   closedir(d);
