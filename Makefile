@@ -27,10 +27,10 @@ demo: build
 	COHORT_TRANSPORT=tcp $(BUILD)/cohort run --nproc-per-node 2 $(BUILD)/cohort bench allreduce -b 8 -e 64M -f 4 -c 1
 
 asan:
-	$(MAKE) test BUILD=build-asan BUILD_TYPE=RelWithDebInfo CMAKE_FLAGS=-DCOHORT_SANITIZE=address
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(MAKE) test BUILD=build-asan BUILD_TYPE=RelWithDebInfo CMAKE_FLAGS=-DCOHORT_SANITIZE=address
 
 tsan:
-	$(MAKE) test BUILD=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_FLAGS=-DCOHORT_SANITIZE=thread
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $(MAKE) test BUILD=build-tsan BUILD_TYPE=RelWithDebInfo CMAKE_FLAGS=-DCOHORT_SANITIZE=thread
 
 bench: build
 	bench/compare_peers.sh
