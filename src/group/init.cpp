@@ -73,12 +73,15 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
     route_hint = so.host;
     COHORT_INFO(kInit, "store {}:{}{}", so.host, so.port, so.is_server ? " (served by this rank)" : "");
     base = std::make_shared<TcpStore>(so);
+    base->set_timeout(timeout);
   }
-  base->set_timeout(timeout);
 
   // Keys of one attempt of an elastic job must not meet those of the next.
   const std::string attempt = env_or("TORCHELASTIC_RESTART_COUNT", "0");
+  // Our own prefix store carries our timeout; a store the caller passed in
+  // (maybe shared by threads) is left untouched.
   auto root = std::make_shared<PrefixStore>("cohort/" + attempt, base);
+  root->set_timeout(timeout);
   std::string run_id = kRunId.str();
   if (run_id.empty()) {
     if (rank == 0) {
