@@ -2,6 +2,7 @@
 //
 //   DistributedSampler  which dataset indices this rank visits in an epoch, exactly
 //                       as torch.utils.data.DistributedSampler (PyTorch 1.13) yields them
+//   Loader              assembles batches on a background thread, K batches ahead
 //
 // Torch-free: batches are plain vectors with shapes; the LibTorch adapter wraps them.
 #pragma once
@@ -56,6 +57,85 @@ class DistributedSampler {
   int64_t dataset_size_;
   SamplerOptions options_;
   int64_t epoch_ = 0;
+};
+
+// ---------------------------------------------------------------- datasets
+
+// A map-style dataset: random access by index. get() is called from the
+// Loader's worker thread (one thread per Loader); a dataset shared by several
+// live Loaders must make get() safe to call concurrently.
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  virtual std::vector<int64_t> sample_shape() const = 0;  // of one x, e.g. {1, 28, 28}
+  virtual std::vector<int64_t> label_shape() const { return {}; }  // of one y; {} is a scalar label
+  // Writes sample `index` (0 <= index < size()) to x_out (numel(sample_shape()) floats)
+  // and y_out (numel(label_shape()) int64s). May throw; the Loader rethrows from next().
+  virtual void get(int64_t index, float* x_out, int64_t* y_out) const = 0;
+};
+
+int64_t numel(const std::vector<int64_t>& shape);  // product of the dims (1 for {})
+
+// ---------------------------------------------------------------- loader
+
+// One batch, row-major: x has shape x_shape = {B, sample_shape...}, y has y_shape = {B, label_shape...}.
+struct Batch {
+  std::vector<float> x;
+  std::vector<int64_t> x_shape;
+  std::vector<int64_t> y;
+  std::vector<int64_t> y_shape;
+  std::vector<int64_t> indices;  // the dataset indices of the B samples, in order
+  int64_t number = 0;            // 0, 1, 2, ... in the epoch
+  int64_t size() const { return static_cast<int64_t>(indices.size()); }
+};
+
+// Fills `out` with the samples `indices` (x, y and their shapes; out.indices and
+// out.number are set by the Loader). Runs on the Loader's worker thread.
+using BatchFn = std::function<void(std::span<const int64_t> indices, Batch& out)>;
+
+// Optional per-sample hook (augmentation): runs on the worker thread after
+// Dataset::get, on that sample's x and y.
+using SampleTransform = std::function<void(int64_t index, float* x, int64_t* y)>;
+
+struct LoaderOptions {
+  int64_t batch_size = 1;
+  bool drop_last = false;  // drop a final batch shorter than batch_size (DataLoader's drop_last)
+  int prefetch = 0;        // batches assembled ahead of next(); 0: COHORT_PREFETCH_BATCHES (default 2)
+  std::chrono::milliseconds timeout{0};  // next()'s deadline; 0: COHORT_LOADER_TIMEOUT (default 300 s)
+  SampleTransform transform;             // Dataset constructor only
+};
+
+// Assembles one epoch's batches, in the order of `indices` (usually a
+// DistributedSampler's), on a background thread, so that the training thread
+// only waits when the worker falls behind. At most `prefetch` finished batches
+// wait in the queue; the worker blocks when it is full.
+//
+// Thread contract: next() from one thread at a time. The destructor stops the
+// worker (after the batch it is assembling, if any) and drops queued batches.
+// For the next epoch, make a new Loader with the sampler's new indices.
+class Loader {
+ public:
+  // `dataset` must outlive the Loader. Indices are checked against dataset.size()
+  // here (InvalidArgument), not on the worker.
+  Loader(const Dataset& dataset, std::vector<int64_t> indices, LoaderOptions options = {});
+  // A generic producer instead of a Dataset (options.transform is not used).
+  Loader(BatchFn make_batch, std::vector<int64_t> indices, LoaderOptions options = {});
+  ~Loader();
+  Loader(Loader&&) noexcept;             // the worker keeps running; the moved-from Loader is empty
+  Loader& operator=(Loader&&) noexcept;  // stops this Loader's worker first
+
+  // The next batch, or nullopt after the last. Blocks until the worker has one;
+  // TimeoutError past the deadline; an exception the worker hit (e.g. from
+  // Dataset::get) is rethrown here once the batches before it are consumed, and
+  // again on later calls.
+  std::optional<Batch> next();
+  int64_t num_batches() const;
+
+ private:
+  struct State;
+  void start(BatchFn make_batch, std::vector<int64_t> indices, const LoaderOptions& options);
+  std::unique_ptr<State> state_;
 };
 
 }  // namespace cohort::data
