@@ -3,6 +3,8 @@
 //   DistributedSampler  which dataset indices this rank visits in an epoch, exactly
 //                       as torch.utils.data.DistributedSampler (PyTorch 1.13) yields them
 //   Loader              assembles batches on a background thread, K batches ahead
+//   read_idx            the IDX format of MNIST / Fashion-MNIST, plain or gzip'd
+//   FashionMnist        the Fashion-MNIST train or test split as normalised floats
 //
 // Torch-free: batches are plain vectors with shapes; the LibTorch adapter wraps them.
 #pragma once
@@ -136,6 +138,55 @@ class Loader {
   struct State;
   void start(BatchFn make_batch, std::vector<int64_t> indices, const LoaderOptions& options);
   std::unique_ptr<State> state_;
+};
+
+// ---------------------------------------------------------------- IDX files
+
+// An IDX array (http://yann.lecun.com/exdb/mnist/ format: 00 00 <type> <ndims>,
+// ndims big-endian u32 dims, then the elements). cohort reads u8 (type 0x08) only.
+struct IdxArray {
+  std::vector<int64_t> dims;
+  std::vector<uint8_t> data;  // numel(dims) bytes, row-major
+};
+
+// Reads an IDX file, gunzipping it first when it starts with 1f 8b. Every
+// problem with the file (missing, unreadable, corrupt or truncated gzip, not
+// IDX, not u8, shorter or longer than its header says) is an IoError that names
+// the file and says what was found and what was expected.
+IdxArray read_idx(const std::string& path);
+// The same on bytes already in memory; `name` goes into messages.
+IdxArray parse_idx(std::span<const uint8_t> bytes, const std::string& name);
+
+// ---------------------------------------------------------------- Fashion-MNIST
+
+struct FashionMnistOptions {
+  std::string dir = "/usr/share/datasets/fashion-mnist";  // Debian's dataset-fashion-mnist
+  bool train = true;        // train-* (60000 images) or t10k-* (10000)
+  float mean = 0.2860f;     // x = (pixel / 255 - mean) / stddev; the train split's statistics
+  float stddev = 0.3530f;
+};
+
+// Loads images and labels into memory: sample_shape {1, rows, cols}, scalar
+// labels 0..9. Looks for <prefix>-images-idx3-ubyte[.gz] and
+// <prefix>-labels-idx1-ubyte[.gz] (prefix train or t10k). IoError names the
+// files and the fix when they are missing, damaged, or disagree (image and
+// label counts, shapes, labels outside 0..9); InvalidArgument for stddev <= 0.
+class FashionMnist : public Dataset {
+ public:
+  explicit FashionMnist(const FashionMnistOptions& options = {});
+
+  int64_t size() const override { return static_cast<int64_t>(labels_.size()); }
+  std::vector<int64_t> sample_shape() const override { return {1, rows_, cols_}; }
+  void get(int64_t index, float* x_out, int64_t* y_out) const override;
+
+  const std::vector<float>& images() const { return images_; }  // size() * rows * cols, normalised
+  const std::vector<int64_t>& labels() const { return labels_; }
+  static bool available(const std::string& dir = FashionMnistOptions{}.dir);  // all four files present
+
+ private:
+  int64_t rows_ = 0, cols_ = 0;
+  std::vector<float> images_;
+  std::vector<int64_t> labels_;
 };
 
 }  // namespace cohort::data
