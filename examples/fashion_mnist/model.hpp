@@ -1,0 +1,40 @@
+// The two models of the Fashion-MNIST example, the same as the PyTorch peer's
+// (../shared/peers/torch_ddp_fmnist.py), so throughput compares like for like.
+#pragma once
+
+#include <torch/torch.h>
+
+// conv(1->32,3x3)+ReLU+maxpool2, conv(32->64,3x3)+ReLU+maxpool2, fc(1600->128)+ReLU, fc(128->10): 225 k parameters.
+struct CnnImpl : torch::nn::Module {
+  CnnImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(1, 32, 3))),
+        conv2(register_module("conv2", torch::nn::Conv2d(32, 64, 3))),
+        fc1(register_module("fc1", torch::nn::Linear(64 * 5 * 5, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);  // 26 -> 13
+    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);  // 11 -> 5
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    return fc2->forward(x);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Cnn);
+
+// 784->2048->2048->2048->10 with ReLU: 10.02 M parameters, 40 MB of f32 gradients (communication-bound).
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(784, 2048))),
+        fc2(register_module("fc2", torch::nn::Linear(2048, 2048))),
+        fc3(register_module("fc3", torch::nn::Linear(2048, 2048))),
+        fc4(register_module("fc4", torch::nn::Linear(2048, 10))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    x = torch::relu(fc2->forward(x));
+    x = torch::relu(fc3->forward(x));
+    return fc4->forward(x);
+  }
+  torch::nn::Linear fc1, fc2, fc3, fc4;
+};
+TORCH_MODULE(Mlp);

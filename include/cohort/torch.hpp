@@ -1,0 +1,105 @@
+// cohort/torch.hpp: DistributedDataParallel and training helpers for
+// LibTorch's C++ frontend (built when CMake finds LibTorch; link cohort_torch).
+//
+//   auto pg = cohort::init_process_group();
+//   auto model = std::make_shared<Net>();
+//   cohort::torch::DistributedDataParallel ddp(model, pg);   // checks + broadcasts rank 0's weights
+//   for (batch : loader) {
+//     optimizer.zero_grad();
+//     ddp.pre_forward();                 // broadcasts buffers (BatchNorm stats) when enabled
+//     auto loss = loss_fn(model->forward(x), y);
+//     loss.backward();                   // gradients are averaged while backward runs;
+//                                        // when backward returns, .grad holds the average
+//     optimizer.step();
+//   }
+//
+// Gradient accumulation: { auto guard = ddp.no_sync(); loss.backward(); } for all
+// but the last micro-batch. Forgetting pre_forward() is harmless without buffers;
+// running a second backward before the first finished (e.g. retain_graph tricks
+// across iterations) throws "Expected to have finished reduction ...".
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/ddp.hpp"
+#include "cohort/process_group.hpp"
+
+namespace cohort::torch {
+
+struct DistributedDataParallelOptions {
+  double bucket_cap_mb = 25.0;        // PyTorch's bucket_cap_mb
+  double first_bucket_mb = 1.0;
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = false;
+  bool broadcast_buffers = true;      // broadcast rank 0's buffers in pre_forward()
+  ddp::CommHook comm_hook;            // empty: average with allreduce
+};
+
+class DistributedDataParallel {
+ public:
+  // Collective over `group`: checks that every rank has the same parameters
+  // (names, shapes, dtypes; a mismatch names the parameter and the ranks),
+  // broadcasts parameters and buffers from rank 0, and hooks every parameter's
+  // gradient accumulator.
+  DistributedDataParallel(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                          DistributedDataParallelOptions opts = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // Call at the start of each training forward.
+  void pre_forward();
+  // Runs pre_forward() then module->forward(args...), for typed modules.
+  template <class M, class... Args>
+  auto forward(M& typed_module, Args&&... args) {
+    pre_forward();
+    return typed_module->forward(std::forward<Args>(args)...);
+  }
+
+  [[nodiscard]] ddp::NoSyncGuard no_sync() { return reducer_->no_sync(); }
+  void register_comm_hook(ddp::CommHook hook) { reducer_->register_comm_hook(std::move(hook)); }
+  // Averages now if backward did not end through the autograd engine (never
+  // needed after loss.backward(); harmless to call twice).
+  void finalize();
+
+  ddp::IterationStats stats() const { return reducer_->stats(); }
+  ProcessGroup& group() { return *group_; }
+  const std::shared_ptr<::torch::nn::Module>& module() const { return module_; }
+  const std::vector<std::string>& param_names() const { return names_; }
+
+  // Called by the gradient-accumulator hook of parameter i (autograd's thread).
+  void on_grad_ready(size_t i);
+
+ private:
+  std::shared_ptr<::torch::nn::Module> module_;
+  std::shared_ptr<ProcessGroup> group_;
+  DistributedDataParallelOptions opts_;
+  std::vector<::torch::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<::torch::Tensor> buffers_;
+  std::unique_ptr<ddp::Reducer> reducer_;
+  std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::atomic<bool> callback_queued_{false};
+};
+
+// Broadcasts every tensor in place from `root` (contiguous tensors; moved
+// through a contiguous copy otherwise).
+void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root = 0);
+
+// Throws InvalidArgument naming the first parameter whose name, shape or dtype
+// differs from rank 0's (and the rank), on every rank.
+void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
+                           const std::vector<::torch::Tensor>& tensors);
+
+// cohort's element type for a torch dtype; InvalidArgument for types collectives cannot move.
+DType to_dtype(::torch::ScalarType t);
+
+// Averages a scalar (loss, accuracy counts) across the group.
+double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op = ReduceOp::Sum);
+
+}  // namespace cohort::torch

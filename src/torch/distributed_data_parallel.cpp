@@ -1,0 +1,134 @@
+// DistributedDataParallel for LibTorch: autograd hooks feed the
+// framework-neutral ddp::Reducer (src/ddp/).
+//
+// Where the hooks sit: a post hook on each parameter's gradient accumulator
+// (the node that adds a fresh gradient into .grad). When it runs, .grad holds
+// this backward's accumulated gradient, so the reducer can take it as is
+// (copy into the bucket, or nothing at all with gradient_as_bucket_view).
+// The first hook of a backward queues an engine callback that runs when
+// backward completes and calls Reducer::finalize(): waits for every bucket's
+// allreduce and writes the averages into .grad. So loss.backward() returns
+// with averaged gradients, as in PyTorch.
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <fmt/format.h>
+
+#include "cohort/torch.hpp"
+
+namespace cohort::torch {
+namespace {
+
+class GradReadyHook final : public ::torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(DistributedDataParallel* ddp, size_t index) : ddp_(ddp), index_(index) {}
+  ::torch::autograd::variable_list operator()(const ::torch::autograd::variable_list& outputs,
+                                              const ::torch::autograd::variable_list& /*inputs*/) override {
+    ddp_->on_grad_ready(index_);
+    return outputs;
+  }
+
+ private:
+  DistributedDataParallel* ddp_;
+  size_t index_;
+};
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Module> module,
+                                                 std::shared_ptr<ProcessGroup> group, DistributedDataParallelOptions opts)
+    : module_(std::move(module)), group_(std::move(group)), opts_(std::move(opts)) {
+  if (!module_) throw InvalidArgument("DistributedDataParallel: the module is null");
+  if (!group_) throw InvalidArgument("DistributedDataParallel: the process group is null (call cohort::init_process_group())");
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    if (!item.value().is_contiguous())
+      throw InvalidArgument(fmt::format("DistributedDataParallel: parameter '{}' is not contiguous", item.key()));
+    names_.push_back(item.key());
+    params_.push_back(item.value());
+  }
+  for (auto& b : module_->named_buffers(true)) buffers_.push_back(b.value());
+
+  check_same_parameters(*group_, names_, params_);
+  std::vector<::torch::Tensor> all = params_;
+  all.insert(all.end(), buffers_.begin(), buffers_.end());
+  broadcast_tensors(*group_, all, 0);
+
+  std::vector<ddp::ParamSpec> specs;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    specs.push_back({names_[i], static_cast<size_t>(params_[i].numel()), to_dtype(params_[i].scalar_type()),
+                     g.defined() ? g.data_ptr() : nullptr});
+  }
+  ddp::ReducerOptions ro;
+  ro.bucket_cap_mb = opts_.bucket_cap_mb;
+  ro.first_bucket_mb = opts_.first_bucket_mb;
+  ro.find_unused_parameters = opts_.find_unused_parameters;
+  ro.gradient_as_bucket_view = opts_.gradient_as_bucket_view;
+  ro.comm_hook = opts_.comm_hook;
+  reducer_ = std::make_unique<ddp::Reducer>(*group_, std::move(specs), std::move(ro));
+
+  ::torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (opts_.gradient_as_bucket_view) {
+      // .grad becomes a view of the bucket: autograd accumulates straight into it.
+      auto view = ::torch::from_blob(reducer_->bucket_slot(i), params_[i].sizes(), params_[i].options());
+      if (params_[i].grad().defined()) view.copy_(params_[i].grad());
+      else view.zero_();
+      params_[i].mutable_grad() = view;
+      reducer_->set_grad(i, view.data_ptr());
+    }
+    auto acc = ::torch::autograd::impl::grad_accumulator(params_[i]);
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+void DistributedDataParallel::pre_forward() {
+  callback_queued_.store(false);
+  if (::torch::GradMode::is_enabled()) reducer_->prepare_for_backward();
+  if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) broadcast_tensors(*group_, buffers_, 0);
+}
+
+void DistributedDataParallel::on_grad_ready(size_t i) {
+  if (!callback_queued_.exchange(true)) {
+    ::torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      callback_queued_.store(false);
+      finalize();
+    });
+  }
+  const auto& g = params_[i].grad();
+  if (!g.defined()) {
+    reducer_->set_grad(i, nullptr);
+    reducer_->mark_ready(i, nullptr);
+    return;
+  }
+  if (!g.is_contiguous() || g.scalar_type() != params_[i].scalar_type())
+    throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is not a contiguous {} tensor",
+                                      names_[i], c10::toString(params_[i].scalar_type())));
+  reducer_->set_grad(i, g.data_ptr());
+  reducer_->mark_ready(i, g.data_ptr());
+}
+
+void DistributedDataParallel::finalize() {
+  reducer_->finalize();
+  if (!opts_.gradient_as_bucket_view) return;
+  // A parameter whose .grad was reset (zero_grad(set_to_none)) got a fresh
+  // tensor from autograd: point it back at its bucket slot, which holds the result.
+  ::torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    void* slot = reducer_->bucket_slot(i);
+    if (!params_[i].grad().defined() || params_[i].grad().data_ptr() != slot) {
+      params_[i].mutable_grad() = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options());
+      reducer_->set_grad(i, slot);
+    }
+  }
+}
+
+}  // namespace cohort::torch

@@ -1,0 +1,100 @@
+// Tensor helpers of the LibTorch adapter: dtype mapping, broadcasts, and the
+// check that every rank built the same model.
+#include <fmt/format.h>
+
+#include <sstream>
+
+#include "cohort/torch.hpp"
+
+namespace cohort::torch {
+
+DType to_dtype(::torch::ScalarType t) {
+  switch (t) {
+    case ::torch::kFloat: return DType::F32;
+    case ::torch::kDouble: return DType::F64;
+    case ::torch::kHalf: return DType::F16;
+    case ::torch::kBFloat16: return DType::BF16;
+    case ::torch::kChar: return DType::I8;
+    case ::torch::kByte: return DType::U8;
+    case ::torch::kInt: return DType::I32;
+    case ::torch::kLong: return DType::I64;
+    default:
+      throw InvalidArgument(fmt::format("tensor dtype {} cannot be communicated; use float, double, half, bfloat16 or an "
+                                        "integer type",
+                                        c10::toString(t)));
+  }
+}
+
+void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root) {
+  std::vector<WorkPtr> works;
+  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> copies;  // (original, contiguous copy)
+  for (const auto& t : tensors) {
+    if (t.numel() == 0) continue;
+    ::torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    if (!t.is_contiguous()) copies.emplace_back(t, c);
+    works.push_back(group.broadcast(Buffer{c.data_ptr(), static_cast<size_t>(c.numel()), to_dtype(c.scalar_type())},
+                                    {.root = root}));
+  }
+  for (auto& w : works) w->wait();
+  ::torch::NoGradGuard no_grad;
+  for (auto& [orig, c] : copies) orig.copy_(c);
+}
+
+namespace {
+
+std::string signature(const std::string& name, const ::torch::Tensor& t) {
+  std::ostringstream s;
+  s << name << " [";
+  for (int64_t d = 0; d < t.dim(); ++d) s << (d ? ", " : "") << t.size(d);
+  s << "] " << dtype_name(to_dtype(t.scalar_type()));
+  return s.str();
+}
+
+}  // namespace
+
+void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
+                           const std::vector<::torch::Tensor>& tensors) {
+  std::vector<std::string> mine;
+  std::string joined;
+  for (size_t i = 0; i < names.size(); ++i) {
+    mine.push_back(signature(names[i], tensors[i]));
+    joined += mine.back() + "\n";
+  }
+  // Rank 0's list travels to everyone; each rank compares its own with it.
+  int64_t len = static_cast<int64_t>(joined.size());
+  group.broadcast(Buffer{&len, 1, DType::I64})->wait();
+  std::string root(static_cast<size_t>(len), '\0');
+  if (group.rank() == 0) root = joined;
+  group.broadcast(Buffer{root.data(), root.size(), DType::U8})->wait();
+  std::vector<std::string> theirs;
+  std::istringstream in(root);
+  for (std::string line; std::getline(in, line);) theirs.push_back(line);
+
+  std::string problem;
+  for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && problem.empty(); ++i) {
+    if (i >= mine.size())
+      problem = fmt::format("rank 0 has a parameter '{}' (#{}) that rank {} does not have", theirs[i], i, group.rank());
+    else if (i >= theirs.size())
+      problem = fmt::format("rank {} has a parameter '{}' (#{}) that rank 0 does not have", group.rank(), mine[i], i);
+    else if (mine[i] != theirs[i])
+      problem = fmt::format("parameter #{} is '{}' on rank 0 but '{}' on rank {}", i, theirs[i], mine[i], group.rank());
+  }
+  std::vector<int32_t> flags(group.size());
+  int32_t me = problem.empty() ? 0 : 1;
+  group.allgather(Buffer{&me, 1, DType::I32}, Buffer{flags.data(), flags.size(), DType::I32})->wait();
+  std::string bad;
+  for (int r = 0; r < group.size(); ++r)
+    if (flags[r]) bad += fmt::format("{}{}", bad.empty() ? "" : ",", r);
+  if (bad.empty()) return;
+  throw InvalidArgument(fmt::format(
+      "DistributedDataParallel: ranks [{}] have different parameters than rank 0{}; HINT: every rank must build the "
+      "same model (same layers in the same order, same sizes and dtypes) before wrapping it",
+      bad, problem.empty() ? "" : ": " + problem));
+}
+
+double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op) {
+  group.allreduce(Buffer{&value, 1, DType::F64}, {.op = op})->wait();
+  return value;
+}
+
+}  // namespace cohort::torch
