@@ -1,0 +1,265 @@
+// cohort/ddp.hpp: the framework-neutral gradient reducer of DistributedDataParallel.
+//
+// A Reducer averages gradients across the ranks of a group while backward is
+// still running. A framework adapter (src/torch for LibTorch) registers the
+// parameters once, tells the reducer from its autograd hooks that a
+// parameter's gradient is ready, and calls finalize() at the end of backward.
+// Gradients are packed into buckets (plan_buckets); a bucket's communication
+// starts as soon as all of its gradients are ready, so it overlaps the rest of
+// backward. docs/ddp.md has the whole story; the calls, per iteration:
+//
+//   forward:            reducer.prepare_for_backward();      // optional, see below
+//   backward, hook i:   reducer.mark_ready(i, grad_i);        // any order, any thread
+//   after backward:     reducer.finalize();                   // before optimizer.step()
+//   accumulate locally: { auto guard = reducer.no_sync(); ... backward ... }
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cohort/process_group.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort::ddp {
+
+// One parameter as the adapter registers it. All ranks register the same
+// parameters (same counts and dtypes) in the same order.
+struct ParamSpec {
+  std::string name;          // for error messages: "fc2.weight"
+  size_t count = 0;          // elements (zero-size parameters are allowed)
+  DType dtype = DType::F32;
+  // The parameter's gradient storage (its .grad), or nullptr while it has
+  // none. finalize() writes the averaged gradient here (without
+  // gradient_as_bucket_view or on_reduced), and a parameter never marked
+  // ready contributes what is here (zeros if nullptr) under
+  // find_unused_parameters. Change it with Reducer::set_grad.
+  void* grad = nullptr;
+};
+
+// ---- Bucket plan (a pure function) ----
+
+struct BucketPlanOptions {
+  size_t cap_bytes = size_t(25) << 20;       // bucket_cap_mb
+  size_t first_cap_bytes = size_t(1) << 20;  // the first bucket (PyTorch's _DEFAULT_FIRST_BUCKET_BYTES)
+};
+
+struct PlannedBucket {
+  DType dtype = DType::F32;
+  size_t count = 0;             // elements in the flat buffer
+  std::vector<size_t> params;   // registration indices, in bucket order (reverse registration order)
+  std::vector<size_t> offsets;  // offsets[k]: element offset of params[k] in the flat buffer
+
+  size_t bytes() const { return count * dtype_size(dtype); }
+};
+using BucketPlan = std::vector<PlannedBucket>;
+
+// Packs the parameters, in REVERSE registration order (roughly the order in
+// which backward produces their gradients), greedily into buckets: a bucket is
+// closed when the next parameter would take it past its cap (first_cap_bytes
+// for the first bucket, cap_bytes after), when it reaches its cap, or when the
+// next parameter has another dtype. A parameter larger than the cap sits alone
+// in its bucket. Zero-size parameters join the current bucket whatever their
+// dtype (they take no space). Throws InvalidArgument for an invalid dtype.
+BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptions& opts = {});
+
+// ---- Communication hooks ----
+
+// What a comm hook is given: one bucket whose gradients are all ready.
+class GradBucket {
+ public:
+  GradBucket(size_t index, size_t num_buckets, Buffer buffer, ProcessGroup& group, Millis timeout,
+             std::span<const size_t> params, std::vector<std::byte>& scratch)
+      : index_(index), num_buckets_(num_buckets), buffer_(buffer), group_(group), timeout_(timeout),
+        params_(params), scratch_(scratch) {}
+
+  size_t index() const { return index_; }  // position in the plan = launch order
+  bool is_last() const { return index_ + 1 == num_buckets_; }
+  // The bucket's flat gradients. The hook leaves the result here (in place).
+  Buffer buffer() const { return buffer_; }
+  ProcessGroup& group() const { return group_; }
+  // The reducer's timeout option (zero: the group's); pass it to collectives.
+  Millis timeout() const { return timeout_; }
+  // Registration indices of the bucket's parameters, in bucket order.
+  std::span<const size_t> params() const { return params_; }
+  // At least `bytes` of memory owned by the reducer for this bucket, reused
+  // across iterations and kept alive as long as the reducer (so a collective
+  // on it may safely outlive a failed finalize). Aligned to 8 bytes.
+  void* scratch(size_t bytes);
+
+ private:
+  size_t index_, num_buckets_;
+  Buffer buffer_;
+  ProcessGroup& group_;
+  Millis timeout_;
+  std::span<const size_t> params_;
+  std::vector<std::byte>& scratch_;
+};
+
+// A hook's answer: the communication it started and what to do once it is done.
+struct CommFuture {
+  WorkPtr work;                // nullptr: nothing to wait for
+  // Runs in finalize(), on its thread, after work completed without error:
+  // e.g. decompress the scratch result into the bucket's buffer. May be empty.
+  std::function<void()> then;
+};
+
+// Like PyTorch's register_comm_hook. Called once per bucket per synced
+// iteration, in plan order, on the thread of the mark_ready() or finalize()
+// that completed the bucket, with the reducer's lock held (do not call back
+// into the reducer). It must start its collectives without waiting for them
+// and issue the same collectives on every rank. Anything it captures by
+// pointer must outlive the CommFuture (use GradBucket::scratch for buffers).
+using CommHook = std::function<CommFuture(GradBucket&)>;
+
+// The default: allreduce with ReduceOp::Avg, in place.
+CommHook allreduce_avg_hook();
+// Convert the bucket to f16 (bf16) into scratch, allreduce-sum that, and in
+// finalize convert back dividing by the group size. For f32, f64, f16 and
+// bf16 buckets (an integer bucket throws InvalidArgument). The sum is formed in
+// the compressed type: it must fit (f16's largest finite value is 65504).
+CommHook fp16_compress_hook();
+CommHook bf16_compress_hook();
+
+// ---- Reducer ----
+
+struct ReducerOptions {
+  double bucket_cap_mb = 25.0;   // MiB, as PyTorch's bucket_cap_mb
+  double first_bucket_mb = 1.0;  // MiB
+  // Parameters not marked ready by finalize() count as ready with the gradient
+  // registered for them (zeros if none). Without it, finalize() throws naming them.
+  bool find_unused_parameters = false;
+  // The adapter makes each .grad a view of bucket_slot(i): mark_ready then
+  // copies nothing, and finalize() leaves the result in the slots and writes
+  // nothing back (on_reduced is not called).
+  bool gradient_as_bucket_view = false;
+  CommHook comm_hook;            // empty: allreduce_avg_hook()
+  // Called by finalize() for every parameter, in registration order, with its
+  // reduced gradient (valid until the next iteration), instead of copying it to
+  // ParamSpec::grad. Runs on finalize()'s thread with the lock held.
+  std::function<void(size_t param, const void* reduced)> on_reduced;
+  Millis timeout{0};             // finalize()'s wait per bucket; zero: the group's timeout
+};
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+// One bucket in one synced iteration. Times are zero (time_since_epoch() == 0)
+// for events that have not happened.
+struct BucketStats {
+  size_t index = 0;
+  size_t bytes = 0;
+  size_t params = 0;
+  SteadyTime ready{};      // its last parameter became ready
+  SteadyTime launched{};   // its hook was called
+  SteadyTime completed{};  // the reducer first saw its Work complete (polled at each mark_ready, waited in finalize)
+  // mark_ready() calls of this iteration made when it launched (-1: not launched).
+  long marks_at_launch = -1;
+  bool launched_in_finalize = false;  // held back by unused parameters until finalize()
+};
+
+struct IterationStats {
+  uint64_t iteration = 0;        // synced iterations finalized before this one
+  SteadyTime started{};          // prepare_for_backward() or the first mark_ready()
+  SteadyTime finalized{};        // finalize() returned
+  size_t marks = 0;              // mark_ready() calls
+  size_t unused_params = 0;      // parameters finalize() had to mark (find_unused_parameters)
+  size_t no_sync_marks = 0;      // mark_ready() calls under no_sync() between the previous synced iteration and this one
+  std::vector<BucketStats> buckets;
+};
+
+class Reducer;
+
+// While alive, mark_ready() only counts and finalize() does nothing: the
+// framework accumulates gradients locally, and the next synced backward
+// reduces the accumulated gradients. Nests.
+class [[nodiscard]] NoSyncGuard {
+ public:
+  explicit NoSyncGuard(Reducer& r);
+  ~NoSyncGuard();
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  Reducer& reducer_;
+};
+
+// Thread safety: mark_ready(), set_grad() and stats() may be called from
+// several threads at once (autograd hooks); the other calls from one thread
+// at a time, not while backward is running. The group must outlive the reducer, and the reducer
+// must be the only user issuing collectives on the group during backward
+// (collectives match across ranks by issue order).
+class Reducer {
+ public:
+  // A collective: every rank of `group` constructs its reducer together. It
+  // checks that all ranks registered the same parameters and bucket caps and
+  // throws InvalidArgument naming the first rank that differs.
+  Reducer(ProcessGroup& group, std::vector<ParamSpec> params, ReducerOptions opts = {});
+  // Does not block. Bucket memory still in use by an unfinished collective
+  // (after a failed finalize) is deliberately leaked rather than freed under it.
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Opens a synced iteration (call it in forward, like PyTorch). Optional: the
+  // first mark_ready opens one too, but with this call a second backward
+  // without finalize() is always reported as such. Throws "Expected to have
+  // finished reduction in the prior iteration ..." if the previous iteration
+  // marked parameters and was not finalized. Does nothing under no_sync().
+  void prepare_for_backward();
+
+  // Parameter `param`'s gradient for this backward is ready at `grad`
+  // (ParamSpec::count elements of its dtype; read before the call returns).
+  // grad == nullptr means: the registered ParamSpec::grad, or with
+  // gradient_as_bucket_view the bucket slot. If `grad` is the bucket slot,
+  // nothing is copied. Completing a bucket starts its communication (and that
+  // of any later buckets already complete) before returning.
+  // Throws if the parameter was already marked in this iteration, or if every
+  // parameter was marked and finalize() was not called.
+  void mark_ready(size_t param, const void* grad);
+
+  // Ends the synced iteration: treats unmarked parameters as unused (with
+  // find_unused_parameters; this launches the buckets they held back, so the
+  // adapter must call finalize() even when it knows all gradients are ready),
+  // waits for every bucket (ReducerOptions::timeout each), runs the hooks'
+  // `then`, and delivers the results (see ParamSpec::grad, on_reduced,
+  // gradient_as_bucket_view). Returns at once under no_sync(), or when no
+  // parameter was marked since the last finalize() (no backward ran; so
+  // calling it twice is harmless). Throws TimeoutError / PeerError from the
+  // collectives, or Error naming unready parameters without
+  // find_unused_parameters; after any of these the reducer refuses further
+  // work (the ranks no longer agree on which collectives ran).
+  void finalize();
+
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // The parameter's gradient storage changed (or became nullptr).
+  void set_grad(size_t param, void* grad);
+  // Where parameter `param` lives in its bucket's flat buffer (count elements
+  // of its dtype). Stable for the reducer's lifetime. With
+  // gradient_as_bucket_view the adapter makes the parameter's .grad a view of
+  // it; otherwise it holds the reduced gradient after finalize().
+  void* bucket_slot(size_t param);
+
+  // Replaces the comm hook; only before the first synced iteration.
+  void register_comm_hook(CommHook hook);
+
+  const BucketPlan& plan() const;
+  size_t num_params() const;
+  // The open iteration's stats, or the last finalized one's.
+  IterationStats stats() const;
+
+ private:
+  friend class NoSyncGuard;
+  void enter_no_sync();
+  void leave_no_sync();
+
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cohort::ddp

@@ -1,0 +1,382 @@
+// Reducer: ready-tracking, bucket launch, finalize.
+//
+// State of one synced iteration (all under Impl::mu):
+//   ready[p]        parameter p was marked (or, in finalize, treated as unused)
+//   bucket.pending  parameters of the bucket not yet ready
+//   next_launch     buckets [0, next_launch) have started their communication
+// A bucket launches when its pending count reaches zero AND every earlier
+// bucket has launched: launch order is plan order on every rank (see
+// launch_ready_buckets for why). finalize() launches what is left (unused
+// parameters), waits for each bucket in order, runs the hooks' `then`, and
+// delivers the results.
+//
+// Threads: mark_ready may come from several autograd threads at once; the
+// lock serialises them, and since collectives are issued only under the lock,
+// the group sees one issuing thread at a time as it requires. A small
+// collective may run inline on the marking thread (COHORT_INLINE_BYTES).
+#include <cstring>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "cohort/ddp.hpp"
+#include "core/check.hpp"
+#include "ddp/messages.hpp"
+
+namespace cohort::ddp {
+namespace {
+
+size_t mib_to_bytes(double mb, const char* what) {
+  if (!(mb >= 0) || mb > 1e9)  // also rejects NaN
+    throw InvalidArgument(fmt::format("ReducerOptions::{} is {}; it must be a size in MiB, >= 0", what, mb));
+  return static_cast<size_t>(mb * 1024 * 1024);
+}
+
+bool happened(SteadyTime t) { return t.time_since_epoch().count() != 0; }
+
+uint64_t fnv(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+struct Reducer::Impl {
+  struct Bucket {
+    std::vector<uint64_t> storage;   // the flat buffer (uint64_t: 8-byte aligned)
+    std::vector<std::byte> scratch;  // GradBucket::scratch
+    size_t pending = 0;
+    CommFuture future;
+  };
+
+  ProcessGroup& group;
+  const ReducerOptions opts;
+  std::vector<ParamSpec> params;
+  const BucketPlan plan;
+  std::vector<Bucket> buckets;
+  std::vector<size_t> bucket_of, offset_of;  // by parameter
+  CommHook hook;
+
+  mutable std::mutex mu;
+  bool open = false;  // a synced iteration began and was not finalized
+  std::vector<char> ready;
+  size_t ready_count = 0;
+  size_t next_launch = 0;
+  size_t next_poll = 0;  // buckets before it were seen complete (collectives complete in issue order)
+  int no_sync_depth = 0;
+  size_t no_sync_marks = 0;
+  uint64_t finalized = 0;
+  IterationStats stats;
+  std::string failed;  // non-empty: why this reducer can no longer be used
+
+  Impl(ProcessGroup& g, std::vector<ParamSpec> ps, ReducerOptions o)
+      : group(g),
+        opts(std::move(o)),
+        params(std::move(ps)),
+        plan(plan_buckets(params, {.cap_bytes = mib_to_bytes(opts.bucket_cap_mb, "bucket_cap_mb"),
+                                   .first_cap_bytes = mib_to_bytes(opts.first_bucket_mb, "first_bucket_mb")})),
+        buckets(plan.size()),
+        bucket_of(params.size()),
+        offset_of(params.size()),
+        hook(opts.comm_hook ? opts.comm_hook : allreduce_avg_hook()),
+        ready(params.size(), 0) {
+    for (size_t b = 0; b < plan.size(); ++b) {
+      buckets[b].storage.assign((plan[b].bytes() + 7) / 8, 0);
+      for (size_t k = 0; k < plan[b].params.size(); ++k) {
+        bucket_of[plan[b].params[k]] = b;
+        offset_of[plan[b].params[k]] = plan[b].offsets[k];
+      }
+    }
+    reset_stats();
+  }
+
+  void* slot(size_t p) {
+    return reinterpret_cast<std::byte*>(buckets[bucket_of[p]].storage.data()) +
+           offset_of[p] * dtype_size(params[p].dtype);
+  }
+  size_t param_bytes(size_t p) const { return params[p].count * dtype_size(params[p].dtype); }
+
+  void check_param(size_t p, const char* call) const {
+    if (p >= params.size())
+      throw InvalidArgument(fmt::format("rank {}: Reducer::{}: parameter index {} is out of range; {} parameters are "
+                                        "registered",
+                                        group.rank(), call, p, params.size()));
+  }
+  void check_usable() const {
+    if (!failed.empty()) throw Error(failed);
+  }
+
+  std::vector<size_t> unready() const {
+    std::vector<size_t> out;
+    for (size_t p = 0; p < params.size(); ++p)
+      if (!ready[p]) out.push_back(p);
+    return out;
+  }
+
+  // Every rank must register the same parameters and plan the same buckets,
+  // or their collectives would not match; a cheap allgather of a signature
+  // turns that mistake into a clear error at construction.
+  void verify_across_ranks() {
+    const int n = group.size();
+    if (n == 1) return;
+    uint64_t param_sig = 14695981039346656037ull, plan_sig = param_sig;
+    size_t elements = 0;
+    for (const ParamSpec& p : params) {
+      param_sig = fnv(fnv(param_sig, p.count), static_cast<uint64_t>(p.dtype));
+      elements += p.count;
+    }
+    for (const PlannedBucket& b : plan)
+      plan_sig = fnv(fnv(fnv(plan_sig, b.count), static_cast<uint64_t>(b.dtype)), b.params.size());
+    int64_t mine[4] = {static_cast<int64_t>(params.size()), static_cast<int64_t>(elements),
+                       static_cast<int64_t>(param_sig), static_cast<int64_t>(plan_sig)};
+    std::vector<int64_t> all(4 * static_cast<size_t>(n));
+    group.allgather(buffer(mine, 4, DType::I64), buffer(all.data(), all.size(), DType::I64), {.timeout = opts.timeout})
+        ->wait(opts.timeout);
+    for (int r = 0; r < n; ++r)
+      if (std::memcmp(&all[4 * static_cast<size_t>(r)], mine, sizeof mine) != 0)
+        throw InvalidArgument(msg::params_differ(group.rank(), r, mine, &all[4 * static_cast<size_t>(r)]));
+  }
+
+  void reset_stats() {
+    stats = IterationStats{.iteration = finalized, .no_sync_marks = no_sync_marks};
+    for (size_t b = 0; b < plan.size(); ++b)
+      stats.buckets.push_back(BucketStats{.index = b, .bytes = plan[b].bytes(), .params = plan[b].params.size()});
+  }
+
+  void begin_iteration() {
+    open = true;
+    std::fill(ready.begin(), ready.end(), 0);
+    ready_count = 0;
+    next_launch = next_poll = 0;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      buckets[b].pending = plan[b].params.size();
+      buckets[b].future = {};
+    }
+    reset_stats();
+    stats.started = std::chrono::steady_clock::now();
+    no_sync_marks = 0;
+  }
+
+  void set_ready(size_t p) {
+    ready[p] = 1;
+    ++ready_count;
+    const size_t b = bucket_of[p];
+    if (--buckets[b].pending == 0) stats.buckets[b].ready = std::chrono::steady_clock::now();
+  }
+
+  // Launches complete buckets in plan order, stopping at the first incomplete
+  // one. Why not launch each bucket the moment it completes: collectives on a
+  // group match across ranks by issue order, not by content. Ranks can finish
+  // buckets in different orders (autograd's thread scheduling, data-dependent
+  // control flow), and if rank 0 issued bucket 1 then bucket 0 while rank 1
+  // issued 0 then 1, their first allreduces would pair bucket 1 with bucket 0:
+  // a desync error if the sizes differ, silently mixed gradients if they are
+  // equal. The plan is the one order every rank agrees on (PyTorch does the same).
+  void launch_ready_buckets(bool in_finalize) {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) launch(next_launch++, in_finalize);
+  }
+
+  void launch(size_t b, bool in_finalize) {
+    BucketStats& st = stats.buckets[b];
+    st.launched = std::chrono::steady_clock::now();
+    st.marks_at_launch = static_cast<long>(stats.marks);
+    st.launched_in_finalize = in_finalize;
+    if (plan[b].count == 0) {  // nothing to reduce; every rank skips it alike
+      st.completed = st.launched;
+      return;
+    }
+    Bucket& bucket = buckets[b];
+    GradBucket gb(b, buckets.size(), Buffer{bucket.storage.data(), plan[b].count, plan[b].dtype}, group, opts.timeout,
+                  plan[b].params, bucket.scratch);
+    try {
+      bucket.future = hook(gb);
+    } catch (const std::exception& e) {
+      // The hook may have issued some collectives: the ranks no longer agree.
+      failed = fmt::format("rank {}: this reducer can no longer be used: its comm hook failed on bucket {} of "
+                           "iteration {}: {}",
+                           group.rank(), b, stats.iteration, e.what());
+      throw;
+    }
+  }
+
+  void poll_completions() {
+    for (; next_poll < next_launch; ++next_poll) {
+      const WorkPtr& w = buckets[next_poll].future.work;
+      if (w && !w->is_completed()) break;
+      if (!happened(stats.buckets[next_poll].completed))
+        stats.buckets[next_poll].completed = std::chrono::steady_clock::now();
+    }
+  }
+
+  void mark_ready(size_t p, const void* grad) {
+    check_param(p, "mark_ready");
+    if (no_sync_depth > 0) {
+      ++no_sync_marks;
+      return;
+    }
+    check_usable();
+    if (open && ready_count == params.size())
+      throw Error(msg::prior_iteration(group.rank(), stats.iteration, params, {}));
+    if (!open) begin_iteration();
+    if (ready[p]) throw Error(msg::marked_twice(group.rank(), stats.iteration, params, p));
+    void* dst = slot(p);
+    const void* src = grad ? grad : opts.gradient_as_bucket_view ? dst : params[p].grad;
+    if (src == nullptr && params[p].count > 0)
+      throw InvalidArgument(fmt::format("rank {}: mark_ready({}): no gradient given for parameter {} and none is "
+                                        "registered; pass its gradient's data pointer, or register it with set_grad()",
+                                        group.rank(), p, msg::param_list(params, {p})));
+    if (src != dst && param_bytes(p) > 0) std::memcpy(dst, src, param_bytes(p));
+    ++stats.marks;
+    set_ready(p);
+    launch_ready_buckets(false);
+    poll_completions();
+  }
+
+  void finalize() {
+    if (no_sync_depth > 0) return;
+    check_usable();
+    // No parameter marked: no backward ran since the last finalize() (or only
+    // a forward did), so there is nothing to reduce, as in PyTorch, where
+    // finalization is queued by the first autograd hook.
+    if (!open || ready_count == 0) {
+      open = false;
+      return;
+    }
+    std::vector<size_t> unused = unready();
+    if (!unused.empty()) {
+      if (!opts.find_unused_parameters) {
+        std::string m = msg::unready_at_finalize(group.rank(), stats.iteration, params, unused);
+        failed = msg::prior_iteration(group.rank(), stats.iteration, params, unused);
+        throw Error(m);
+      }
+      // An unused parameter contributes its registered gradient: under
+      // no_sync it may hold gradients accumulated in earlier passes.
+      for (size_t p : unused) {
+        void* dst = slot(p);
+        const void* src = params[p].grad;
+        const size_t bytes = param_bytes(p);
+        if (bytes > 0 && src == nullptr)
+          std::memset(dst, 0, bytes);
+        else if (bytes > 0 && src != dst)
+          std::memcpy(dst, src, bytes);
+        set_ready(p);
+      }
+      stats.unused_params = unused.size();
+      launch_ready_buckets(true);
+    }
+    COHORT_ASSERT(next_launch == buckets.size(), "finalize: every bucket is complete but not every bucket launched");
+
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      CommFuture& f = buckets[b].future;
+      try {
+        if (f.work) f.work->wait(opts.timeout);
+        if (!happened(stats.buckets[b].completed)) stats.buckets[b].completed = std::chrono::steady_clock::now();
+        if (f.then) f.then();
+      } catch (const std::exception& e) {
+        failed = fmt::format("rank {}: this reducer can no longer be used: bucket {} of iteration {} failed: {}",
+                             group.rank(), b, stats.iteration, e.what());
+        throw;
+      }
+      f = {};  // done: the destructor must not think it is still running
+    }
+
+    // The iteration is complete on every rank; close it before handing
+    // results out, so that a throwing on_reduced cannot leave it open.
+    open = false;
+    ++finalized;
+    if (!opts.gradient_as_bucket_view) {
+      for (size_t p = 0; p < params.size(); ++p) {
+        void* result = slot(p);
+        if (opts.on_reduced)
+          opts.on_reduced(p, result);
+        else if (params[p].grad != nullptr && params[p].grad != result && param_bytes(p) > 0)
+          std::memcpy(params[p].grad, result, param_bytes(p));
+      }
+    }
+    stats.finalized = std::chrono::steady_clock::now();
+  }
+};
+
+Reducer::Reducer(ProcessGroup& group, std::vector<ParamSpec> params, ReducerOptions opts)
+    : impl_(std::make_unique<Impl>(group, std::move(params), std::move(opts))) {
+  impl_->verify_across_ranks();
+}
+
+Reducer::~Reducer() {
+  // A failed finalize can leave collectives running on bucket memory; freeing
+  // it would let them write into whatever is allocated there next. Leak those
+  // buffers instead (only after an error, which ends the job anyway).
+  for (Impl::Bucket& b : impl_->buckets) {
+    if (b.future.work && !b.future.work->is_completed()) {
+      (void)new std::vector<uint64_t>(std::move(b.storage));
+      (void)new std::vector<std::byte>(std::move(b.scratch));
+    }
+  }
+}
+
+void Reducer::prepare_for_backward() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& s = *impl_;
+  if (s.no_sync_depth > 0) return;
+  s.check_usable();
+  if (s.open && s.ready_count > 0) throw Error(msg::prior_iteration(s.group.rank(), s.stats.iteration, s.params, s.unready()));
+  s.begin_iteration();
+}
+
+void Reducer::mark_ready(size_t param, const void* grad) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->mark_ready(param, grad);
+}
+
+void Reducer::finalize() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->finalize();
+}
+
+void Reducer::set_grad(size_t param, void* grad) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->check_param(param, "set_grad");
+  impl_->params[param].grad = grad;
+}
+
+void* Reducer::bucket_slot(size_t param) {
+  impl_->check_param(param, "bucket_slot");
+  return impl_->slot(param);  // layout is fixed at construction: no lock needed
+}
+
+void Reducer::register_comm_hook(CommHook hook) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  if (!hook) throw InvalidArgument("Reducer::register_comm_hook: the hook is empty");
+  if (impl_->open || impl_->finalized > 0)
+    throw InvalidArgument(fmt::format("rank {}: Reducer::register_comm_hook must be called before the first synced "
+                                      "backward pass (every rank must use the same hook for every iteration)",
+                                      impl_->group.rank()));
+  impl_->hook = std::move(hook);
+}
+
+const BucketPlan& Reducer::plan() const { return impl_->plan; }
+size_t Reducer::num_params() const { return impl_->params.size(); }
+
+IterationStats Reducer::stats() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->stats;
+}
+
+void Reducer::enter_no_sync() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  Impl& s = *impl_;
+  if (s.open && s.ready_count > 0)
+    throw Error(msg::no_sync_mid_backward(s.group.rank(), s.stats.iteration, s.ready_count, s.params.size()));
+  s.open = false;  // a prepare_for_backward() with no marks yet: that pass is now unsynced
+  ++s.no_sync_depth;
+}
+
+void Reducer::leave_no_sync() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  --impl_->no_sync_depth;
+}
+
+NoSyncGuard::NoSyncGuard(Reducer& r) : reducer_(r) { reducer_.enter_no_sync(); }
+NoSyncGuard::~NoSyncGuard() { reducer_.leave_no_sync(); }
+
+}  // namespace cohort::ddp

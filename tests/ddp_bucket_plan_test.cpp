@@ -1,0 +1,153 @@
+// plan_buckets: a pure function, tested directly (DESIGN.md habit 8).
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "cohort/ddp.hpp"
+
+namespace cohort::ddp {
+namespace {
+
+ParamSpec P(size_t count, DType t = DType::F32) { return ParamSpec{.name = "p", .count = count, .dtype = t}; }
+
+using Idx = std::vector<size_t>;
+
+TEST(BucketPlan, NoParametersNoBuckets) { EXPECT_TRUE(plan_buckets({}).empty()); }
+
+TEST(BucketPlan, ReverseOrderAndSmallFirstBucket) {
+  // 7 x 400 bytes; the first bucket holds at most 1000 bytes, the others 2000.
+  std::vector<ParamSpec> ps = {P(100), P(100), P(100), P(100), P(100), P(100), P(100)};
+  auto plan = plan_buckets(ps, {.cap_bytes = 2000, .first_cap_bytes = 1000});
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].params, (Idx{6, 5}));
+  EXPECT_EQ(plan[0].offsets, (Idx{0, 100}));
+  EXPECT_EQ(plan[0].count, 200u);
+  EXPECT_EQ(plan[1].params, (Idx{4, 3, 2, 1, 0}));  // exactly 2000 bytes: reaches the cap
+  EXPECT_EQ(plan[1].offsets, (Idx{0, 100, 200, 300, 400}));
+  EXPECT_EQ(plan[1].bytes(), 2000u);
+}
+
+TEST(BucketPlan, DefaultCapsAre1And25MiB) {
+  std::vector<ParamSpec> ps(30, P(256 * 1024));  // 1 MiB each
+  auto plan = plan_buckets(ps);
+  ASSERT_EQ(plan.size(), 3u);
+  EXPECT_EQ(plan[0].params, (Idx{29}));  // the first bucket: 1 MiB
+  EXPECT_EQ(plan[1].params.size(), 25u);
+  EXPECT_EQ(plan[1].params.front(), 28u);
+  EXPECT_EQ(plan[1].bytes(), size_t(25) << 20);
+  EXPECT_EQ(plan[2].params, (Idx{3, 2, 1, 0}));
+}
+
+TEST(BucketPlan, DtypeChangeStartsANewBucket) {
+  std::vector<ParamSpec> ps = {P(10), P(10), P(10, DType::F64), P(10), P(4, DType::BF16), P(4, DType::BF16)};
+  auto plan = plan_buckets(ps, {.cap_bytes = 1 << 20, .first_cap_bytes = 1 << 20});
+  ASSERT_EQ(plan.size(), 4u);
+  EXPECT_EQ(plan[0].params, (Idx{5, 4}));
+  EXPECT_EQ(plan[0].dtype, DType::BF16);
+  EXPECT_EQ(plan[1].params, (Idx{3}));
+  EXPECT_EQ(plan[1].dtype, DType::F32);
+  EXPECT_EQ(plan[2].params, (Idx{2}));
+  EXPECT_EQ(plan[2].dtype, DType::F64);
+  EXPECT_EQ(plan[3].params, (Idx{1, 0}));
+}
+
+TEST(BucketPlan, ParameterLargerThanTheCapIsAlone) {
+  std::vector<ParamSpec> ps = {P(100), P(1000), P(100)};  // 400, 4000, 400 bytes; cap 1000
+  auto plan = plan_buckets(ps, {.cap_bytes = 1000, .first_cap_bytes = 1000});
+  ASSERT_EQ(plan.size(), 3u);
+  EXPECT_EQ(plan[0].params, (Idx{2}));
+  EXPECT_EQ(plan[1].params, (Idx{1}));
+  EXPECT_EQ(plan[1].bytes(), 4000u);
+  EXPECT_EQ(plan[2].params, (Idx{0}));
+}
+
+TEST(BucketPlan, CapZeroPutsEveryParameterAlone) {
+  std::vector<ParamSpec> ps = {P(1), P(2), P(3)};
+  auto plan = plan_buckets(ps, {.cap_bytes = 0, .first_cap_bytes = 0});
+  ASSERT_EQ(plan.size(), 3u);
+  for (size_t b = 0; b < 3; ++b) EXPECT_EQ(plan[b].params, (Idx{2 - b}));
+}
+
+TEST(BucketPlan, ZeroSizeParametersJoinTheCurrentBucket) {
+  // Registration: f32 x0, f32 x10, f64 x0, f32 x10. Reverse: 3, 2 (no space,
+  // its dtype does not matter), 1, 0.
+  std::vector<ParamSpec> ps = {P(0), P(10), P(0, DType::F64), P(10)};
+  auto plan = plan_buckets(ps);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].params, (Idx{3, 2, 1, 0}));
+  EXPECT_EQ(plan[0].offsets, (Idx{0, 10, 10, 20}));
+  EXPECT_EQ(plan[0].count, 20u);
+  EXPECT_EQ(plan[0].dtype, DType::F32);
+
+  // A bucket that so far holds only zero-size parameters takes the dtype of the next real one.
+  std::vector<ParamSpec> lead = {P(10, DType::F64), P(0, DType::F32)};
+  plan = plan_buckets(lead);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].dtype, DType::F64);
+  EXPECT_EQ(plan[0].params, (Idx{1, 0}));
+
+  std::vector<ParamSpec> only_empty = {P(0, DType::F16), P(0)};
+  plan = plan_buckets(only_empty);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].count, 0u);
+  EXPECT_EQ(plan[0].params, (Idx{1, 0}));
+}
+
+TEST(BucketPlan, MixedModel) {
+  // The model the reducer tests use (ddp_reducer_test.cpp), with caps 2000 / 600 bytes.
+  std::vector<ParamSpec> ps = {P(300),           P(100),          P(0),  P(50, DType::F64), P(7, DType::F64),
+                               P(40, DType::BF16), P(3, DType::F16), P(20000), P(120), P(1)};
+  auto plan = plan_buckets(ps, {.cap_bytes = 2000, .first_cap_bytes = 600});
+  ASSERT_EQ(plan.size(), 6u);
+  EXPECT_EQ(plan[0].params, (Idx{9, 8}));
+  EXPECT_EQ(plan[1].params, (Idx{7}));
+  EXPECT_EQ(plan[2].params, (Idx{6}));
+  EXPECT_EQ(plan[3].params, (Idx{5}));
+  EXPECT_EQ(plan[4].params, (Idx{4, 3, 2}));
+  EXPECT_EQ(plan[4].offsets, (Idx{0, 7, 57}));
+  EXPECT_EQ(plan[5].params, (Idx{1, 0}));
+}
+
+TEST(BucketPlan, InvalidDtypeThrows) {
+  std::vector<ParamSpec> ps = {P(3, static_cast<DType>(77))};
+  EXPECT_THROW(plan_buckets(ps), InvalidArgument);
+}
+
+// Invariants on random models: each parameter exactly once, reverse order,
+// contiguous offsets, caps respected unless alone, one dtype per bucket.
+TEST(BucketPlan, RandomModelsKeepTheInvariants) {
+  std::mt19937 rng(7);
+  const DType types[] = {DType::F32, DType::F64, DType::F16, DType::BF16};
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<ParamSpec> ps(rng() % 40);
+    for (auto& p : ps) p = P(rng() % 4 == 0 ? 0 : rng() % 3000, types[rng() % (trial % 2 ? 4 : 1)]);
+    const BucketPlanOptions o{.cap_bytes = 1 + rng() % 8000, .first_cap_bytes = rng() % 3000};
+    auto plan = plan_buckets(ps, o);
+    size_t next = ps.size();
+    for (size_t b = 0; b < plan.size(); ++b) {
+      const auto& bk = plan[b];
+      ASSERT_EQ(bk.params.size(), bk.offsets.size());
+      ASSERT_FALSE(bk.params.empty());
+      size_t off = 0, nonzero = 0;
+      for (size_t k = 0; k < bk.params.size(); ++k) {
+        ASSERT_EQ(bk.params[k], --next) << "trial " << trial;
+        ASSERT_EQ(bk.offsets[k], off);
+        const ParamSpec& p = ps[bk.params[k]];
+        off += p.count;
+        if (p.count > 0) {
+          ++nonzero;
+          ASSERT_EQ(p.dtype, bk.dtype) << "trial " << trial << " bucket " << b;
+        }
+      }
+      ASSERT_EQ(bk.count, off);
+      const size_t cap = b == 0 ? o.first_cap_bytes : o.cap_bytes;
+      if (nonzero > 1) {
+        ASSERT_LE(bk.bytes(), cap) << "trial " << trial << " bucket " << b;
+      }
+    }
+    ASSERT_EQ(next, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace cohort::ddp

@@ -1,0 +1,136 @@
+// Comm hooks: fp16 / bf16 compression, a custom hook, hook errors. Ranks as
+// threads over shm and tcp, world sizes 1..4, closed-form expected values.
+#include <atomic>
+
+#include "ddp_test_util.hpp"
+
+namespace cohort::ddp {
+namespace {
+
+using namespace test;
+using cohort::testing::run_ranks;
+
+class HookTest : public ::testing::TestWithParam<Config> {};
+
+// The mixed model (f32, f64, bf16 and f16 buckets) through a compression
+// hook: small integers and their averages survive compression exactly.
+void expect_exact_average(const Config& c, CommHook hook, const char* what) {
+  run_ranks(c.world, c.transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank(), n = pg.size();
+    Grads g(mixed_model());
+    ReducerOptions o = small_buckets();
+    o.comm_hook = hook;
+    Reducer red(pg, g.specs, o);
+    for (int t = 0; t < 2; ++t) {
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+      for (size_t p : shuffled(g.specs.size(), 5 * r + t)) red.mark_ready(p, g.ptr(p));
+      red.finalize();
+      expect_values(g.specs, r, what, [&](size_t p, size_t i) { return g.at(p, i); },
+                    [&](size_t p, size_t i) { return avg_value(n, p, i, t); });
+    }
+  });
+}
+
+// A value that f32 holds but the compressed type rounds away: the result shows
+// that the bytes really travelled compressed.
+void expect_rounded(const Config& c, CommHook hook, float fine, float coarse) {
+  run_ranks(c.world, c.transport, [&](ProcessGroup& pg) {
+    std::vector<float> w(1000, fine);
+    ReducerOptions o;
+    o.comm_hook = hook;
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data()}}, o);
+    red.mark_ready(0, w.data());
+    red.finalize();
+    for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(w[i], coarse) << "rank " << pg.rank() << " element " << i;
+  });
+}
+
+TEST_P(HookTest, Fp16CompressionAverages) {
+  expect_exact_average(GetParam(), fp16_compress_hook(), "fp16 hook");
+  expect_rounded(GetParam(), fp16_compress_hook(), 1.0f + 1.0f / 4096, 1.0f);  // below half an f16 ulp
+}
+
+TEST_P(HookTest, Bf16CompressionAverages) {
+  expect_exact_average(GetParam(), bf16_compress_hook(), "bf16 hook");
+  expect_rounded(GetParam(), bf16_compress_hook(), 1.0f + 1.0f / 512, 1.0f);  // below half a bf16 ulp
+}
+
+TEST_P(HookTest, DefaultHookIsExactAverage) {
+  expect_exact_average(GetParam(), allreduce_avg_hook(), "avg hook");
+  expect_rounded(GetParam(), {}, 1.0f + 1.0f / 4096, 1.0f + 1.0f / 4096);
+}
+
+// A custom hook that sums instead of averaging, and records what it is given.
+TEST_P(HookTest, CustomHookIsUsed) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    Grads g(mixed_model());
+    std::vector<size_t> calls;
+    int then_runs = 0;
+    Reducer red(pg, g.specs, small_buckets());
+    red.register_comm_hook([&](GradBucket& b) -> CommFuture {
+      calls.push_back(b.index());
+      EXPECT_EQ(b.is_last(), b.index() + 1 == kMixedBuckets);
+      EXPECT_EQ(b.buffer().count, red.plan()[b.index()].count);
+      EXPECT_EQ(std::vector<size_t>(b.params().begin(), b.params().end()), red.plan()[b.index()].params);
+      return {b.group().allreduce(b.buffer(), {.op = ReduceOp::Sum}), [&] { ++then_runs; }};
+    });
+    for (int t = 0; t < 2; ++t) {
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+      for (size_t p : shuffled(g.specs.size(), 3 * r + t)) red.mark_ready(p, g.ptr(p));
+      red.finalize();
+      expect_values(g.specs, r, "sum hook", [&](size_t p, size_t i) { return g.at(p, i); },
+                    [&](size_t p, size_t i) { return sum_value(n, p, i, t); });
+    }
+    // Plan order, every iteration; the `then` ran in finalize.
+    EXPECT_EQ(calls, (std::vector<size_t>{0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5}));
+    EXPECT_EQ(then_runs, 12);
+    EXPECT_THROW(red.register_comm_hook(allreduce_avg_hook()), InvalidArgument);  // too late
+  });
+}
+
+// The `then` of a hook runs in finalize, not later: by the time finalize
+// returns, the bucket holds the hook's final result.
+TEST_P(HookTest, ThenRunsBeforeFinalizeReturns) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    std::vector<float> w(50, float(pg.rank() + 1));
+    std::atomic<bool> then_ran{false};
+    ReducerOptions o;
+    o.comm_hook = [&](GradBucket& b) -> CommFuture {
+      auto* data = static_cast<float*>(b.buffer().data);
+      size_t count = b.buffer().count;
+      return {b.group().allreduce(b.buffer(), {.op = ReduceOp::Sum}), [&then_ran, data, count] {
+                for (size_t i = 0; i < count; ++i) data[i] *= 2;
+                then_ran = true;
+              }};
+    };
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data()}}, o);
+    red.mark_ready(0, w.data());
+    EXPECT_FALSE(then_ran.load());
+    red.finalize();
+    EXPECT_TRUE(then_ran.load());
+    for (float v : w) ASSERT_EQ(v, float(n * (n + 1)));  // 2 x sum
+  });
+}
+
+TEST_P(HookTest, CompressionRejectsIntegerBuckets) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    std::vector<int32_t> w(8, 1);
+    ReducerOptions o;
+    o.comm_hook = fp16_compress_hook();
+    Reducer red(pg, {{"steps", w.size(), DType::I32, w.data()}}, o);
+    std::string m = error_of([&] { red.mark_ready(0, w.data()); });
+    EXPECT_NE(m.find("fp16_compress_hook: bucket 0 holds i32 gradients"), std::string::npos) << m;
+    // A failed hook leaves the ranks in an unknown state: the reducer refuses further work.
+    m = error_of([&] { red.finalize(); });
+    EXPECT_NE(m.find("can no longer be used"), std::string::npos) << m;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(All, HookTest, ::testing::ValuesIn(configs()), config_name);
+
+}  // namespace
+}  // namespace cohort::ddp
