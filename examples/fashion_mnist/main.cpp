@@ -1,0 +1,61 @@
+// Fashion-MNIST with DistributedDataParallel: the example users copy from.
+//
+//   cohort run --nproc-per-node 2 build/fashion_mnist --epochs 10
+//   cohort run --nproc-per-node 2 build/fashion_mnist --epochs 10 --checkpoint-dir ckpt --resume
+//
+// Rank 0 prints progress (epoch, step/total, loss, images/s, ETA) and the test
+// accuracy after each epoch; checkpoints are written every --checkpoint-every
+// steps and at each epoch's end; --resume continues from the newest valid one
+// (same data order, step and learning rate).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <optional>
+
+#include "cohort/cohort.hpp"
+#include "cohort/data.hpp"
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+#include "model.hpp"
+#include "train.hpp"
+
+int main(int argc, char** argv) {
+  TrainConfig cfg;
+  CLI::App app{"Fashion-MNIST training with cohort's DistributedDataParallel; run it under `cohort run`"};
+  app.add_option("--model", cfg.model, "cnn (225 k parameters) or mlp (10 M, communication-bound)")->check(CLI::IsMember({"cnn", "mlp"}));
+  app.add_option("--epochs", cfg.epochs, "epochs to train");
+  app.add_option("--batch-size", cfg.batch_size, "per-rank batch size");
+  app.add_option("--lr", cfg.base_lr, "learning rate for one rank; scaled linearly with the world size");
+  app.add_option("--momentum", cfg.momentum, "SGD momentum");
+  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay");
+  app.add_option("--warmup-steps", cfg.warmup_steps, "linear learning-rate warmup, then cosine decay");
+  app.add_option("--seed", cfg.seed, "model initialisation and data order");
+  app.add_flag("--augment,!--no-augment", cfg.augment, "random horizontal flips and 2-pixel shifts of training images");
+  app.add_option("--threads", cfg.threads, "intra-op threads per rank");
+  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch)");
+  app.add_option("--data-dir", cfg.data_dir, "directory with the four Fashion-MNIST .gz files");
+  app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)");
+  app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)");
+  app.add_option("--keep", cfg.keep, "checkpoints to keep");
+  app.add_flag("--resume", cfg.resume, "continue from the newest valid checkpoint in --checkpoint-dir");
+  app.add_option("--comm-hook", cfg.comm_hook, "gradient communication: allreduce, fp16 or bf16 (compressed)")
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16"}));
+  app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size");
+  app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");
+  app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)");
+  app.add_flag("--no-allreduce", cfg.no_allreduce, "every step inside no_sync(): no gradient communication (throughput ceiling)");
+  app.add_option("--warmup-timing-steps", cfg.timing_skip, "steps excluded from the throughput figure");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    return train(cfg);
+  } catch (const cohort::Error& e) {
+    std::fprintf(stderr, "fashion_mnist: error: %s\n", e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "fashion_mnist: torch error: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}

@@ -1,0 +1,264 @@
+#include "train.hpp"
+
+#include <ATen/autocast_mode.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+
+#include "cohort/cohort.hpp"
+#include "cohort/data.hpp"
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+#include "model.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double secs(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Augmentation decided by (seed, epoch, sample) alone, so a resumed run sees
+// exactly the images an uninterrupted one would.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+void augment(float* img, uint64_t r, float background) {
+  float tmp[28 * 28];
+  const bool flip = r & 1;
+  const int dx = static_cast<int>((r >> 1) % 5) - 2, dy = static_cast<int>((r >> 4) % 5) - 2;
+  for (int y = 0; y < 28; ++y)
+    for (int x = 0; x < 28; ++x) {
+      int sx = (flip ? 27 - x : x) - dx, sy = y - dy;
+      tmp[y * 28 + x] = (sx < 0 || sx >= 28 || sy < 0 || sy >= 28) ? background : img[sy * 28 + sx];
+    }
+  std::copy(tmp, tmp + 28 * 28, img);
+}
+
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(torch::Tensor)> forward;
+};
+
+Model make_model(const std::string& name) {
+  if (name == "mlp") {
+    Mlp m;
+    return {m.ptr(), [m](torch::Tensor x) mutable { return m->forward(x); }};
+  }
+  Cnn m;
+  return {m.ptr(), [m](torch::Tensor x) mutable { return m->forward(x); }};
+}
+
+double evaluate(Model& model, const cohort::data::FashionMnist& test, cohort::ProcessGroup& pg) {
+  torch::NoGradGuard no_grad;
+  model.module->eval();
+  const int64_t n = test.size();
+  int64_t correct = 0;
+  std::vector<float> x;
+  std::vector<int64_t> y;
+  // Rank r takes samples r, r + world, ...: every sample exactly once.
+  std::vector<int64_t> mine;
+  for (int64_t i = pg.rank(); i < n; i += pg.size()) mine.push_back(i);
+  for (size_t start = 0; start < mine.size(); start += 1000) {
+    size_t b = std::min<size_t>(1000, mine.size() - start);
+    x.resize(b * 784);
+    y.resize(b);
+    for (size_t k = 0; k < b; ++k) test.get(mine[start + k], x.data() + k * 784, y.data() + k);
+    auto out = model.forward(torch::from_blob(x.data(), {static_cast<int64_t>(b), 1, 28, 28}));
+    correct += out.argmax(1).eq(torch::from_blob(y.data(), {static_cast<int64_t>(b)}, torch::kLong)).sum().item<int64_t>();
+  }
+  model.module->train();
+  return cohort::torch::allreduce_scalar(pg, static_cast<double>(correct)) / static_cast<double>(n);
+}
+
+std::string eta(double s) { return fmt::format("{}:{:02d}", static_cast<int>(s) / 60, static_cast<int>(s) % 60); }
+
+}  // namespace
+
+int train(const TrainConfig& cfg) {
+  torch::set_num_threads(cfg.threads);
+  torch::manual_seed(cfg.seed);
+  auto pg = cohort::init_process_group();
+  const int world = pg->size(), rank = pg->rank();
+  const bool lead = rank == 0;
+
+  if (!cohort::data::FashionMnist::available(cfg.data_dir))
+    throw cohort::IoError(fmt::format("Fashion-MNIST not found in {}; HINT: apt-get install dataset-fashion-mnist, or pass --data-dir",
+                                      cfg.data_dir));
+  cohort::data::FashionMnistOptions tro, teo;
+  tro.dir = teo.dir = cfg.data_dir;
+  teo.train = false;
+  cohort::data::FashionMnist train_set(tro), test_set(teo);
+
+  Model model = make_model(cfg.model);
+  const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
+  torch::optim::SGD opt(model.module->parameters(),
+                        torch::optim::SGDOptions(peak_lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
+
+  cohort::data::SamplerOptions so;
+  so.num_replicas = world;
+  so.rank = rank;
+  so.seed = cfg.seed;
+  cohort::data::DistributedSampler sampler(train_set.size(), so);
+  const int64_t steps_per_epoch = (sampler.size() + cfg.batch_size - 1) / cfg.batch_size;
+  const int64_t total_steps = steps_per_epoch * cfg.epochs;
+
+  // ---- resume ----
+  int64_t step = 0, start_epoch = 0, position = 0;
+  if (cfg.resume && !cfg.ckpt_dir.empty()) {
+    // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
+    int64_t chosen = -1;
+    if (lead) {
+      auto latest = cohort::load_latest_valid(cfg.ckpt_dir);
+      if (latest) {
+        chosen = latest->step;
+        for (const auto& s : latest->skipped) std::printf("resume: skipped %s\n", s.c_str());
+      }
+    }
+    pg->broadcast(cohort::Buffer{&chosen, 1, cohort::DType::I64})->wait();
+    if (chosen >= 0) {
+      auto ck = cohort::load_checkpoint(fmt::format("{}/step_{:09d}", cfg.ckpt_dir, chosen));
+      cohort::torch::load_module_state(*model.module, ck.files.at("model"));
+      cohort::torch::load_optimizer_state(opt, ck.files.at("optimizer"));
+      step = ck.step;
+      start_epoch = ck.manifest.epoch;
+      position = ck.manifest.world_size == world ? ck.manifest.sampler_position : 0;
+      if (auto it = ck.manifest.rng_states.find("torch_cpu"); it != ck.manifest.rng_states.end())
+        cohort::torch::set_cpu_rng_state(it->second);
+      if (lead)
+        std::printf("resumed from %s: epoch %lld, step %lld, sample %lld of the epoch\n", ck.path.c_str(),
+                    static_cast<long long>(start_epoch), static_cast<long long>(step), static_cast<long long>(position));
+    } else if (lead) {
+      std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
+    }
+  }
+
+  cohort::torch::DistributedDataParallelOptions dopts;
+  dopts.bucket_cap_mb = cfg.bucket_cap_mb;
+  if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
+  if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
+  cohort::torch::DistributedDataParallel ddp(model.module, pg, dopts);
+  auto params = model.module->parameters();
+
+  auto save = [&](int64_t epoch, int64_t pos) {
+    if (cfg.ckpt_dir.empty()) return;
+    if (lead) {
+      cohort::Manifest m;
+      m.epoch = epoch;
+      m.sampler_position = pos;
+      m.world_size = world;
+      m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
+      m.lr_schedule = nlohmann::json{{"step", step}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
+      m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr},
+                                {"seed", cfg.seed}, {"world_size", world}}.dump();
+      cohort::save_checkpoint(cfg.ckpt_dir, step,
+                              {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
+                              m, {.keep_last = cfg.keep});
+    }
+    pg->barrier()->wait();
+  };
+
+  // ---- train ----
+  int64_t timed_steps = 0;
+  double timed_s = 0;
+  bool stop = false;
+  for (int64_t epoch = start_epoch; epoch < cfg.epochs && !stop; ++epoch) {
+    sampler.set_epoch(epoch);
+    auto idx = sampler.indices();
+    idx.erase(idx.begin(), idx.begin() + std::min<int64_t>(position, static_cast<int64_t>(idx.size())));
+    int64_t pos = position;
+    position = 0;
+    cohort::data::LoaderOptions lo;
+    lo.batch_size = cfg.batch_size;
+    const float background = (0.0f - 0.2860f) / 0.3530f;
+    if (cfg.augment)
+      lo.transform = [&, epoch](int64_t index, float* x, int64_t*) {
+        augment(x, mix(cfg.seed * 1000003u + static_cast<uint64_t>(epoch) * 7919u + static_cast<uint64_t>(index)), background);
+      };
+    cohort::data::Loader loader(train_set, std::move(idx), lo);
+    auto epoch_start = Clock::now(), last_print = epoch_start;
+    double loss_sum = 0;
+    int64_t loss_n = 0;
+    while (auto batch = loader.next()) {
+      auto t0 = Clock::now();
+      const int64_t b = batch->size();
+      auto x = torch::from_blob(batch->x.data(), {b, 1, 28, 28});
+      auto y = torch::from_blob(batch->y.data(), {b}, torch::kLong);
+      opt.param_groups()[0].options().set_lr(cohort::torch::warmup_cosine_lr(step, cfg.warmup_steps, total_steps, peak_lr));
+      opt.zero_grad();
+      ddp.pre_forward();
+      torch::Tensor loss;
+      if (cfg.bf16_autocast) {
+        at::autocast::set_cpu_enabled(true);
+        at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+        loss = torch::cross_entropy_loss(model.forward(x).to(torch::kFloat), y);
+        at::autocast::set_cpu_enabled(false);
+        at::autocast::clear_cache();
+      } else {
+        loss = torch::cross_entropy_loss(model.forward(x), y);
+      }
+      if (cfg.no_allreduce) {
+        auto guard = ddp.no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+      if (cfg.clip_grad_norm > 0) cohort::torch::clip_grad_norm(params, cfg.clip_grad_norm);
+      opt.step();
+      ++step;
+      pos += b;
+      loss_sum += loss.item<double>();
+      ++loss_n;
+      auto t1 = Clock::now();
+      if (step > cfg.timing_skip) {
+        timed_s += secs(t0, t1);
+        ++timed_steps;
+      }
+      if (lead && (secs(last_print, t1) > 2.0 || pos >= sampler.size())) {
+        last_print = t1;
+        double done = static_cast<double>(pos) / sampler.size();
+        double rate = world * cfg.batch_size / std::max(1e-9, secs(t0, t1));
+        int bars = static_cast<int>(done * 20);
+        std::printf("epoch %lld/%d [%s%s] step %lld/%lld loss %.4f %.0f img/s ETA %s\n", static_cast<long long>(epoch + 1),
+                    cfg.epochs, std::string(bars, '#').c_str(), std::string(20 - bars, '.').c_str(),
+                    static_cast<long long>((pos + cfg.batch_size - 1) / cfg.batch_size), static_cast<long long>(steps_per_epoch),
+                    loss_sum / loss_n, rate, eta(secs(epoch_start, t1) / std::max(done, 1e-9) * (1 - done)).c_str());
+        std::fflush(stdout);
+      }
+      if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0) save(epoch, pos);
+      if (cfg.max_steps > 0 && step >= cfg.max_steps) {
+        stop = true;
+        break;
+      }
+    }
+    double epoch_s = secs(epoch_start, Clock::now());
+    double train_loss = cohort::torch::allreduce_scalar(*pg, loss_n ? loss_sum / loss_n : 0.0) / world;
+    if (stop && pos < sampler.size()) break;
+    double acc = evaluate(model, test_set, *pg);
+    if (lead) {
+      std::printf("epoch %lld: test accuracy %.2f%% (train loss %.4f, %.1f s)\n", static_cast<long long>(epoch + 1), acc * 100,
+                  train_loss, epoch_s);
+      std::printf("RESULT ddp model=%s world=%d epoch=%lld epoch_time_s=%.2f train_loss=%.4f test_acc=%.4f\n", cfg.model.c_str(),
+                  world, static_cast<long long>(epoch + 1), epoch_s, train_loss, acc);
+      std::fflush(stdout);
+    }
+    save(epoch + 1, 0);
+  }
+  double slowest = cohort::torch::allreduce_scalar(*pg, timed_s, cohort::ReduceOp::Max);
+  if (lead) {
+    double ips = timed_steps > 0 ? world * cfg.batch_size * timed_steps / slowest : 0;
+    int64_t nparams = 0;
+    for (auto& p : params) nparams += p.numel();
+    std::printf("RESULT ddp_summary model=%s world=%d params=%lld steps=%lld timed_steps=%lld imgs_per_s=%.1f ms_per_step=%.2f allreduce=%s\n",
+                cfg.model.c_str(), world, static_cast<long long>(nparams), static_cast<long long>(step),
+                static_cast<long long>(timed_steps), ips, timed_steps ? slowest / timed_steps * 1000 : 0.0,
+                cfg.no_allreduce ? "off" : "on");
+  }
+  pg->shutdown();
+  return 0;
+}

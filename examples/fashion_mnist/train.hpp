@@ -1,0 +1,33 @@
+// The training loop of the Fashion-MNIST example.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+struct TrainConfig {
+  std::string model = "cnn";
+  int epochs = 2;
+  int batch_size = 64;
+  double base_lr = 0.02;
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  int warmup_steps = 200;
+  uint64_t seed = 42;
+  bool augment = true;
+  int threads = 1;
+  int64_t max_steps = 0;
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string ckpt_dir;
+  int64_t ckpt_every = 0;
+  int keep = 3;
+  bool resume = false;
+  std::string comm_hook = "allreduce";
+  double bucket_cap_mb = 25.0;
+  bool bf16_autocast = false;
+  double clip_grad_norm = 0.0;
+  bool no_allreduce = false;
+  int timing_skip = 20;
+};
+
+// Returns the process exit code.
+int train(const TrainConfig& cfg);

@@ -1,0 +1,78 @@
+// cohort/torch_train.hpp: training helpers for LibTorch programs: a dynamic
+// loss scaler, global-norm clipping, the learning-rate schedule, and
+// checkpoint conversion of modules and optimizers.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "cohort/checkpoint.hpp"
+#include "cohort/process_group.hpp"
+
+namespace cohort::torch {
+
+// Dynamic loss scaling with torch.cuda.amp.GradScaler's semantics: the loss is
+// multiplied by scale() before backward; step() unscales the gradients, and if
+// any rank found an inf/NaN the optimizer step is skipped on every rank and the
+// scale backs off (x backoff_factor); after growth_interval clean steps it grows.
+struct GradScalerOptions {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int growth_interval = 2000;
+  bool enabled = true;
+};
+
+class GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions o = {}) : o_(o), scale_(o.init_scale) {}
+  ::torch::Tensor scale(const ::torch::Tensor& loss) const { return o_.enabled ? loss * scale_ : loss; }
+  // Unscales the gradients of `optimizer`, checks them for inf/NaN on every
+  // rank of `group` (nullptr: this process only), steps if all are finite, and
+  // updates the scale. Returns whether the optimizer stepped.
+  bool step(::torch::optim::Optimizer& optimizer, ProcessGroup* group);
+  double current_scale() const { return scale_; }
+  int64_t skipped_steps() const { return skipped_; }
+  void load(double scale, int growth_tracker) { scale_ = scale; tracker_ = growth_tracker; }
+  int growth_tracker() const { return tracker_; }
+
+ private:
+  GradScalerOptions o_;
+  double scale_;
+  int tracker_ = 0;
+  int64_t skipped_ = 0;
+};
+
+// Clips the gradients of `params` to a global L2 norm of max_norm; returns the
+// norm before clipping. (After DDP's finalize every rank holds the same
+// averaged gradients, so the norm is already global across ranks.)
+double clip_grad_norm(const std::vector<::torch::Tensor>& params, double max_norm);
+
+// Linear warmup from 0 to peak over warmup_steps, then cosine decay to
+// final_fraction * peak at total_steps. Pure: lr at a step.
+double warmup_cosine_lr(int64_t step, int64_t warmup_steps, int64_t total_steps, double peak, double final_fraction = 0.0);
+
+// Linear scaling rule (Goyal et al., 2017): base_lr x world size.
+inline double scaled_lr(double base_lr, int world_size) { return base_lr * world_size; }
+
+// Module parameters and buffers as named tensors ("conv1.weight", ...), and back.
+// load_module_state throws InvalidArgument naming a missing, unexpected or
+// mis-shaped tensor.
+std::vector<NamedTensor> module_state(const ::torch::nn::Module& module);
+void load_module_state(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
+
+// SGD (momentum buffers) and Adam/AdamW (exp_avg, exp_avg_sq, step) state, plus
+// each group's lr, named "group<g>.param<k>.<field>" by position.
+std::vector<NamedTensor> optimizer_state(::torch::optim::Optimizer& optimizer);
+void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& tensors);
+
+NamedTensor to_named(const std::string& name, const ::torch::Tensor& t);
+::torch::Tensor from_named(const NamedTensor& t);
+
+// The default CPU generator's state as bytes, and back (for the manifest).
+std::string cpu_rng_state();
+void set_cpu_rng_state(const std::string& bytes);
+
+}  // namespace cohort::torch

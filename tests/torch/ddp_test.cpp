@@ -1,0 +1,260 @@
+// DistributedDataParallel with real LibTorch modules: after a DDP step every
+// rank holds the gradients one process computes on the whole global batch.
+// Ranks run as threads over a MemoryStore (tests/test_util.hpp).
+#include <gtest/gtest.h>
+
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using cohort::testing::run_ranks;
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool with_unused = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
+    // Deterministic weights (no shared random generator between thread-ranks).
+    torch::NoGradGuard g;
+    int k = 0;
+    for (auto& p : parameters()) {
+      auto flat = p.view({-1});
+      for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * (k++)) * 0.5;
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
+};
+TORCH_MODULE(Net);
+
+// Sample i of the global batch, and its target.
+torch::Tensor inputs(int64_t from, int64_t n) {
+  auto x = torch::empty({n, 8});
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < 8; ++j) x[i][j] = std::cos(0.11 * ((from + i) * 8 + j));
+  return x;
+}
+torch::Tensor targets(int64_t from, int64_t n) {
+  auto y = torch::empty({n, 4});
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < 4; ++j) y[i][j] = std::sin(0.07 * ((from + i) * 4 + j));
+  return y;
+}
+
+// Gradients of one process over `micro` global micro-batches of `global` samples each (accumulated).
+std::vector<torch::Tensor> reference_grads(int64_t global, int micro) {
+  Net net;
+  for (int m = 0; m < micro; ++m) {
+    auto loss = torch::mse_loss(net->forward(inputs(m * global, global)), targets(m * global, global));
+    loss.backward();
+  }
+  std::vector<torch::Tensor> g;
+  for (auto& p : net->parameters()) g.push_back(p.grad().clone());
+  return g;
+}
+
+void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double tol, int rank) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << "rank " << rank << " param " << i;
+    double err = (got[i] - want[i]).abs().max().item<double>();
+    EXPECT_LT(err, tol) << "rank " << rank << " param " << i << " max error " << err;
+  }
+}
+
+struct Case {
+  std::string transport;
+  int world;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.transport << " x " << c.world; }
+class Ddp : public ::testing::TestWithParam<Case> {};
+
+constexpr int64_t kLocal = 4;
+
+TEST_P(Ddp, GradientsEqualOneProcessOnTheGlobalBatch) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  auto want = reference_grads(kLocal * n, 1);
+  for (bool bucket_view : {false, true}) {
+    run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      Net net;
+      cohort::torch::DistributedDataParallelOptions o;
+      o.gradient_as_bucket_view = bucket_view;
+      o.bucket_cap_mb = 0.0005;  // several buckets even for this small model
+      o.first_bucket_mb = 0.0002;
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+      ddp.pre_forward();
+      int64_t from = pg.rank() * kLocal;
+      auto loss = torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal));
+      loss.backward();  // averaged when it returns
+      std::vector<torch::Tensor> got;
+      for (auto& p : net->parameters()) got.push_back(p.grad());
+      expect_close(got, want, 1e-5, pg.rank());
+      EXPECT_GT(ddp.stats().buckets.size(), 1u);
+    });
+  }
+}
+
+TEST_P(Ddp, NoSyncAccumulatesThenSyncs) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  auto want = reference_grads(kLocal * n, 2);
+  run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    Net net;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    for (int m = 0; m < 2; ++m) {
+      int64_t from = m * kLocal * n + pg.rank() * kLocal;
+      ddp.pre_forward();
+      auto loss = torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal));
+      if (m == 0) {
+        auto guard = ddp.no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    std::vector<torch::Tensor> got;
+    for (auto& p : net->parameters()) got.push_back(p.grad());
+    expect_close(got, want, 1e-5, pg.rank());
+  });
+}
+
+TEST_P(Ddp, CompressionHooksAreClose) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  auto want = reference_grads(kLocal * n, 1);
+  for (auto hook : {cohort::ddp::fp16_compress_hook(), cohort::ddp::bf16_compress_hook()}) {
+    run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      Net net;
+      cohort::torch::DistributedDataParallelOptions o;
+      o.comm_hook = hook;
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+      ddp.pre_forward();
+      int64_t from = pg.rank() * kLocal;
+      torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+      std::vector<torch::Tensor> got;
+      for (auto& p : net->parameters()) got.push_back(p.grad());
+      expect_close(got, want, 2e-2, pg.rank());  // bf16 keeps 8 bits of mantissa
+    });
+  }
+}
+
+TEST_P(Ddp, UnusedParametersWithFindUnused) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  auto want = reference_grads(kLocal * n, 1);
+  run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    Net net(/*with_unused=*/true);
+    cohort::torch::DistributedDataParallelOptions o;
+    o.find_unused_parameters = true;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+    ddp.pre_forward();
+    int64_t from = pg.rank() * kLocal;
+    torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+    std::vector<torch::Tensor> got;
+    for (auto& p : net->fc1->parameters()) got.push_back(p.grad());
+    for (auto& p : net->fc2->parameters()) got.push_back(p.grad());
+    expect_close(got, want, 1e-5, pg.rank());
+    for (auto& p : net->spare->parameters()) EXPECT_TRUE(!p.grad().defined() || p.grad().abs().max().item<double>() == 0.0);
+  });
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (int n : {1, 2, 3, 4}) v.push_back({"shm", n});
+  v.push_back({"tcp", 2});
+  v.push_back({"tcp", 3});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(All, Ddp, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.transport + "_np" + std::to_string(i.param.world); });
+
+TEST(DdpErrors, UnusedParameterWithoutFindUnusedIsNamed) {
+  torch::set_num_threads(1);
+  std::vector<std::string> errs(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    Net net(true);
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    ddp.pre_forward();
+    try {
+      torch::mse_loss(net->forward(inputs(0, 4)), targets(0, 4)).backward();
+    } catch (const std::exception& e) {
+      errs[pg.rank()] = e.what();
+    }
+  });
+  for (auto& e : errs) {
+    EXPECT_NE(e.find("spare.weight"), std::string::npos) << e;
+    EXPECT_NE(e.find("find_unused_parameters"), std::string::npos) << e;
+  }
+}
+
+TEST(DdpErrors, DifferentModelsAreNamed) {
+  std::vector<std::string> errs(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    Net net(pg.rank() == 1);  // rank 1 has an extra layer
+    try {
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    } catch (const cohort::InvalidArgument& e) {
+      errs[pg.rank()] = e.what();
+    }
+  });
+  EXPECT_NE(errs[1].find("rank 1 has a parameter 'spare.weight"), std::string::npos) << errs[1];
+  EXPECT_NE(errs[0].find("ranks [1] have different parameters than rank 0"), std::string::npos) << errs[0];
+}
+
+TEST(DdpErrors, BroadcastMakesReplicasEqual) {
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    Net net;
+    {
+      torch::NoGradGuard g;
+      for (auto& p : net->parameters()) p.add_(pg.rank());  // replicas start different
+    }
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    Net ref;
+    auto a = net->parameters(), b = ref->parameters();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << pg.rank();
+  });
+}
+
+TEST(TrainUtils, WarmupCosineAndClipping) {
+  EXPECT_DOUBLE_EQ(cohort::torch::warmup_cosine_lr(0, 10, 110, 1.0), 0.1);
+  EXPECT_DOUBLE_EQ(cohort::torch::warmup_cosine_lr(9, 10, 110, 1.0), 1.0);
+  EXPECT_NEAR(cohort::torch::warmup_cosine_lr(60, 10, 110, 1.0), 0.5, 1e-12);
+  EXPECT_NEAR(cohort::torch::warmup_cosine_lr(110, 10, 110, 1.0), 0.0, 1e-12);
+  auto p = torch::ones({4}, torch::requires_grad());
+  (p * 3).sum().backward();  // grad = 3 everywhere, norm 6
+  EXPECT_NEAR(cohort::torch::clip_grad_norm({p}, 1.0), 6.0, 1e-9);
+  EXPECT_NEAR(p.grad().norm().item<double>(), 1.0, 1e-5);
+}
+
+TEST(TrainUtils, GradScalerSkipsNonFiniteStepsAndBacksOff) {
+  auto p = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  cohort::torch::GradScaler scaler({.init_scale = 1024, .growth_interval = 2});
+  scaler.scale(p.sum()).backward();
+  EXPECT_TRUE(scaler.step(opt, nullptr));
+  EXPECT_NEAR(p[0].item<double>(), 0.9, 1e-6);  // unscaled gradient 1, lr 0.1
+  opt.zero_grad();
+  p.mutable_grad() = torch::full({2}, std::numeric_limits<float>::infinity());
+  EXPECT_FALSE(scaler.step(opt, nullptr));
+  EXPECT_NEAR(p[0].item<double>(), 0.9, 1e-6);  // skipped
+  EXPECT_EQ(scaler.current_scale(), 512.0);
+  EXPECT_EQ(scaler.skipped_steps(), 1);
+  for (int i = 0; i < 2; ++i) {
+    opt.zero_grad();
+    scaler.scale(p.sum()).backward();
+    EXPECT_TRUE(scaler.step(opt, nullptr));
+  }
+  EXPECT_EQ(scaler.current_scale(), 1024.0);  // grew after growth_interval clean steps
+}
+
+}  // namespace
