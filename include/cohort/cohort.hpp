@@ -2,7 +2,8 @@
 #pragma once
 
 #include "cohort/data.hpp"           // DistributedSampler, Loader, read_idx, FashionMnist
-#include "cohort/error.hpp"          // Error, TimeoutError, PeerError, InvalidArgument, IoError
+#include "cohort/checkpoint.hpp"     // save_checkpoint, load_latest_valid, safetensors files
+#include "cohort/error.hpp"          // Error, TimeoutError, PeerError, InvalidArgument, IoError, FormatError
 #include "cohort/process_group.hpp"  // init_process_group, ProcessGroup, Work, options
 #include "cohort/store.hpp"          // Store, TcpStore, MemoryStore, PrefixStore
 #include "cohort/types.hpp"          // DType, ReduceOp, Buffer

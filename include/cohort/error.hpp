@@ -44,4 +44,11 @@ class IoError : public Error {
   using Error::Error;
 };
 
+// A file exists but its contents are wrong: truncated, corrupted, or not in the
+// expected format (checkpoints, safetensors files). The message names the file.
+class FormatError : public IoError {
+ public:
+  using IoError::IoError;
+};
+
 }  // namespace cohort

@@ -1,0 +1,169 @@
+// cohort/checkpoint.hpp: named tensors in safetensors files, and atomic training checkpoints.
+//
+// Two layers (docs/checkpoint-format.md has the exact formats):
+//   - safetensors files: write_safetensors / read_safetensors. Files open in
+//     Python's `safetensors` library, or in a dozen lines of plain Python.
+//   - checkpoint directories: save_checkpoint writes ckpt_dir/step_000001234/
+//     with one .safetensors file per name plus manifest.json (training state,
+//     sizes and CRC32C checksums), atomically: a crash at any point leaves the
+//     previous checkpoints loadable. load_latest_valid finds the newest
+//     checkpoint that verifies, skipping (and reporting) newer broken ones.
+//
+// This layer knows nothing about LibTorch: a framework adapter turns parameters,
+// buffers and optimizer state into NamedTensors and back.
+//
+// Threads: every function may be called from any thread; they share no state.
+// One process at a time may save into a given checkpoint directory (a save
+// removes the temporary directories it finds there, whoever made them).
+//
+// Errors: bad arguments are InvalidArgument (nothing was written); the OS
+// refusing is IoError; a file that is truncated, corrupted or not in the format
+// is FormatError (an IoError, cohort/error.hpp). Every message names the file
+// and the problem.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cohort/error.hpp"
+#include "cohort/filesystem.hpp"
+#include "cohort/types.hpp"
+
+namespace cohort {
+
+// One tensor: contiguous, row-major ("C" order), little-endian element bytes.
+struct NamedTensor {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;  // {} is a 0-d scalar (1 element); a 0 anywhere is an empty tensor
+  std::vector<uint8_t> bytes;  // exactly numel() * dtype_size(dtype) bytes
+
+  // Product of shape (1 for a scalar); throws InvalidArgument for a negative or overflowing shape.
+  uint64_t numel() const;
+};
+
+// Builds a NamedTensor from typed values: float, double, int8_t, uint8_t,
+// int32_t, int64_t (F16/BF16 tensors are built from their raw bytes).
+template <class T>
+NamedTensor make_tensor(std::string name, std::vector<int64_t> shape, const std::vector<T>& values) {
+  NamedTensor t{std::move(name), dtype_of<T>(), std::move(shape), {}};
+  const auto* p = reinterpret_cast<const uint8_t*>(values.data());
+  t.bytes.assign(p, p + values.size() * sizeof(T));
+  return t;
+}
+
+// ---- safetensors ----------------------------------------------------------
+
+struct SafetensorsFile {
+  std::vector<NamedTensor> tensors;            // in file (data offset) order
+  std::map<std::string, std::string> metadata;  // the header's "__metadata__" (may be empty)
+};
+
+struct SafetensorsWriteOptions {
+  // Written as "__metadata__". {"format": "pt"} tells Hugging Face loaders the
+  // tensors use PyTorch's layout (they refuse files without it); safe to keep.
+  std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  Filesystem* fs = nullptr;  // nullptr: posix_filesystem()
+};
+
+// The whole file in memory. Tensors are laid out by element size, largest first,
+// then by name, so each tensor's data is aligned to its element size. Throws
+// InvalidArgument for an empty or duplicate name, "__metadata__" as a name, or a
+// byte count that does not match dtype x shape.
+std::vector<uint8_t> encode_safetensors(const std::vector<NamedTensor>& tensors,
+                                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+// Parses and validates a whole file held in memory; `name` is used in errors.
+// Throws FormatError.
+SafetensorsFile decode_safetensors(std::span<const uint8_t> file, const std::string& name = "<memory>");
+
+// Durable write: path.tmp-<pid>, fsync, rename over `path`, fsync the directory.
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const SafetensorsWriteOptions& options = {});
+// Reads and validates `path`: header length within the file (and at most 100 MiB),
+// JSON valid without duplicate keys, dtypes known, every offset range in bounds,
+// of size numel x itemsize, the ranges neither overlapping nor leaving holes.
+// Memory use is bounded by the file's size. Throws FormatError or IoError.
+SafetensorsFile read_safetensors(const std::string& path, Filesystem* fs = nullptr);
+
+// ---- checkpoints ----------------------------------------------------------
+
+// The training state stored beside the tensors (manifest.json).
+struct Manifest {
+  int64_t epoch = 0;
+  // Where the DistributedSampler resumes inside `epoch` (samples already consumed).
+  int64_t sampler_position = 0;
+  int world_size = 1;
+  // Opaque generator states by name ("torch_cpu", "cuda:0", ...): any bytes, stored as base64.
+  std::map<std::string, std::string> rng_states;
+  // The learning-rate schedule's state: any JSON value, as text.
+  std::string lr_schedule = "{}";
+  // The run's configuration: a JSON object, as text.
+  std::string config = "{}";
+};
+
+struct SaveOptions {
+  // After a successful save, keep only this many checkpoints with a step at or
+  // below the new one (the new one included) and delete the older ones.
+  // 0 keeps everything. Checkpoints with a higher step than the new one are left alone.
+  int keep_last = 0;
+  Filesystem* fs = nullptr;  // nullptr: posix_filesystem()
+};
+
+struct LoadOptions {
+  bool verify_checksums = true;  // false skips the CRC32C pass (sizes are still checked)
+  Filesystem* fs = nullptr;      // nullptr: posix_filesystem()
+};
+
+struct FileInfo {
+  uint64_t size = 0;
+  uint32_t crc32c = 0;
+};
+
+struct LoadedCheckpoint {
+  std::string path;  // the step directory
+  int64_t step = 0;
+  int format_version = 0;
+  Manifest manifest;
+  // By file name without ".safetensors" ("model", "optimizer", ...), tensors in file order.
+  std::map<std::string, std::vector<NamedTensor>> files;
+  std::map<std::string, FileInfo> file_info;  // by file name without ".safetensors"
+  // load_latest_valid: the newer checkpoints it skipped, each "step_X: why".
+  std::vector<std::string> skipped;
+};
+
+// Writes dir/step_<step, 9 digits>/ holding <name>.safetensors for each entry of
+// `files` and manifest.json, and returns that directory's path. Creates `dir` if
+// needed. Atomic: everything goes into step_X.tmp-<pid>/, each file fsync'ed,
+// manifest.json last, the directory fsync'ed, then renamed into place and the
+// parent fsync'ed. Leftover *.tmp-* directories from crashed saves are removed
+// first, so one process at a time may save into `dir`. An existing checkpoint of
+// the same step is replaced. File names: letters, digits, '_', '-', '.'; not "manifest".
+// Throws InvalidArgument (bad names, tensors, manifest JSON) before writing
+// anything, IoError if the OS refuses (the temporary directory is then removed).
+std::string save_checkpoint(const std::string& dir, int64_t step,
+                            const std::map<std::string, std::vector<NamedTensor>>& files,
+                            const Manifest& manifest, const SaveOptions& options = {});
+
+// Loads one checkpoint directory, verifying every file's size and CRC32C against
+// the manifest. Throws FormatError naming the file and what is wrong, IoError.
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
+
+// The newest step_* directory of `dir` that loads and verifies. Newer ones that
+// fail are skipped, listed in `skipped` and logged (COHORT_WARN, INIT). No valid
+// checkpoint, or no `dir` at all: std::nullopt. Never throws for a broken
+// checkpoint; may throw IoError if `dir` itself cannot be listed.
+std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const LoadOptions& options = {});
+
+// The steps of the step_* directories in `dir`, ascending (valid or not; *.tmp-* excluded).
+std::vector<int64_t> list_checkpoint_steps(const std::string& dir, Filesystem* fs = nullptr);
+
+// CRC32C (Castagnoli, reflected polynomial 0x82F63B78, init and final xor
+// 0xFFFFFFFF): the checksum in manifests. Pass the previous result as `crc` to
+// continue over more bytes. crc32c("123456789") == 0xE3069283.
+uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
+
+}  // namespace cohort

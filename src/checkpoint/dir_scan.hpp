@@ -1,0 +1,32 @@
+// Reading a checkpoint directory's structure: shared by save (retention,
+// leftovers) and load (finding and verifying checkpoints).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "checkpoint/manifest.hpp"
+#include "cohort/filesystem.hpp"
+
+namespace cohort::ckpt {
+
+std::string join_path(const std::string& dir, std::string_view name);
+
+struct StepDir {
+  int64_t step = 0;
+  std::string name;  // "step_000001234"
+};
+
+// The step_* subdirectories of `dir` (symbolic links and *.tmp-* excluded), by
+// ascending step. A missing `dir` gives an empty list.
+std::vector<StepDir> list_step_dirs(Filesystem& fs, const std::string& dir);
+
+// The subdirectories of `dir` with temporary names (*.tmp-*).
+std::vector<std::string> list_temp_dirs(Filesystem& fs, const std::string& dir);
+
+// Reads and parses step_dir/manifest.json (at most 64 MiB). Throws FormatError
+// if it is missing, too large or invalid; IoError if it cannot be read.
+ParsedManifest read_manifest(Filesystem& fs, const std::string& step_dir);
+
+}  // namespace cohort::ckpt

@@ -1,0 +1,203 @@
+// posix_filesystem(): the Filesystem seam over open/pwrite/pread/fsync/rename.
+// Every failure is an IoError naming the operation, the path and errno, with a
+// hint for the errors a user can fix (space, permissions, read-only mounts).
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "cohort/filesystem.hpp"
+
+namespace cohort {
+namespace {
+
+std::string hint_for(int err) {
+  switch (err) {
+    case ENOSPC: case EDQUOT: return "; HINT: the disk (or your quota) is full: free space or save elsewhere";
+    case EACCES: case EPERM: return "; HINT: check the permissions of the directory";
+    case EROFS: return "; HINT: the file system is mounted read-only";
+    case ENOENT: return "; HINT: does the directory exist?";
+    case EMFILE: case ENFILE: return "; HINT: too many open files: raise `ulimit -n`";
+    default: return "";
+  }
+}
+
+[[noreturn]] void fail(const char* what, const std::string& path, int err) {
+  throw IoError(fmt::format("cannot {} '{}': {} (errno {}){}", what, path, std::strerror(err), err, hint_for(err)));
+}
+
+class PosixWritableFile final : public WritableFile {
+ public:
+  PosixWritableFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~PosixWritableFile() override {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  void append(const void* data, size_t n) override {
+    const auto* p = static_cast<const char*>(data);
+    while (n > 0) {
+      ssize_t w = ::write(fd_, p, n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        fail("write to", path_, errno);
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+
+  void sync() override {
+    while (::fsync(fd_) != 0) {
+      if (errno != EINTR) fail("fsync", path_, errno);
+    }
+  }
+
+  void close() override {
+    int fd = fd_;
+    fd_ = -1;
+    // close(2) may report a deferred write error (NFS); EINTR leaves the fd closed on Linux.
+    if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) fail("close", path_, errno);
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+};
+
+class PosixReadableFile final : public ReadableFile {
+ public:
+  PosixReadableFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  ~PosixReadableFile() override { ::close(fd_); }
+
+  uint64_t size() override {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) fail("stat", path_, errno);
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  void read_at(uint64_t offset, void* out, size_t n) override {
+    auto* p = static_cast<char*>(out);
+    while (n > 0) {
+      ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        fail("read", path_, errno);
+      }
+      if (r == 0)
+        throw IoError(fmt::format("cannot read '{}': the file ends at byte {} but {} more bytes were expected there",
+                                  path_, offset, n));
+      p += r;
+      n -= static_cast<size_t>(r);
+      offset += static_cast<uint64_t>(r);
+    }
+  }
+
+ private:
+  int fd_;
+  std::string path_;
+};
+
+class PosixFilesystem final : public Filesystem {
+ public:
+  std::unique_ptr<WritableFile> create_file(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) fail("create file", path, errno);
+    return std::make_unique<PosixWritableFile>(fd, path);
+  }
+
+  std::unique_ptr<ReadableFile> open_file(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail("open", path, errno);
+    return std::make_unique<PosixReadableFile>(fd, path);
+  }
+
+  void create_dir(const std::string& path) override {
+    if (::mkdir(path.c_str(), 0755) != 0) fail("create directory", path, errno);
+  }
+
+  void sync_dir(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) fail("open directory", path, errno);
+    int rc;
+    while ((rc = ::fsync(fd)) != 0 && errno == EINTR) {
+    }
+    int err = errno;
+    ::close(fd);
+    // Some file systems cannot fsync a directory (EINVAL): their renames are as durable as they get.
+    if (rc != 0 && err != EINVAL) fail("fsync directory", path, err);
+  }
+
+  void rename(const std::string& from, const std::string& to) override {
+    if (::rename(from.c_str(), to.c_str()) != 0) fail("rename", from + "' to '" + to, errno);
+  }
+
+  void remove_file(const std::string& path) override {
+    if (::unlink(path.c_str()) != 0) fail("remove file", path, errno);
+  }
+
+  void remove_dir(const std::string& path) override {
+    if (::rmdir(path.c_str()) != 0) fail("remove directory", path, errno);
+  }
+
+  std::vector<DirEntry> list_dir(const std::string& path) override {
+    DIR* d = ::opendir(path.c_str());
+    if (d == nullptr) fail("list directory", path, errno);
+    std::vector<DirEntry> out;
+    errno = 0;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      // Symbolic links are not directories here (lstat semantics), so remove_all never follows one.
+      bool dir = e->d_type == DT_DIR;
+      struct stat st;
+      if (e->d_type == DT_UNKNOWN) dir = ::lstat((path + "/" + name).c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+      out.push_back({std::move(name), dir});
+      errno = 0;
+    }
+    int err = errno;
+    ::closedir(d);
+    if (err != 0) fail("list directory", path, err);
+    return out;
+  }
+
+  bool exists(const std::string& path) override {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0;
+  }
+
+  bool is_dir(const std::string& path) override {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  }
+};
+
+}  // namespace
+
+Filesystem& posix_filesystem() {
+  static PosixFilesystem fs;
+  return fs;
+}
+
+void remove_all(Filesystem& fs, const std::string& path) {
+  if (!fs.exists(path)) return;
+  if (!fs.is_dir(path)) {
+    fs.remove_file(path);
+    return;
+  }
+  for (const DirEntry& e : fs.list_dir(path)) {
+    std::string child = path + "/" + e.name;
+    if (e.is_dir)
+      remove_all(fs, child);
+    else
+      fs.remove_file(child);
+  }
+  fs.remove_dir(path);
+}
+
+}  // namespace cohort

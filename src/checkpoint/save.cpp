@@ -1,0 +1,189 @@
+// save_checkpoint: the atomic write of one checkpoint directory.
+//
+// Steps, and why each is in that order (a crash may stop the process between
+// any two of them; "visible" means under a step_<digits> name the loader reads):
+//   1. Check every argument and lay out every safetensors header. Bad input
+//      throws here, before the disk is touched.
+//   2. Create ckpt_dir (and its missing parents, each fsync'ed into its own
+//      parent), then remove *.tmp-* directories left by crashed saves (a
+//      failure to remove one is logged, not thrown).
+//   3. mkdir step_X.tmp-<pid>/ and write each <name>.safetensors into it, each
+//      fsync'ed and closed. Nothing is visible yet.
+//   4. Write manifest.json last (fsync, close): it holds each file's size and
+//      CRC32C and "complete": true. Then fsync the temporary directory, so its
+//      entries are durable before it gets its real name.
+//   5. rename step_X.tmp-<pid> -> step_X (atomic), then fsync ckpt_dir so the
+//      rename itself survives a power loss. This is the commit point. If step_X
+//      already existed it is first renamed to step_X.tmp-<pid>-old and removed
+//      after the commit (a crash between those two renames loses step X, never
+//      an older step).
+//   6. Retention (keep_last): rename each expired step_Y to a temporary name,
+//      fsync ckpt_dir, then remove it. A checkpoint is never half-deleted
+//      under its visible name. Failures here are logged, not thrown: the new
+//      checkpoint is already safe.
+// On an error in 3-5 the temporary directory is removed (best effort) and the
+// error rethrown; the previous checkpoints are untouched in every case.
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "checkpoint/dir_scan.hpp"
+#include "checkpoint/layout.hpp"
+#include "checkpoint/manifest.hpp"
+#include "checkpoint/safetensors.hpp"
+#include "cohort/checkpoint.hpp"
+#include "core/log.hpp"
+
+namespace cohort {
+namespace {
+
+using namespace ckpt;
+
+std::string parent_of(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// mkdir -p through the seam; each directory we create is fsync'ed into its parent.
+void make_dirs(Filesystem& fs, const std::string& dir) {
+  if (dir.empty() || fs.is_dir(dir)) return;
+  make_dirs(fs, parent_of(dir));
+  try {
+    fs.create_dir(dir);
+  } catch (const IoError&) {
+    if (!fs.is_dir(dir)) throw;  // another process may have created it meanwhile
+    return;
+  }
+  fs.sync_dir(parent_of(dir));
+}
+
+void remove_quietly(Filesystem& fs, const std::string& path) noexcept {
+  try {
+    remove_all(fs, path);
+  } catch (const std::exception& e) {
+    COHORT_WARN(kInit, "checkpoint: could not remove '{}': {}", path, e.what());
+  } catch (...) {
+  }
+}
+
+void write_file(Filesystem& fs, const std::string& path, const std::string& bytes) {
+  auto f = fs.create_file(path);
+  f->append(bytes.data(), bytes.size());
+  f->sync();
+  f->close();
+}
+
+// Step 6. Never throws: the new checkpoint is committed already.
+void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, int keep_last) {
+  try {
+    std::vector<StepDir> dirs = list_step_dirs(fs, dir);
+    std::vector<StepState> states;
+    for (const StepDir& d : dirs) {
+      bool valid = true;
+      try {
+        read_manifest(fs, join_path(dir, d.name));
+      } catch (const IoError&) {
+        valid = false;
+      }
+      states.push_back({d.step, valid});
+    }
+    std::vector<int64_t> expired = steps_to_delete(states, saved, keep_last);
+    std::vector<std::string> trash;
+    for (const StepDir& d : dirs) {
+      if (std::find(expired.begin(), expired.end(), d.step) == expired.end()) continue;
+      std::string to = join_path(dir, temp_dir_name(d.step, ::getpid(), "trash"));
+      fs.rename(join_path(dir, d.name), to);
+      trash.push_back(to);
+    }
+    if (trash.empty()) return;
+    fs.sync_dir(dir);
+    for (const std::string& t : trash) remove_all(fs, t);
+    COHORT_INFO(kInit, "checkpoint: keep_last={} removed {} older checkpoint(s) from '{}'", keep_last, trash.size(), dir);
+  } catch (const std::exception& e) {
+    COHORT_WARN(kInit, "checkpoint: step {} is saved, but removing older checkpoints of '{}' (keep_last={}) failed: {}",
+                saved, dir, keep_last, e.what());
+  }
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& dir_arg, int64_t step,
+                            const std::map<std::string, std::vector<NamedTensor>>& files, const Manifest& manifest,
+                            const SaveOptions& options) {
+  // 1. Everything that can be wrong with the arguments, before any write.
+  std::string dir = dir_arg;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (dir.empty()) throw InvalidArgument("save_checkpoint: the checkpoint directory is empty; pass a path");
+  if (step < 0) throw InvalidArgument(fmt::format("save_checkpoint: step is {}; it must be >= 0", step));
+  if (options.keep_last < 0)
+    throw InvalidArgument(fmt::format("save_checkpoint: keep_last is {}; use 0 to keep all, or N >= 1",
+                                      options.keep_last));
+  check_manifest(manifest);
+  std::map<std::string, EncodedHeader> headers;
+  for (const auto& [name, tensors] : files) {
+    check_file_name(name);
+    try {
+      headers[name] = encode_header(tensors, {{"format", "pt"}});
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("save_checkpoint: file \"{}\": {}", name, e.what()));
+    }
+  }
+  Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
+
+  // 2. The directory, and the leftovers of crashed saves.
+  make_dirs(fs, dir);
+  for (const std::string& t : list_temp_dirs(fs, dir)) {
+    // A leftover we cannot remove must not stop this save: it is logged and retried next time.
+    COHORT_INFO(kInit, "checkpoint: removing '{}', left by an earlier save that did not finish", join_path(dir, t));
+    remove_quietly(fs, join_path(dir, t));
+  }
+
+  const std::string final_dir = join_path(dir, step_dir_name(step));
+  const std::string tmp_dir = join_path(dir, temp_dir_name(step, ::getpid()));
+  const std::string old_dir = join_path(dir, temp_dir_name(step, ::getpid(), "old"));
+  bool moved_old = false;
+  try {
+    // 3. The tensor files.
+    fs.create_dir(tmp_dir);
+    std::map<std::string, FileInfo> infos;
+    for (const auto& [name, tensors] : files) {
+      std::string file_name = name + std::string(kTensorFileSuffix);
+      auto f = fs.create_file(join_path(tmp_dir, file_name));
+      StreamStats stats = write_body(*f, headers[name], tensors);
+      f->sync();
+      f->close();
+      infos[file_name] = FileInfo{stats.size, stats.crc32c};
+    }
+    // 4. The manifest, then the directory's entries.
+    write_file(fs, join_path(tmp_dir, kManifestName), encode_manifest(step, manifest, infos));
+    fs.sync_dir(tmp_dir);
+    // 5. Commit.
+    if (fs.exists(final_dir)) {
+      fs.rename(final_dir, old_dir);
+      moved_old = true;
+    }
+    fs.rename(tmp_dir, final_dir);
+    fs.sync_dir(dir);
+  } catch (...) {
+    remove_quietly(fs, tmp_dir);
+    if (moved_old) {
+      try {
+        if (!fs.exists(final_dir)) fs.rename(old_dir, final_dir);
+      } catch (...) {
+        // The next save removes old_dir; step X is lost, older steps are not.
+      }
+    }
+    throw;
+  }
+  if (moved_old) remove_quietly(fs, old_dir);
+  COHORT_INFO(kInit, "checkpoint: saved step {} to '{}'", step, final_dir);
+
+  // 6. Retention.
+  apply_retention(fs, dir, step, options.keep_last);
+  return final_dir;
+}
+
+}  // namespace cohort
