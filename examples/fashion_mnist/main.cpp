@@ -32,7 +32,8 @@ int main(int argc, char** argv) {
   app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay");
   app.add_option("--warmup-steps", cfg.warmup_steps, "linear learning-rate warmup, then cosine decay");
   app.add_option("--seed", cfg.seed, "model initialisation and data order");
-  app.add_flag("--augment,!--no-augment", cfg.augment, "random horizontal flips and 2-pixel shifts of training images");
+  app.add_option("--augment", cfg.augment, "training-image augmentation: none, flip (random horizontal flips) or flip+shift (and shifts of up to 2 pixels)")
+      ->check(CLI::IsMember({"none", "flip", "flip+shift"}));
   app.add_option("--threads", cfg.threads, "intra-op threads per rank");
   app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch)");
   app.add_option("--data-dir", cfg.data_dir, "directory with the four Fashion-MNIST .gz files");
@@ -47,6 +48,9 @@ int main(int argc, char** argv) {
   app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)");
   app.add_flag("--no-allreduce", cfg.no_allreduce, "every step inside no_sync(): no gradient communication (throughput ceiling)");
   app.add_option("--warmup-timing-steps", cfg.timing_skip, "steps excluded from the throughput figure");
+  app.add_flag("--log-losses", cfg.log_losses, "print every step's loss on rank 0 (LOSS step=N value=X)");
+  app.add_option("--fault-kill-rank", cfg.fault_rank, "fault injection: this rank kills itself (SIGKILL) ...");
+  app.add_option("--fault-at-step", cfg.fault_step, "... right after this training step");
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <functional>
 
@@ -28,10 +29,10 @@ uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-void augment(float* img, uint64_t r, float background) {
+void augment(float* img, uint64_t r, float background, bool shift) {
   float tmp[28 * 28];
   const bool flip = r & 1;
-  const int dx = static_cast<int>((r >> 1) % 5) - 2, dy = static_cast<int>((r >> 4) % 5) - 2;
+  const int dx = shift ? static_cast<int>((r >> 1) % 5) - 2 : 0, dy = shift ? static_cast<int>((r >> 4) % 5) - 2 : 0;
   for (int y = 0; y < 28; ++y)
     for (int x = 0; x < 28; ++x) {
       int sx = (flip ? 27 - x : x) - dx, sy = y - dy;
@@ -176,9 +177,10 @@ int train(const TrainConfig& cfg) {
     cohort::data::LoaderOptions lo;
     lo.batch_size = cfg.batch_size;
     const float background = (0.0f - 0.2860f) / 0.3530f;
-    if (cfg.augment)
+    const bool shift = cfg.augment == "flip+shift";
+    if (cfg.augment != "none")
       lo.transform = [&, epoch](int64_t index, float* x, int64_t*) {
-        augment(x, mix(cfg.seed * 1000003u + static_cast<uint64_t>(epoch) * 7919u + static_cast<uint64_t>(index)), background);
+        augment(x, mix(cfg.seed * 1000003u + static_cast<uint64_t>(epoch) * 7919u + static_cast<uint64_t>(index)), background, shift);
       };
     cohort::data::Loader loader(train_set, std::move(idx), lo);
     auto epoch_start = Clock::now(), last_print = epoch_start;
@@ -212,7 +214,9 @@ int train(const TrainConfig& cfg) {
       opt.step();
       ++step;
       pos += b;
-      loss_sum += loss.item<double>();
+      const double loss_value = loss.item<double>();
+      loss_sum += loss_value;
+      if (cfg.log_losses && lead) std::printf("LOSS step=%lld value=%.7f\n", static_cast<long long>(step), loss_value);
       ++loss_n;
       auto t1 = Clock::now();
       if (step > cfg.timing_skip) {
@@ -231,6 +235,10 @@ int train(const TrainConfig& cfg) {
         std::fflush(stdout);
       }
       if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0) save(epoch, pos);
+      if (rank == cfg.fault_rank && step == cfg.fault_step) {
+        std::fflush(stdout);
+        raise(SIGKILL);
+      }
       if (cfg.max_steps > 0 && step >= cfg.max_steps) {
         stop = true;
         break;

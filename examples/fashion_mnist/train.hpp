@@ -8,12 +8,12 @@ struct TrainConfig {
   std::string model = "cnn";
   int epochs = 2;
   int batch_size = 64;
-  double base_lr = 0.02;
+  double base_lr = 0.03;
   double momentum = 0.9;
   double weight_decay = 5e-4;
   int warmup_steps = 200;
   uint64_t seed = 42;
-  bool augment = true;
+  std::string augment = "flip";  // none, flip, flip+shift
   int threads = 1;
   int64_t max_steps = 0;
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
@@ -27,6 +27,9 @@ struct TrainConfig {
   double clip_grad_norm = 0.0;
   bool no_allreduce = false;
   int timing_skip = 20;
+  bool log_losses = false;     // print every step's loss (tests compare resumed runs with this)
+  int fault_rank = -1;         // fault injection for tests: this rank SIGKILLs itself ...
+  int64_t fault_step = -1;     // ... right after this step
 };
 
 // Returns the process exit code.

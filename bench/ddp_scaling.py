@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""DDP throughput: cohort's Fashion-MNIST example against PyTorch DDP (gloo) on
+the same models, world sizes 1 and 2, with and without gradient
+synchronisation, interleaved REPS times (median). One intra-op thread per rank
+(OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1) on both sides. Invoked by
+bench/ddp_scaling.sh; results go to docs/performance.md.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def ips(text):
+    m = re.search(r"RESULT ddp_summary .*imgs_per_s=([0-9.]+)", text)
+    return float(m.group(1)) if m else None
+
+
+def run(cmd):
+    env = dict(os.environ)
+    env.update(ENV)
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    v = ips(p.stdout)
+    if v is None:
+        sys.stderr.write(f"no result from: {' '.join(cmd)}\n{p.stdout[-2000:]}\n")
+    return v
+
+
+def ours(model, world, steps, sync):
+    cmd = [f"{ROOT}/build/cohort", "run", "--nproc-per-node", str(world), f"{ROOT}/build/fashion_mnist", "--model", model,
+           "--max-steps", str(steps), "--augment", "none", "--epochs", "1"]
+    return run(cmd + ([] if sync else ["--no-allreduce"]))
+
+
+def peer(model, world, steps, sync):
+    cmd = ["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee", "9:0", "--standalone",
+           "--nproc_per_node", str(world), f"{HERE}/peers/torch_ddp_fmnist.py", "--model", model, "--max-steps", str(steps)]
+    return run(cmd + ([] if sync else ["--no-allreduce"]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--models", default="cnn,mlp")
+    args = ap.parse_args()
+    steps = {"cnn": 300, "mlp": 120}
+    configs = [(w, s) for w, s in [(1, True), (2, True), (2, False)]]
+    res = {}
+    for rep in range(args.reps):
+        for model in args.models.split(","):
+            for w, s in configs:
+                for who, fn in (("cohort", ours), ("pytorch", peer)):
+                    print(f"# rep {rep + 1}/{args.reps} {who} {model} world {w} sync {s}", file=sys.stderr, flush=True)
+                    res.setdefault((who, model, w, s), []).append(fn(model, w, steps[model], s))
+
+    def med(k):
+        v = [x for x in res.get(k, []) if x is not None]
+        return statistics.median(v) if v else None
+
+    print(f"## DDP throughput, images/s (median of {args.reps} interleaved runs, 1 thread per rank)\n")
+    print("| model | who | world 1 | world 2 | world 2, no sync | efficiency w2/(2 w1) | w2 / own no-sync ceiling |")
+    print("|---|---|---|---|---|---|---|")
+    for model in args.models.split(","):
+        for who in ("cohort", "pytorch"):
+            w1, w2, ns = med((who, model, 1, True)), med((who, model, 2, True)), med((who, model, 2, False))
+            eff = f"{w2 / (2 * w1):.2f}" if w1 and w2 else "-"
+            ceil = f"{w2 / ns:.2f}" if w2 and ns else "-"
+            f = lambda v: f"{v:.0f}" if v else "-"
+            print(f"| {model} | {who} | {f(w1)} | {f(w2)} | {f(ns)} | {eff} | {ceil} |")
+    print()
+    for model in args.models.split(","):
+        a, b = med(("cohort", model, 2, True)), med(("pytorch", model, 2, True))
+        c, d = med(("cohort", model, 1, True)), med(("pytorch", model, 1, True))
+        if a and b:
+            print(f"- {model}: cohort / PyTorch DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x" if c and d else "")
+
+
+if __name__ == "__main__":
+    main()

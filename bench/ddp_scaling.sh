@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# DDP scaling: cohort vs PyTorch DDP (gloo) on Fashion-MNIST, CNN and MLP.
+#   bench/ddp_scaling.sh [--reps 3] [--models cnn,mlp]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+"$root/scripts/install-deps.sh" --peers
+make -C "$root" build >/dev/null
+exec /usr/bin/python3 "$root/bench/ddp_scaling.py" "$@"

@@ -1,0 +1,85 @@
+// The Fashion-MNIST example through `cohort run`: a rank killed mid-run, then
+// --resume from the newest valid checkpoint, gives exactly the losses of an
+// uninterrupted run for the steps after the checkpoint.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <regex>
+
+#include "launch_harness.hpp"
+
+namespace {
+
+namespace lt = launch_test;
+namespace fs = std::filesystem;
+
+std::map<int, double> losses(const std::string& out) {
+  std::map<int, double> m;
+  std::regex re(R"(LOSS step=(\d+) value=([-0-9.e]+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) m[std::stoi((*it)[1])] = std::stod((*it)[2]);
+  return m;
+}
+
+bool have_data() { return fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
+
+std::vector<std::string> job(const std::string& ckpt, std::vector<std::string> extra, int max_steps = 70) {
+  std::vector<std::string> a = {"run", "--standalone", "--nproc-per-node", "2", COHORT_FASHION_MNIST_BIN, "--epochs", "2",
+                                "--max-steps", std::to_string(max_steps), "--checkpoint-dir", ckpt, "--checkpoint-every", "20", "--log-losses",
+                                "--keep", "2"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+TEST(Resume, KilledRunResumesWithIdenticalLosses) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  auto full = lt::run(job(base + "/a", {}), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 70u) << full.out;
+
+  // Rank 1 dies right after step 47: the newest checkpoint is step 40.
+  auto killed = lt::run(job(base + "/b", {"--fault-kill-rank", "1", "--fault-at-step", "47"}), env, 600);
+  EXPECT_NE(killed.status, 0);
+  EXPECT_NE(killed.err.find("rank 1"), std::string::npos) << killed.err;
+  auto resumed = lt::run(job(base + "/b", {"--resume"}), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
+  auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 41) << "resume should continue after the step-40 checkpoint";
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+  // keep 2: only the two newest checkpoints remain.
+  int dirs = 0;
+  for (auto& e : fs::directory_iterator(base + "/b"))
+    if (e.path().filename().string().rfind("step_", 0) == 0) ++dirs;
+  EXPECT_EQ(dirs, 2);
+  fs::remove_all(base);
+}
+
+TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  auto first = lt::run(job(base + "/c", {}, 40), env, 600);
+  ASSERT_EQ(first.status, 0) << first.err;
+  // Flip a byte in the newest checkpoint's model file.
+  fs::path newest;
+  for (auto& e : fs::directory_iterator(base + "/c"))
+    if (e.path().filename().string().rfind("step_", 0) == 0 && e.path() > newest) newest = e.path();
+  ASSERT_FALSE(newest.empty());
+  {
+    std::fstream f(newest / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-10, std::ios::end);
+    f.put('\x5a');
+  }
+  auto resumed = lt::run(job(base + "/c", {"--resume"}, 45), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("skipped"), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("step 20"), std::string::npos) << resumed.out;
+  fs::remove_all(base);
+}
+
+}  // namespace
