@@ -141,6 +141,7 @@ int train(const TrainConfig& cfg) {
 
   cohort::torch::DistributedDataParallelOptions dopts;
   dopts.bucket_cap_mb = cfg.bucket_cap_mb;
+  dopts.gradient_as_bucket_view = cfg.grad_bucket_view;
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
   cohort::torch::DistributedDataParallel ddp(model.module, pg, dopts);
