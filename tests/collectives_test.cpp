@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/reduce.hpp"
+#include "core/element.hpp"
 #include "test_util.hpp"
 
 namespace cohort {
@@ -39,32 +39,8 @@ double expected(size_t i, ReduceOp op, int n, DType t) {
   return 0;
 }
 
-void store_value(void* p, size_t i, DType t, double v) {
-  switch (t) {
-    case DType::F32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DType::F64: static_cast<double*>(p)[i] = v; break;
-    case DType::F16: static_cast<uint16_t*>(p)[i] = core::float_to_half(static_cast<float>(v)); break;
-    case DType::BF16: static_cast<uint16_t*>(p)[i] = core::float_to_bf16(static_cast<float>(v)); break;
-    case DType::I8: static_cast<int8_t*>(p)[i] = static_cast<int8_t>(v); break;
-    case DType::U8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
-    case DType::I32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DType::I64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-  }
-}
-
-double load_value(const void* p, size_t i, DType t) {
-  switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::F64: return static_cast<const double*>(p)[i];
-    case DType::F16: return core::half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::BF16: return core::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::I8: return static_cast<const int8_t*>(p)[i];
-    case DType::U8: return static_cast<const uint8_t*>(p)[i];
-    case DType::I32: return static_cast<const int32_t*>(p)[i];
-    case DType::I64: return static_cast<const int64_t*>(p)[i];
-  }
-  return 0;
-}
+void store_value(void* p, size_t i, DType t, double v) { core::store_element(p, i, t, v); }
+double load_value(const void* p, size_t i, DType t) { return core::load_element(p, i, t); }
 
 struct Vec {
   std::vector<uint8_t> bytes;

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/reduce.hpp"
+#include "core/element.hpp"
 
 namespace cohort::tools {
 namespace {
@@ -56,31 +56,8 @@ double red_expected(size_t i, ReduceOp op, int n, DType t) {
 // Data-movement inputs: element j of rank r's buffer.
 double mov_value(int r, size_t j) { return double((r * 7 + j) % 97); }
 
-void put(void* p, size_t i, DType t, double v) {
-  switch (t) {
-    case DType::F32: static_cast<float*>(p)[i] = float(v); break;
-    case DType::F64: static_cast<double*>(p)[i] = v; break;
-    case DType::F16: static_cast<uint16_t*>(p)[i] = core::float_to_half(float(v)); break;
-    case DType::BF16: static_cast<uint16_t*>(p)[i] = core::float_to_bf16(float(v)); break;
-    case DType::I8: static_cast<int8_t*>(p)[i] = int8_t(v); break;
-    case DType::U8: static_cast<uint8_t*>(p)[i] = uint8_t(v); break;
-    case DType::I32: static_cast<int32_t*>(p)[i] = int32_t(v); break;
-    case DType::I64: static_cast<int64_t*>(p)[i] = int64_t(v); break;
-  }
-}
-double get(const void* p, size_t i, DType t) {
-  switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::F64: return static_cast<const double*>(p)[i];
-    case DType::F16: return core::half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::BF16: return core::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::I8: return static_cast<const int8_t*>(p)[i];
-    case DType::U8: return static_cast<const uint8_t*>(p)[i];
-    case DType::I32: return static_cast<const int32_t*>(p)[i];
-    case DType::I64: return static_cast<const int64_t*>(p)[i];
-  }
-  return 0;
-}
+void put(void* p, size_t i, DType t, double v) { core::store_element(p, i, t, v); }
+double get(const void* p, size_t i, DType t) { return core::load_element(p, i, t); }
 
 }  // namespace
 

@@ -78,18 +78,8 @@ WorkPtr NativeGroup::submit(OpDesc d) {
   if (stopping_) throw Error(fmt::format("{}: the process group was shut down", collectives::coll_name(d.coll)));
   d.seq = next_seq_++;
   if (queue_.empty() && !busy_ && d.bytes() <= inline_max_) {
-    busy_ = true;
-    lk.unlock();
     auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
-    std::exception_ptr err;
-    try {
-      execute(d);
-    } catch (...) {
-      err = std::current_exception();
-    }
-    w->complete(err);
-    lk.lock();
-    busy_ = false;
+    run_locked(lk, d, *w);
     return w;
   }
   auto w = std::make_shared<WorkImpl>(d, setup_.timeout, std::weak_ptr<WorkRunner>(weak_from_this()));
@@ -100,11 +90,7 @@ WorkPtr NativeGroup::submit(OpDesc d) {
   return w;
 }
 
-bool NativeGroup::run_if_next(WorkImpl* w) {
-  std::unique_lock<std::mutex> lk(mu_);
-  if (busy_ || stopping_ || queue_.empty() || queue_.front().second.get() != w) return false;
-  auto [d, work] = std::move(queue_.front());
-  queue_.pop_front();
+void NativeGroup::run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w) {
   busy_ = true;
   lk.unlock();
   std::exception_ptr err;
@@ -113,9 +99,17 @@ bool NativeGroup::run_if_next(WorkImpl* w) {
   } catch (...) {
     err = std::current_exception();
   }
-  work->complete(err);
+  w.complete(err);
   lk.lock();
   busy_ = false;
+}
+
+bool NativeGroup::run_if_next(WorkImpl* w) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (busy_ || stopping_ || queue_.empty() || queue_.front().second.get() != w) return false;
+  auto [d, work] = std::move(queue_.front());
+  queue_.pop_front();
+  run_locked(lk, d, *work);
   lk.unlock();
   cv_.notify_all();  // the progress thread waits for !busy_ before it takes the next one
   return true;
@@ -130,17 +124,7 @@ void NativeGroup::progress_loop() {
     if (stopping_) return;
     auto [d, w] = std::move(queue_.front());
     queue_.pop_front();
-    busy_ = true;
-    lk.unlock();
-    std::exception_ptr err;
-    try {
-      execute(d);
-    } catch (...) {
-      err = std::current_exception();
-    }
-    w->complete(err);
-    lk.lock();
-    busy_ = false;
+    run_locked(lk, d, *w);
   }
 }
 

@@ -75,6 +75,8 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   void connect();
   WorkPtr submit(OpDesc d);
   void execute(OpDesc& d);       // on the progress thread or inline
+  // Runs d with mu_ held by lk on entry and exit (released while it runs); completes w.
+  void run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w);
   void run_algorithm(OpDesc& d);
   void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();
