@@ -72,7 +72,21 @@ struct Param {
 
 void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << " x " << p.world << " ranks"; }
 
-class Collectives : public ::testing::TestWithParam<Param> {};
+// "tcp_striped": TCP with 3 sockets per pair and striping from 1 KiB up, so
+// that messages really are cut over several sockets.
+class Collectives : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    if (GetParam().transport == "tcp_striped") {
+      setenv("COHORT_NSOCKS_PER_PEER", "3", 1);
+      setenv("COHORT_NSOCKS_MIN_BYTES", "1K", 1);
+    }
+  }
+  void TearDown() override {
+    unsetenv("COHORT_NSOCKS_PER_PEER");
+    unsetenv("COHORT_NSOCKS_MIN_BYTES");
+  }
+};
 
 std::vector<size_t> counts_for(int n) {
   // 0, 1, odd, not divisible by n, and one above the recursive-doubling threshold.
@@ -80,7 +94,8 @@ std::vector<size_t> counts_for(int n) {
 }
 
 TEST_P(Collectives, AllreduceEveryDtypeAndOp) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     for (DType t : kAllTypes)
       for (ReduceOp op : kAllOps)
@@ -99,7 +114,8 @@ TEST_P(Collectives, AllreduceEveryDtypeAndOp) {
 }
 
 TEST_P(Collectives, AllreduceLargeF32) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   const size_t count = (16u << 20) / 4 + 5;  // > 16 MiB, not divisible by n
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     Vec in(count, DType::F32), out(count, DType::F32);
@@ -110,7 +126,8 @@ TEST_P(Collectives, AllreduceLargeF32) {
 }
 
 TEST_P(Collectives, BroadcastReduceEveryRoot) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     for (size_t count : {size_t(0), size_t(1), size_t(3 * n + 1), size_t(300000)})
       for (int root = 0; root < n; ++root) {
@@ -131,7 +148,8 @@ TEST_P(Collectives, BroadcastReduceEveryRoot) {
 }
 
 TEST_P(Collectives, AllgatherReduceScatter) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     for (size_t per : {size_t(0), size_t(1), size_t(5), size_t(70000)}) {
       Vec in(per, DType::F64), out(per * n, DType::F64);
@@ -151,7 +169,8 @@ TEST_P(Collectives, AllgatherReduceScatter) {
 }
 
 TEST_P(Collectives, GatherScatterAlltoall) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     const int me = pg.rank();
     for (size_t per : {size_t(0), size_t(1), size_t(9), size_t(50000)}) {
@@ -181,7 +200,8 @@ TEST_P(Collectives, GatherScatterAlltoall) {
 }
 
 TEST_P(Collectives, SendRecvRing) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   if (n == 1) GTEST_SKIP() << "needs a peer";
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     const int me = pg.rank(), right = (me + 1) % n, left = (me - 1 + n) % n;
@@ -206,7 +226,8 @@ TEST_P(Collectives, SendRecvRing) {
 }
 
 TEST_P(Collectives, ManyAsyncOpsCompleteInOrder) {
-  auto [transport, n] = GetParam();
+  auto [transport_name, n] = GetParam();
+  const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     std::vector<std::vector<float>> bufs(20, std::vector<float>(100000));
     std::vector<WorkPtr> works;
@@ -226,6 +247,7 @@ std::vector<Param> params() {
   std::vector<Param> p;
   for (std::string t : {"shm", "tcp"})
     for (int n : {1, 2, 3, 4, 5, 8}) p.push_back({t, n});
+  for (int n : {2, 3}) p.push_back({"tcp_striped", n});
   return p;
 }
 

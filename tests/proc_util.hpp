@@ -1,7 +1,10 @@
 // Helpers for tests that start real processes.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -86,6 +89,22 @@ inline bool wait_all(std::vector<Proc>& ps, std::chrono::seconds limit) {
   return true;
 }
 
-inline int free_port_guess() { return 20000 + (getpid() * 7 + static_cast<int>(time(nullptr))) % 20000; }
+// A port that was free a moment ago (bound to port 0, then closed): the kernel
+// does not hand it out again at once, unlike a guessed number, which another
+// test running at the same time may already use.
+inline int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return -1;
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
 
 }  // namespace cohort::testing

@@ -102,12 +102,12 @@ void Engine::sleep_once(std::span<SendOp> sends, std::span<RecvOp> recvs, int ti
   for (auto& s : sends) {
     if (s.complete) continue;
     if (s.conn->kind() == Kind::Shm) any_shm = true;
-    else fds.push_back(pollfd{s.conn->poll_fd(), POLLOUT, 0});
+    else s.conn->poll_fds(fds, POLLOUT);
   }
   for (auto& r : recvs) {
     if (r.complete) continue;
     if (r.conn->kind() == Kind::Shm) any_shm = true;
-    else fds.push_back(pollfd{r.conn->poll_fd(), POLLIN, 0});
+    else r.conn->poll_fds(fds, POLLIN);
   }
   if (any_shm && shm_waiter_ != nullptr) {
     uint32_t token = shm_waiter_->prepare_sleep();

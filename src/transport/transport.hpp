@@ -14,7 +14,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <poll.h>
+
 #include <string>
+#include <vector>
 
 #include "cohort/error.hpp"
 #include "cohort/types.hpp"
@@ -109,6 +112,10 @@ class Connection {
   virtual void abort(const std::string& why) noexcept = 0;
   // A file descriptor to poll for readiness (TCP), or -1.
   virtual int poll_fd() const { return -1; }
+  // Every descriptor to poll while waiting on this connection (default: poll_fd()).
+  virtual void poll_fds(std::vector<pollfd>& out, short events) const {
+    if (poll_fd() >= 0) out.push_back(pollfd{poll_fd(), events, 0});
+  }
   // A short description of the peer for error messages: "rank 3 (pid 123, shm)".
   virtual std::string describe() const = 0;
 

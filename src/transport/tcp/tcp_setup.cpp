@@ -1,6 +1,7 @@
 // TcpTransport set-up: interface choice, listen, connect / accept, hello.
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -16,8 +17,6 @@
 #include <set>
 #include <thread>
 
-#include <fmt/format.h>
-
 #include "cohort/error.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
@@ -29,7 +28,14 @@ namespace {
 const core::Knob kIfname{"COHORT_SOCKET_IFNAME", "",
                          "network interface for TCP connections between ranks: eth0, a prefix (eth), =eth0 (exact) or "
                          "^docker (exclude); default: the interface that routes to the store's host"};
-const core::Knob kSockBuf{"COHORT_SOCKET_BUFFER", "0", "SO_SNDBUF / SO_RCVBUF for rank-to-rank sockets (0: leave them to the kernel's autotuning, which measured best on loopback)",
+const core::Knob kNsocks{
+    "COHORT_NSOCKS_PER_PEER", "1",
+    "TCP sockets between each pair of ranks; large messages are striped over them (more can help on "
+    "fast NICs with several queues; on loopback one is as fast)",
+    core::KnobKind::Int};
+const core::Knob kSockBuf{"COHORT_SOCKET_BUFFER", "0",
+                          "SO_SNDBUF / SO_RCVBUF for rank-to-rank sockets (0: leave them to the kernel's autotuning, "
+                          "which measured best on loopback)",
                           core::KnobKind::Bytes};
 
 constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
@@ -43,13 +49,19 @@ struct Hello {
   uint32_t pad;
 };
 
-std::string err(int e) { return std::strerror(e); }
+std::string err(int e) {
+  return std::strerror(e);
+}
 
 bool write_all(int fd, const void* p, size_t n, core::Deadline dl) {
   auto* b = static_cast<const uint8_t*>(p);
   while (n > 0) {
     ssize_t w = ::send(fd, b, n, MSG_NOSIGNAL);
-    if (w > 0) { b += w; n -= static_cast<size_t>(w); continue; }
+    if (w > 0) {
+      b += w;
+      n -= static_cast<size_t>(w);
+      continue;
+    }
     if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
       pollfd pfd{fd, POLLOUT, 0};
       if (dl.passed()) return false;
@@ -69,7 +81,11 @@ bool read_all(int fd, void* p, size_t n, core::Deadline dl) {
     int pr = ::poll(&pfd, 1, std::min(100, dl.remaining_ms()));
     if (pr <= 0) continue;
     ssize_t r = ::recv(fd, b, n, 0);
-    if (r > 0) { b += r; n -= static_cast<size_t>(r); continue; }
+    if (r > 0) {
+      b += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
     if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     return false;
   }
@@ -140,13 +156,14 @@ std::string choose_local_address(const std::string& route_hint) {
   }
   freeifaddrs(ifs);
   if (found.empty())
-    throw InvalidArgument(fmt::format("COHORT_SOCKET_IFNAME={} matches no IPv4 interface that is up; interfaces here: {}",
-                                      spec, seen));
+    throw InvalidArgument(
+        fmt::format("COHORT_SOCKET_IFNAME={} matches no IPv4 interface that is up; interfaces here: {}", spec, seen));
   return found;
 }
 
 TcpTransport::~TcpTransport() {
-  for (auto& [peer, fd] : fds_) close(fd);
+  for (auto& [peer, fds] : fds_)
+    for (int fd : fds) close(fd);
 }
 
 std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& store, core::Deadline deadline) {
@@ -172,39 +189,50 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
   store.set_string(fmt::format("tcp/{}", opts.my_rank), me);
   COHORT_INFO(kNet, "tcp: listening on {} (group {})", me, opts.group_id);
 
-  std::set<int> to_accept;
+  const int nsocks = static_cast<int>(kNsocks.integer());
+  if (nsocks < 1 || nsocks > 64)
+    throw InvalidArgument(fmt::format("COHORT_NSOCKS_PER_PEER={} must be between 1 and 64", nsocks));
+  std::map<int, int> to_accept;  // peer -> sockets still expected from it
   for (int p : opts.peers) {
-    if (p > opts.my_rank) { to_accept.insert(p); continue; }
-    // Connect to lower ranks; retry while their listener is not up yet.
-    auto [host, port] = split_hostport(store.get_string(fmt::format("tcp/{}", p), Millis(std::max(1, deadline.remaining_ms()))));
-    sockaddr_in pa{};
-    pa.sin_family = AF_INET;
-    pa.sin_port = htons(port);
-    inet_pton(AF_INET, host.c_str(), &pa.sin_addr);
-    int fd = -1;
-    int last_err = 0;
-    while (fd < 0) {
-      fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      tune_socket(fd);
-      if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
-      last_err = errno;
-      close(fd);
-      fd = -1;
-      if (deadline.passed()) {
-        close(lfd);
-        throw TimeoutError(fmt::format("rank {} cannot connect to rank {} at {}:{}: {}; HINT: is a firewall blocking the "
-                                       "port? set COHORT_SOCKET_IFNAME to the interface that reaches the other hosts",
-                                       opts.my_rank, p, host, port, err(last_err)));
+    if (p > opts.my_rank) {
+      to_accept[p] = nsocks;
+      t->fds_[p].assign(nsocks, -1);
+      continue;
+    }
+    for (int k = 0; k < nsocks; ++k) {
+      // Connect to lower ranks; retry while their listener is not up yet.
+      auto [host, port] =
+          split_hostport(store.get_string(fmt::format("tcp/{}", p), Millis(std::max(1, deadline.remaining_ms()))));
+      sockaddr_in pa{};
+      pa.sin_family = AF_INET;
+      pa.sin_port = htons(port);
+      inet_pton(AF_INET, host.c_str(), &pa.sin_addr);
+      int fd = -1;
+      int last_err = 0;
+      while (fd < 0) {
+        fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        tune_socket(fd);
+        if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
+        last_err = errno;
+        close(fd);
+        fd = -1;
+        if (deadline.passed()) {
+          close(lfd);
+          throw TimeoutError(
+              fmt::format("rank {} cannot connect to rank {} at {}:{}: {}; HINT: is a firewall blocking the "
+                          "port? set COHORT_SOCKET_IFNAME to the interface that reaches the other hosts",
+                          opts.my_rank, p, host, port, err(last_err)));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      Hello h{kHelloMagic, kHelloVersion, group_hash, opts.my_rank, static_cast<uint32_t>(k)};
+      if (!write_all(fd, &h, sizeof(h), deadline)) {
+        close(fd);
+        close(lfd);
+        throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed", opts.my_rank, p, host, port), p);
+      }
+      t->fds_[p].push_back(fd);
     }
-    Hello h{kHelloMagic, kHelloVersion, group_hash, opts.my_rank, 0};
-    if (!write_all(fd, &h, sizeof(h), deadline)) {
-      close(fd);
-      close(lfd);
-      throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed", opts.my_rank, p, host, port), p);
-    }
-    t->fds_[p] = fd;
   }
 
   while (!to_accept.empty()) {
@@ -212,10 +240,11 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     if (deadline.passed()) {
       close(lfd);
       std::string missing;
-      for (int p : to_accept) missing += fmt::format("{}{}", missing.empty() ? "" : ",", p);
-      throw TimeoutError(fmt::format("rank {} waited for TCP connections from ranks [{}] on {} until the timeout; "
-                                     "HINT: are those ranks running, and can they reach this address?",
-                                     opts.my_rank, missing, me));
+      for (auto& [p, left] : to_accept) missing += fmt::format("{}{}", missing.empty() ? "" : ",", p);
+      throw TimeoutError(
+          fmt::format("rank {} waited for TCP connections from ranks [{}] on {} until the timeout; "
+                      "HINT: are those ranks running, and can they reach this address?",
+                      opts.my_rank, missing, me));
     }
     if (::poll(&pfd, 1, std::min(100, deadline.remaining_ms())) <= 0) continue;
     int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
@@ -223,17 +252,19 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     tune_socket(fd);
     Hello h{};
     if (!read_all(fd, &h, sizeof(h), core::Deadline::after(std::chrono::seconds(5))) || h.magic != kHelloMagic ||
-        h.version != kHelloVersion || h.group_hash != group_hash || to_accept.count(h.rank) == 0) {
-      COHORT_WARN(kNet, "tcp: refused a connection on {} with a bad hello (magic {:#x}, version {}, rank {})", me, h.magic,
-                  h.version, h.rank);
+        h.version != kHelloVersion || h.group_hash != group_hash || to_accept.count(h.rank) == 0 ||
+        h.pad >= static_cast<uint32_t>(nsocks) || t->fds_[h.rank][h.pad] != -1) {
+      COHORT_WARN(kNet, "tcp: refused a connection on {} with a bad hello (magic {:#x}, version {}, rank {})", me,
+                  h.magic, h.version, h.rank);
       close(fd);
       continue;
     }
-    to_accept.erase(h.rank);
-    t->fds_[h.rank] = fd;
+    t->fds_[h.rank][h.pad] = fd;
+    if (--to_accept[h.rank] == 0) to_accept.erase(h.rank);
   }
   close(lfd);
-  for (auto& [p, fd] : t->fds_) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  for (auto& [p, fds] : t->fds_)
+    for (int fd : fds) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   return t;
 }
 

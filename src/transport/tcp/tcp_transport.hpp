@@ -1,7 +1,7 @@
 // TCP transport: one socket per peer pair, for ranks on different hosts (or
 // on one host with COHORT_TRANSPORT=tcp).
 //
-// Set-up: every rank listens on the interface chosen by COHORT_SOCKET_IFNAME
+// Set-up (COHORT_NSOCKS_PER_PEER sockets per pair; docs/algorithms.md): every rank listens on the interface chosen by COHORT_SOCKET_IFNAME
 // (or the one that routes to the store's host), publishes "tcp/<rank>" =
 // "ip:port" in the store, connects to every lower rank it needs and accepts
 // the higher ones. The connector sends a hello (magic, version, group id, its
@@ -42,7 +42,7 @@ class TcpTransport {
 
  private:
   TcpTransport() = default;
-  std::map<int, int> fds_;  // peer -> connected socket
+  std::map<int, std::vector<int>> fds_;  // peer -> its connected sockets, by index
   std::string local_addr_;
 };
 
