@@ -1,4 +1,4 @@
-// cohort: one binary, subcommands like git (run, bench, env, ...).
+// cohort: one binary, subcommands like git (run, bench, env, topo, ...).
 #include <cstdio>
 #include <exception>
 
@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   cohort::tools::add_run_command(app, exit_code);
   cohort::tools::add_bench_command(app, exit_code);
   cohort::tools::add_env_command(app, exit_code);
+  cohort::tools::add_topo_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
