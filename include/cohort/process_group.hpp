@@ -115,7 +115,8 @@ class ProcessGroup {
 struct InitOptions {
   std::string backend = "native";  // or COHORT_BACKEND
   // Unset fields come from the environment (RANK, WORLD_SIZE, LOCAL_RANK,
-  // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the launcher's COHORT_STORE_* ).
+  // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the launcher's COHORT_STORE_*;
+  // or mpirun's, mpiexec's or srun's variables: docs/clusters.md).
   std::optional<int> rank;
   std::optional<int> world_size;
   std::shared_ptr<Store> store;    // given: used as is (tests run ranks as threads)
@@ -125,7 +126,10 @@ struct InitOptions {
 
 // Builds the world group. With no store given, it connects to the launcher's
 // store (COHORT_STORE_ADDR/PORT) or, started without the launcher, to the one
-// rank 0 serves at MASTER_ADDR:MASTER_PORT.
+// rank 0 serves at MASTER_ADDR:MASTER_PORT. Under mpirun, mpiexec or srun
+// (no torchrun variables) rank and size come from their variables, and the
+// store's host from MASTER_ADDR, this host (all ranks local) or the first node
+// of the Slurm node list; InvalidArgument says what to set when none applies.
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts = {});
 
 // The cohort library's version, "major.minor.patch".

@@ -1,4 +1,4 @@
-// init_process_group: read the launcher's environment, reach the store, build the world group.
+// init_process_group: read the launcher's environment (launch_env.hpp), reach the store, build the world group.
 #include <cstdlib>
 #include <random>
 
@@ -7,6 +7,7 @@
 #include "cohort/process_group.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
+#include "group/launch_env.hpp"
 #include "group/native_group.hpp"
 
 namespace cohort {
@@ -20,21 +21,6 @@ const core::Knob kTransport{"COHORT_TRANSPORT", "", "force a transport between r
                                                    "shm between ranks on one host, tcp between hosts"};
 const core::Knob kBackend{"COHORT_BACKEND", "native", "collective backend: native (cohort's shm + tcp)"};
 const core::Knob kRunId{"COHORT_RUN_ID", "", "job id, set by `cohort run` (names shared-memory segments); made up when unset"};
-const core::Knob kStoreAddr{"COHORT_STORE_ADDR", "", "rendezvous store host, set by `cohort run` (default: MASTER_ADDR)"};
-const core::Knob kStorePort{"COHORT_STORE_PORT", "", "rendezvous store port, set by `cohort run` (default: MASTER_PORT, "
-                                                     "served by rank 0)"};
-
-int env_int(const char* name, std::optional<int> given, const char* hint) {
-  if (given) return *given;
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0')
-    throw InvalidArgument(fmt::format("{} is not set; {}", name, hint));
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0) throw InvalidArgument(fmt::format("{}={} is not a non-negative integer", name, v));
-  return static_cast<int>(x);
-}
-
 std::string env_or(const char* name, const char* dflt) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? v : dflt;
@@ -43,12 +29,15 @@ std::string env_or(const char* name, const char* dflt) {
 }  // namespace
 
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
-  const char* hint = "start the program with `cohort run` (or torchrun), or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT";
-  const int rank = env_int("RANK", opts.rank, hint);
-  const int size = env_int("WORLD_SIZE", opts.world_size, hint);
-  if (size < 1) throw InvalidArgument(fmt::format("WORLD_SIZE={} must be at least 1", size));
-  if (rank >= size) throw InvalidArgument(fmt::format("RANK={} is not below WORLD_SIZE={}", rank, size));
+  // torchrun's, cohort run's, Open MPI's, PMI's or Slurm's variables (group/launch_env.hpp).
+  const group::LaunchEnv le = group::read_launch_env(group::process_env(), opts.rank, opts.world_size);
+  const int rank = le.rank;
+  const int size = le.world_size;
   core::set_log_rank(rank);
+  COHORT_INFO(kInit, "rank {} of {} (local rank {} of {}) from {}'s variables; store host {} ({})", rank, size,
+              le.local_rank ? std::to_string(*le.local_rank) : "?",
+              le.local_world_size ? std::to_string(*le.local_world_size) : "?", le.source, le.master_addr,
+              le.master_addr_from);
 
   std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
   if (backend != "native")
@@ -56,21 +45,14 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
 
   Millis timeout = opts.timeout.count() > 0 ? opts.timeout : Millis(static_cast<int64_t>(kTimeout.seconds() * 1000));
   std::shared_ptr<Store> base = opts.store;
-  std::string route_hint = env_or("MASTER_ADDR", "127.0.0.1");
+  std::string route_hint = le.master_addr;
   if (!base) {
     TcpStoreOptions so;
     so.timeout = timeout;
     so.connect_timeout = timeout;
-    if (kStoreAddr.is_set()) {
-      so.host = kStoreAddr.str();
-      so.port = static_cast<uint16_t>(std::stoi(kStorePort.str()));
-      so.is_server = false;
-    } else {
-      so.host = route_hint;
-      so.port = static_cast<uint16_t>(std::stoi(env_or("MASTER_PORT", "29500")));
-      so.is_server = rank == 0;
-    }
-    route_hint = so.host;
+    so.host = le.master_addr;
+    so.port = static_cast<uint16_t>(le.master_port);
+    so.is_server = !le.launcher_store && rank == 0;
     COHORT_INFO(kInit, "store {}:{}{}", so.host, so.port, so.is_server ? " (served by this rank)" : "");
     base = std::make_shared<TcpStore>(so);
     base->set_timeout(timeout);
