@@ -316,7 +316,7 @@ TEST(LaunchEnvJob, MpirunTwoRanks) {
   const std::string mpirun = find_in_path("mpirun");
   if (mpirun.empty()) GTEST_SKIP() << "mpirun not found in PATH (apt-get install openmpi-bin): skipping the mpirun job";
   clear_launcher_env();
-  const std::string port = std::to_string(testing::free_port_guess());
+  const std::string port = std::to_string(testing::free_port());
   std::vector<testing::Proc> ps{testing::spawn(
       {mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT", "-x", "COHORT_TIMEOUT",
        kWorker},
@@ -334,7 +334,7 @@ TEST(LaunchEnvJob, MpirunTwoRanks) {
 // Two processes with the variables srun sets for each task, no torchrun's.
 void run_slurm_like(bool one_node) {
   clear_launcher_env();
-  const std::string port = std::to_string(testing::free_port_guess());
+  const std::string port = std::to_string(testing::free_port());
   std::vector<testing::Proc> ps;
   for (int r = 0; r < 2; ++r) {
     std::map<std::string, std::string> env{
