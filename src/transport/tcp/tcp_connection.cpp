@@ -80,41 +80,11 @@ class TcpConnection final : public Connection {
   }
 
   bool progress_send(SendOp& op) override {
-    if (op.state[1] == 0) {  // a new message: cut it into stripes
-      op.state[1] = 1;
-      size_t n = stripes_for(op.bytes);
-      for (size_t i = 0; i < socks_.size(); ++i)
-        socks_[i].send = i < n ? stripe(op.bytes, n, i) : Stripe{0, 0, 0, 0, 0, true};
-    }
-    bool moved = false, all = true;
-    size_t done = 0;
-    for (auto& s : socks_) {
-      if (!s.send.complete) moved |= send_stripe(s, op);
-      all &= s.send.complete;
-      done += s.send.done;
-    }
-    op.done = done;
-    op.complete = all;
-    return moved;
+    return progress(op, &Sock::send, [&](Sock& s) { return send_stripe(s, op); });
   }
 
   bool progress_recv(RecvOp& op) override {
-    if (op.state[1] == 0) {
-      op.state[1] = 1;
-      size_t n = stripes_for(op.bytes);
-      for (size_t i = 0; i < socks_.size(); ++i)
-        socks_[i].recv = i < n ? stripe(op.bytes, n, i) : Stripe{0, 0, 0, 0, 0, true};
-    }
-    bool moved = false, all = true;
-    size_t done = 0;
-    for (auto& s : socks_) {
-      if (!s.recv.complete) moved |= recv_stripe(s, op);
-      all &= s.recv.complete;
-      done += s.recv.done;
-    }
-    op.done = done;
-    op.complete = all;
-    return moved;
+    return progress(op, &Sock::recv, [&](Sock& s) { return recv_stripe(s, op); });
   }
 
   void check_alive() override {}  // a dead peer shows up as EOF / ECONNRESET on a socket
@@ -127,6 +97,28 @@ class TcpConnection final : public Connection {
 
  private:
   size_t stripes_for(size_t bytes) const { return bytes >= stripe_min_ ? socks_.size() : 1; }
+
+  // Moves every stripe of `op` that can move (`which`: the send or the receive
+  // side of each socket). A new message (state[1] == 0) is cut into stripes first.
+  template <class Op, class Step>
+  bool progress(Op& op, Stripe Sock::*which, Step&& step) {
+    if (op.state[1] == 0) {
+      op.state[1] = 1;
+      size_t n = stripes_for(op.bytes);
+      for (size_t i = 0; i < socks_.size(); ++i)
+        socks_[i].*which = i < n ? stripe(op.bytes, n, i) : Stripe{0, 0, 0, 0, 0, true};
+    }
+    bool moved = false, all = true;
+    size_t done = 0;
+    for (auto& s : socks_) {
+      if (!(s.*which).complete) moved |= step(s);
+      all &= (s.*which).complete;
+      done += (s.*which).done;
+    }
+    op.done = done;
+    op.complete = all;
+    return moved;
+  }
 
   static Stripe stripe(size_t bytes, size_t n, size_t i) {
     size_t chunk = ((bytes + n - 1) / n + 63) / 64 * 64;
