@@ -20,6 +20,7 @@
 #include "cohort/error.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
+#include "store/net.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
 namespace cohort::transport {
@@ -50,45 +51,6 @@ struct Hello {
 
 std::string err(int e) {
   return std::strerror(e);
-}
-
-bool write_all(int fd, const void* p, size_t n, core::Deadline dl) {
-  auto* b = static_cast<const uint8_t*>(p);
-  while (n > 0) {
-    ssize_t w = ::send(fd, b, n, MSG_NOSIGNAL);
-    if (w > 0) {
-      b += w;
-      n -= static_cast<size_t>(w);
-      continue;
-    }
-    if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
-      pollfd pfd{fd, POLLOUT, 0};
-      if (dl.passed()) return false;
-      ::poll(&pfd, 1, std::min(100, dl.remaining_ms()));
-      continue;
-    }
-    return false;
-  }
-  return true;
-}
-
-bool read_all(int fd, void* p, size_t n, core::Deadline dl) {
-  auto* b = static_cast<uint8_t*>(p);
-  while (n > 0) {
-    pollfd pfd{fd, POLLIN, 0};
-    if (dl.passed()) return false;
-    int pr = ::poll(&pfd, 1, std::min(100, dl.remaining_ms()));
-    if (pr <= 0) continue;
-    ssize_t r = ::recv(fd, b, n, 0);
-    if (r > 0) {
-      b += r;
-      n -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    return false;
-  }
-  return true;
 }
 
 void tune_socket(int fd) {
@@ -225,10 +187,15 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       Hello h{kHelloMagic, kHelloVersion, group_hash, opts.my_rank, static_cast<uint32_t>(k)};
-      if (!write_all(fd, &h, sizeof(h), deadline)) {
+      store::net::set_nonblocking(fd);
+      int e = 0;
+      if (store::net::send_all(fd, reinterpret_cast<const uint8_t*>(&h), sizeof(h), deadline, &e) !=
+          store::net::IoStatus::Ok) {
         close(fd);
         close(lfd);
-        throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed", opts.my_rank, p, host, port), p);
+        throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed: {}", opts.my_rank, p, host, port,
+                                    e ? store::net::errno_text(e) : std::string("timed out or closed")),
+                        p);
       }
       t->fds_[p].push_back(fd);
     }
@@ -249,8 +216,13 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     tune_socket(fd);
+    store::net::set_nonblocking(fd);
     Hello h{};
-    if (!read_all(fd, &h, sizeof(h), core::Deadline::after(std::chrono::seconds(5))) || h.magic != kHelloMagic ||
+    int e = 0;
+    size_t got = 0;
+    if (store::net::recv_all(fd, reinterpret_cast<uint8_t*>(&h), sizeof(h), core::Deadline::after(std::chrono::seconds(5)), &e,
+                             &got) != store::net::IoStatus::Ok ||
+        h.magic != kHelloMagic ||
         h.version != kHelloVersion || h.group_hash != group_hash || to_accept.count(h.rank) == 0 ||
         h.pad >= static_cast<uint32_t>(nsocks) || t->fds_[h.rank][h.pad] != -1) {
       COHORT_WARN(kNet, "tcp: refused a connection on {} with a bad hello (magic {:#x}, version {}, rank {})", me,
@@ -262,8 +234,6 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     if (--to_accept[h.rank] == 0) to_accept.erase(h.rank);
   }
   close(lfd);
-  for (auto& [p, fds] : t->fds_)
-    for (int fd : fds) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   return t;
 }
 
