@@ -95,7 +95,7 @@ std::shared_ptr<NcclComm> NcclComm::split(const GroupSetup& child, bool member, 
     c->aborted_ = c->shut_ = true;
     std::string what = !peer_failure.empty() ? "another rank failed: " + peer_failure
                        : r == ncclInProgress ? fmt::format("ncclCommSplit did not finish within {} ms", setup_.timeout.count())
-                                             : "ncclCommSplit failed: " + nccl_error_text(r, comm_);
+                                             : "ncclCommSplit failed: " + nccl_error_text(r, nullptr);
     fail(fmt::format("new_group (sub-group {})", child.group_id), r == ncclInProgress ? 't' : (peer_failure.empty() && r != ncclRemoteError ? 'e' : 'p'),
          what);
   }
@@ -136,9 +136,12 @@ ncclResult_t NcclComm::wait_ready(ncclComm_t c, bool own, core::Deadline deadlin
 }
 
 std::string NcclComm::poll_store_failure() {
-  auto now = core::Clock::now();
-  if (now < next_store_check_) return {};
-  next_store_check_ = now + kStoreCheckEvery;
+  // Any thread may get here (several may wait on works of this group): the
+  // slot is claimed with a compare-exchange on the next check's time.
+  const int64_t now = core::Clock::now().time_since_epoch().count();
+  int64_t due = next_store_check_.load(std::memory_order_relaxed);
+  const int64_t next = (core::Clock::now() + kStoreCheckEvery).time_since_epoch().count();
+  if (now < due || !next_store_check_.compare_exchange_strong(due, next)) return {};
   try {
     if (!setup_.store->check({"failure"})) return {};
     Bytes b = setup_.store->get("failure", Millis(1000));

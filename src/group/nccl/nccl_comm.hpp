@@ -22,6 +22,7 @@
 // be called from any thread. mu_ serialises every NCCL call on the communicator.
 #pragma once
 
+#include <atomic>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -99,7 +100,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool shut_ = false;
   bool aborted_ = false;
   uint64_t next_seq_ = 0;
-  core::Clock::time_point next_store_check_{};
+  std::atomic<int64_t> next_store_check_{0};  // Clock ticks; see poll_store_failure
 };
 
 class NcclWork final : public Work {
