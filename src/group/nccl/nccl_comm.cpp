@@ -81,14 +81,25 @@ std::shared_ptr<NcclComm> NcclComm::split(const GroupSetup& child, bool member, 
   DeviceGuard guard(device_);
   std::shared_ptr<NcclComm> c(new NcclComm(child, device_));
   ncclConfig_t cfg = nonblocking_config();
-  ncclResult_t r = ncclCommSplit(comm_, member ? 0 : NCCL_SPLIT_NOCOLOR, key, &c->comm_, &cfg);
+  // NCCL writes the new handle only when the split has completed, from its
+  // own thread (init.cc: "*newcomm should be NCCL_COMM_NULL until comm split
+  // fully complete"). The slot therefore lives on the heap, and is leaked if
+  // we give up before then, so that a late write cannot land in freed memory.
+  auto* slot = new ncclComm_t(nullptr);
+  ncclResult_t r = ncclCommSplit(comm_, member ? 0 : NCCL_SPLIT_NOCOLOR, key, slot, &cfg);
   lk.unlock();
   const auto deadline = core::Deadline::after(setup_.timeout);
   std::string peer_failure;
-  // The split is in progress on the parent; the members' new communicators
-  // then finish their own set-up.
+  // First the parent, until the split leaves ncclInProgress (then the handle
+  // is written); then the member's new communicator, until its own set-up ends.
   if (r == ncclSuccess || r == ncclInProgress) r = wait_ready(nullptr, true, deadline, &peer_failure);
-  if (r == ncclSuccess && c->comm_ != nullptr) r = wait_ready(c->comm_, false, deadline, &peer_failure);
+  if (r == ncclSuccess) {
+    c->comm_ = *slot;
+    delete slot;
+    slot = nullptr;
+    if (c->comm_ != nullptr) r = wait_ready(c->comm_, false, deadline, &peer_failure);
+    else if (member) r = ncclInternalError;  // completed without a communicator for a member: never expected
+  }
   if (r != ncclSuccess) {
     if (c->comm_ != nullptr) (void)ncclCommAbort(c->comm_);
     c->comm_ = nullptr;
@@ -96,8 +107,8 @@ std::shared_ptr<NcclComm> NcclComm::split(const GroupSetup& child, bool member, 
     std::string what = !peer_failure.empty() ? "another rank failed: " + peer_failure
                        : r == ncclInProgress ? fmt::format("ncclCommSplit did not finish within {} ms", setup_.timeout.count())
                                              : "ncclCommSplit failed: " + nccl_error_text(r, nullptr);
-    fail(fmt::format("new_group (sub-group {})", child.group_id), r == ncclInProgress ? 't' : (peer_failure.empty() && r != ncclRemoteError ? 'e' : 'p'),
-         what);
+    const char kind = r == ncclInProgress ? 't' : (peer_failure.empty() && r != ncclRemoteError ? 'e' : 'p');
+    fail(fmt::format("new_group (sub-group {})", child.group_id), kind, what);  // the parent is broken too
   }
   if (!member) return nullptr;
   c->make_stream();
