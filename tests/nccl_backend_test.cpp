@@ -12,6 +12,7 @@
 
 #include "cohort/cohort.hpp"
 #include "group/nccl/nccl_group.hpp"
+#include "launch_harness.hpp"
 
 #ifdef COHORT_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -82,6 +83,24 @@ TEST(NcclBackend, EveryRankOfAGroupFailsWithoutGpu) {
     EXPECT_NE(errors[r].find("nccl"), std::string::npos) << "rank " << r << ": " << errors[r];
     EXPECT_EQ(errors[r].find("wrong exception type"), std::string::npos) << errors[r];
   }
+}
+
+// `cohort bench --device cuda` through the launcher: refused clearly without
+// CUDA or a GPU; with GPUs, every element checked (-c 1) on up to 2 of them.
+TEST(NcclBackend, BenchDeviceCuda) {
+  const int gpus = group::nccl_backend_built() ? visible_gpus() : 0;
+  const int n = std::max(1, std::min(gpus, 2));
+  auto r = launch_test::run({"run", "--standalone", "--nproc-per-node", std::to_string(n), COHORT_BIN, "bench", "allreduce",
+                             "--device", "cuda", "--sizes", "0,8,4K,2M", "-n", "2", "-w", "1", "-c", "1"},
+                            {{"COHORT_TIMEOUT", "60s"}}, 120);
+  if (gpus > 0) {
+    EXPECT_EQ(r.status, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out << r.err;
+    return;
+  }
+  EXPECT_NE(r.status, 0) << r.out;
+  const std::string want = group::nccl_backend_built() ? "needs a CUDA GPU" : "this cohort was built without CUDA";
+  EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
 }
 
 #ifdef COHORT_HAVE_CUDA
