@@ -226,12 +226,17 @@ class NcclGroup final : public ProcessGroup {
     return std::make_shared<NcclGroup>(std::move(child));
   }
 
+  // Also called by the destructor: never throws.
   void shutdown() override {
     if (comm_->is_shut_down() && barrier_buf_ == nullptr) return;
     comm_->shutdown();  // drains the stream (or aborts) first, so the buffers below are idle
-    DeviceGuard g(comm_->device());
-    if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
-    if (scratch_ != nullptr) (void)cudaFree(scratch_);
+    try {
+      DeviceGuard g(comm_->device());
+      if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
+      if (scratch_ != nullptr) (void)cudaFree(scratch_);
+    } catch (const std::exception& e) {
+      COHORT_WARN(kColl, "NCCL group shutdown: {}", e.what());
+    }
     barrier_buf_ = scratch_ = nullptr;
   }
 
@@ -241,7 +246,7 @@ class NcclGroup final : public ProcessGroup {
   WorkPtr run(OpDesc& d, const std::vector<std::pair<const Buffer*, const char*>>& bufs, Enqueue enqueue) {
     const GroupSetup& me = comm_->setup();
     validate(d, me.rank, me.size);
-    const std::string name = collectives::coll_name(d.coll);
+    const std::string name = fmt::format("rank {}: {}", me.rank, collectives::coll_name(d.coll));
     for (const auto& [b, which] : bufs) check_device_buffer(*b, comm_->device(), name.c_str(), which);
     const bool empty = d.coll != Coll::Barrier && d.coll != Coll::P2PBatch && d.call_count() == 0;
     if (empty) enqueue = [](ncclComm_t, cudaStream_t) { return ncclSuccess; };  // same count on every rank: all skip
