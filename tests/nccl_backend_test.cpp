@@ -16,6 +16,8 @@
 
 #ifdef COHORT_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "group/nccl/nccl_util.hpp"
 #endif
 
 namespace cohort {
@@ -104,6 +106,40 @@ TEST(NcclBackend, BenchDeviceCuda) {
 }
 
 #ifdef COHORT_HAVE_CUDA
+
+// NCCL numbers max before min and has its own dtype numbers: the tables must map by name.
+TEST(NcclBackend, TypeAndOpTablesMatchNcclByName) {
+  using group::nccl::to_nccl;
+  EXPECT_EQ(to_nccl(ReduceOp::Sum), ncclSum);
+  EXPECT_EQ(to_nccl(ReduceOp::Prod), ncclProd);
+  EXPECT_EQ(to_nccl(ReduceOp::Min), ncclMin);
+  EXPECT_EQ(to_nccl(ReduceOp::Max), ncclMax);
+  EXPECT_EQ(to_nccl(ReduceOp::Avg), ncclAvg);
+  EXPECT_EQ(to_nccl(DType::F32), ncclFloat32);
+  EXPECT_EQ(to_nccl(DType::F64), ncclFloat64);
+  EXPECT_EQ(to_nccl(DType::F16), ncclFloat16);
+  EXPECT_EQ(to_nccl(DType::BF16), ncclBfloat16);
+  EXPECT_EQ(to_nccl(DType::I8), ncclInt8);
+  EXPECT_EQ(to_nccl(DType::U8), ncclUint8);
+  EXPECT_EQ(to_nccl(DType::I32), ncclInt32);
+  EXPECT_EQ(to_nccl(DType::I64), ncclInt64);
+  EXPECT_THROW(to_nccl(static_cast<DType>(99)), InvalidArgument);
+}
+
+// Without a GPU, cudaPointerGetAttributes fails: the check still says what it needed.
+TEST(NcclBackend, DeviceBufferCheckNamesTheBuffer) {
+  std::vector<float> host(4);
+  try {
+    group::nccl::check_device_buffer(Buffer{host.data(), host.size(), DType::F32}, 0, "rank 0: allreduce", "send");
+    FAIL() << "a host buffer passed the device check";
+  } catch (const InvalidArgument& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("rank 0: allreduce"), std::string::npos) << what;
+    EXPECT_NE(what.find("send buffer"), std::string::npos) << what;
+    EXPECT_NE(what.find("cudaMalloc"), std::string::npos) << what;
+  }
+  EXPECT_NO_THROW(group::nccl::check_device_buffer(Buffer{nullptr, 0, DType::F32}, 0, "allreduce", "send"));
+}
 
 // Runs fn on n threads, each rank of an NCCL world group on GPU rank % gpus.
 void run_gpu_ranks(int n, const std::function<void(ProcessGroup&)>& fn) {
