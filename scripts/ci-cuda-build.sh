@@ -12,6 +12,10 @@ if [[ ! -x $nvcc ]]; then
   echo "ci-cuda-build: skipped: no CUDA ($nvcc not found)"
   exit 0
 fi
+if [[ ! -f /usr/local/cuda/include/nccl.h && ! -f /usr/include/nccl.h ]]; then
+  echo "ci-cuda-build: skipped: CUDA is installed but NCCL is not (no nccl.h in /usr/local/cuda/include or /usr/include)"
+  exit 0
+fi
 dir=${1:-build-cuda}
 jobs=${JOBS:-2}
 echo "ci-cuda-build: $($nvcc --version | tail -1); building in $dir"
