@@ -233,7 +233,8 @@ class NcclGroup final : public ProcessGroup {
     try {
       DeviceGuard g(comm_->device());
       if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
-      if (scratch_ != nullptr) (void)cudaFree(scratch_);
+      // Stream-ordered memory goes back the stream-ordered way; the stream has drained (or was aborted) above.
+      if (scratch_ != nullptr) (void)cudaFreeAsync(scratch_, cudaStreamLegacy);
     } catch (const std::exception& e) {
       COHORT_WARN(kColl, "NCCL group shutdown: {}", e.what());
     }
