@@ -165,6 +165,16 @@ std::string NcclComm::poll_store_failure() {
 }
 
 WorkPtr NcclComm::issue(OpDesc d, const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& enqueue) {
+  {
+    // Fail fast: an asynchronous NCCL error or another rank's recorded failure
+    // breaks the group now, instead of queueing more work behind a hung kernel.
+    OpDesc probe = d;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      probe.seq = next_seq_;
+    }
+    check_health(probe);
+  }
   std::unique_lock<std::mutex> lk(mu_);
   if (broken_) {
     try {
