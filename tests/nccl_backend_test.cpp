@@ -47,7 +47,8 @@ InitOptions nccl_options(int rank, int size, std::shared_ptr<Store> store) {
 }
 
 TEST(NcclBackend, InitFailsClearlyWithoutNcclOrGpu) {
-  if (group::nccl_backend_built() && visible_gpus() > 0) GTEST_SKIP() << "a GPU is visible: the GPU tests below run instead";
+  if (group::nccl_backend_built() && visible_gpus() > 0)
+    GTEST_SKIP() << "a GPU is visible: the GPU tests below run instead";
   auto store = std::make_shared<MemoryStore>();
   try {
     init_process_group(nccl_options(0, 1, store));
@@ -92,8 +93,8 @@ TEST(NcclBackend, EveryRankOfAGroupFailsWithoutGpu) {
 TEST(NcclBackend, BenchDeviceCuda) {
   const int gpus = group::nccl_backend_built() ? visible_gpus() : 0;
   const int n = std::max(1, std::min(gpus, 2));
-  auto r = launch_test::run({"run", "--standalone", "--nproc-per-node", std::to_string(n), COHORT_BIN, "bench", "allreduce",
-                             "--device", "cuda", "--sizes", "0,8,4K,2M", "-n", "2", "-w", "1", "-c", "1"},
+  auto r = launch_test::run({"run", "--standalone", "--nproc-per-node", std::to_string(n), COHORT_BIN, "bench",
+                             "allreduce", "--device", "cuda", "--sizes", "0,8,4K,2M", "-n", "2", "-w", "1", "-c", "1"},
                             {{"COHORT_TIMEOUT", "60s"}}, 120);
   if (gpus > 0) {
     EXPECT_EQ(r.status, 0) << r.out << r.err;
@@ -164,9 +165,13 @@ void run_gpu_ranks(int n, const std::function<void(ProcessGroup&)>& fn) {
 struct DeviceFloats {
   float* p = nullptr;
   size_t n = 0;
-  explicit DeviceFloats(size_t count) : n(count) { EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(float)), cudaSuccess); }
+  explicit DeviceFloats(size_t count) : n(count) {
+    EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(float)), cudaSuccess);
+  }
   ~DeviceFloats() { cudaFree(p); }
-  void put(const std::vector<float>& v) { ASSERT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess); }
+  void put(const std::vector<float>& v) {
+    ASSERT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  }
   std::vector<float> get() const {
     std::vector<float> v(n);
     EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -175,7 +180,9 @@ struct DeviceFloats {
   Buffer buf() { return Buffer{p, n, DType::F32}; }
 };
 
-int gpu_ranks() { return std::min(visible_gpus(), 4); }
+int gpu_ranks() {
+  return std::min(visible_gpus(), 4);
+}
 
 TEST(NcclBackend, HostPointerIsRejectedNamingTheBuffer) {
   if (gpu_ranks() < 1) GTEST_SKIP() << "no GPU visible";
@@ -204,7 +211,8 @@ TEST(NcclBackend, CollectivesGiveClosedFormResults) {
       a.put(in);
       pg.allreduce(a.buf())->wait();
       auto out = a.get();
-      for (size_t i = 0; i < count; ++i) ASSERT_EQ(out[i], float((i % 7 + 1) * size * (size + 1) / 2)) << "allreduce i=" << i;
+      for (size_t i = 0; i < count; ++i)
+        ASSERT_EQ(out[i], float((i % 7 + 1) * size * (size + 1) / 2)) << "allreduce i=" << i;
 
       a.put(in);
       pg.broadcast(a.buf(), {.root = size - 1})->wait();
@@ -245,7 +253,8 @@ TEST(NcclBackend, SubGroupAndBatchedSendRecv) {
     const int me = pg.rank(), size = pg.size();
     DeviceFloats s(64), r(64);
     s.put(std::vector<float>(64, float(me)));
-    pg.batch_isend_irecv({{P2POp::Send, s.buf(), (me + 1) % size}, {P2POp::Recv, r.buf(), (me - 1 + size) % size}})->wait();
+    pg.batch_isend_irecv({{P2POp::Send, s.buf(), (me + 1) % size}, {P2POp::Recv, r.buf(), (me - 1 + size) % size}})
+        ->wait();
     for (float v : r.get()) ASSERT_EQ(v, float((me - 1 + size) % size));
 
     auto sub = pg.new_group({1, 0});  // rank order reversed: world rank 1 is the sub-group's rank 0

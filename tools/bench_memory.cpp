@@ -1,9 +1,9 @@
 // `cohort bench` buffers on the host, and (in a build with CUDA) on the GPU.
 #include "bench_memory.hpp"
 
-#include <cstring>
-
 #include <fmt/format.h>
+
+#include <cstring>
 
 #ifdef COHORT_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -31,7 +31,8 @@ class HostMemory final : public BenchMemory {
 void cuda_check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
   (void)cudaGetLastError();
-  throw Error(fmt::format("cohort bench --device cuda: {} failed: {}: {}", what, cudaGetErrorName(e), cudaGetErrorString(e)));
+  throw Error(
+      fmt::format("cohort bench --device cuda: {} failed: {}: {}", what, cudaGetErrorName(e), cudaGetErrorString(e)));
 }
 
 // One cudaMalloc'd block, freed on scope exit.
@@ -49,12 +50,16 @@ class CudaMemory final : public BenchMemory {
   void* send() override { return dev_send_.p; }
   void* recv() override { return dev_recv_.p; }
   void upload(size_t s, size_t r) override {
-    cuda_check(cudaMemcpy(dev_send_.p, host_send_.data(), s, cudaMemcpyHostToDevice), "cudaMemcpy of the send buffer to the GPU");
-    cuda_check(cudaMemcpy(dev_recv_.p, host_recv_.data(), r, cudaMemcpyHostToDevice), "cudaMemcpy of the recv buffer to the GPU");
+    cuda_check(cudaMemcpy(dev_send_.p, host_send_.data(), s, cudaMemcpyHostToDevice),
+               "cudaMemcpy of the send buffer to the GPU");
+    cuda_check(cudaMemcpy(dev_recv_.p, host_recv_.data(), r, cudaMemcpyHostToDevice),
+               "cudaMemcpy of the recv buffer to the GPU");
   }
   void download(size_t s, size_t r) override {
-    cuda_check(cudaMemcpy(host_send_.data(), dev_send_.p, s, cudaMemcpyDeviceToHost), "cudaMemcpy of the send buffer from the GPU");
-    cuda_check(cudaMemcpy(host_recv_.data(), dev_recv_.p, r, cudaMemcpyDeviceToHost), "cudaMemcpy of the recv buffer from the GPU");
+    cuda_check(cudaMemcpy(host_send_.data(), dev_send_.p, s, cudaMemcpyDeviceToHost),
+               "cudaMemcpy of the send buffer from the GPU");
+    cuda_check(cudaMemcpy(host_recv_.data(), dev_recv_.p, r, cudaMemcpyDeviceToHost),
+               "cudaMemcpy of the recv buffer from the GPU");
   }
   void exchange(const void* in, size_t in_bytes, void* out, size_t out_bytes,
                 const std::function<WorkPtr(void*, void*)>& run) override {
@@ -75,8 +80,9 @@ BenchDevice parse_bench_device(const std::string& s) {
   if (s == "cpu") return BenchDevice::Cpu;
   if (s != "cuda") throw InvalidArgument(fmt::format("--device {}: use cpu or cuda", s));
 #ifndef COHORT_HAVE_CUDA
-  throw InvalidArgument("--device cuda: this cohort was built without CUDA; rebuild with -DCOHORT_CUDA=ON on a machine with "
-                        "CUDA and NCCL (docs/nccl.md)");
+  throw InvalidArgument(
+      "--device cuda: this cohort was built without CUDA; rebuild with -DCOHORT_CUDA=ON on a machine with "
+      "CUDA and NCCL (docs/nccl.md)");
 #else
   return BenchDevice::Cuda;
 #endif

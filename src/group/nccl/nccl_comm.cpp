@@ -2,9 +2,9 @@
 // init and split), enqueueing, health checks, failure and shutdown.
 #include "group/nccl/nccl_comm.hpp"
 
-#include <cstring>
-
 #include <fmt/format.h>
+
+#include <cstring>
 
 #include "core/log.hpp"
 
@@ -33,15 +33,18 @@ std::shared_ptr<NcclComm> NcclComm::init(const GroupSetup& setup, int device) {
     if (r != ncclSuccess) {
       std::string why = fmt::format("rank 0 failed in ncclGetUniqueId: {}", nccl_error_text(r, nullptr));
       c->record_first_failure(why);
-      throw Error(fmt::format("{}; HINT: NCCL_DEBUG=INFO shows why (often no usable network interface: NCCL_SOCKET_IFNAME)", why));
+      throw Error(fmt::format(
+          "{}; HINT: NCCL_DEBUG=INFO shows why (often no usable network interface: NCCL_SOCKET_IFNAME)", why));
     }
-    store.set("nccl_id", Bytes(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id)));
+    store.set("nccl_id",
+              Bytes(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id)));
   } else {
     Bytes b = store.get("nccl_id", Millis(std::max(1, deadline.remaining_ms())));
     if (b.size() != sizeof(id))
-      throw Error(fmt::format("rank {}: the NCCL unique id in the store has {} bytes, expected {}; HINT: every rank must run "
-                              "the same cohort build",
-                              setup.rank, b.size(), sizeof(id)));
+      throw Error(
+          fmt::format("rank {}: the NCCL unique id in the store has {} bytes, expected {}; HINT: every rank must run "
+                      "the same cohort build",
+                      setup.rank, b.size(), sizeof(id)));
     std::memcpy(&id, b.data(), sizeof(id));
   }
 
@@ -62,15 +65,17 @@ std::shared_ptr<NcclComm> NcclComm::init(const GroupSetup& setup, int device) {
     c->aborted_ = true;
     c->shut_ = true;
     if (peer_failure.empty()) c->record_first_failure(fmt::format("rank {} (GPU {}): {}", setup.rank, device, why));
-    std::string msg = fmt::format("rank {} of {} (group {}, GPU {}): NCCL communicator set-up failed: {}; HINT: every rank "
-                                  "must call init_process_group with backend nccl; NCCL_DEBUG=INFO shows how ranks connect",
-                                  setup.rank, setup.size, setup.group_id, device, why);
+    std::string msg = fmt::format(
+        "rank {} of {} (group {}, GPU {}): NCCL communicator set-up failed: {}; HINT: every rank "
+        "must call init_process_group with backend nccl; NCCL_DEBUG=INFO shows how ranks connect",
+        setup.rank, setup.size, setup.group_id, device, why);
     if (r == ncclInProgress) throw TimeoutError(msg);
     if (!peer_failure.empty() || r == ncclRemoteError) throw PeerError(msg, -1);
     throw Error(msg);
   }
   c->make_stream();
-  COHORT_INFO(kInit, "group {}: rank {}/{} NCCL communicator ready on GPU {}", setup.group_id, setup.rank, setup.size, device);
+  COHORT_INFO(kInit, "group {}: rank {}/{} NCCL communicator ready on GPU {}", setup.group_id, setup.rank, setup.size,
+              device);
   return c;
 }
 
@@ -97,16 +102,19 @@ std::shared_ptr<NcclComm> NcclComm::split(const GroupSetup& child, bool member, 
     c->comm_ = *slot;
     delete slot;
     slot = nullptr;
-    if (c->comm_ != nullptr) r = wait_ready(c->comm_, false, deadline, &peer_failure);
-    else if (member) r = ncclInternalError;  // completed without a communicator for a member: never expected
+    if (c->comm_ != nullptr)
+      r = wait_ready(c->comm_, false, deadline, &peer_failure);
+    else if (member)
+      r = ncclInternalError;  // completed without a communicator for a member: never expected
   }
   if (r != ncclSuccess) {
     if (c->comm_ != nullptr) (void)ncclCommAbort(c->comm_);
     c->comm_ = nullptr;
     c->aborted_ = c->shut_ = true;
     std::string what = !peer_failure.empty() ? "another rank failed: " + peer_failure
-                       : r == ncclInProgress ? fmt::format("ncclCommSplit did not finish within {} ms", setup_.timeout.count())
-                                             : "ncclCommSplit failed: " + nccl_error_text(r, nullptr);
+                       : r == ncclInProgress
+                           ? fmt::format("ncclCommSplit did not finish within {} ms", setup_.timeout.count())
+                           : "ncclCommSplit failed: " + nccl_error_text(r, nullptr);
     const char kind = r == ncclInProgress ? 't' : (peer_failure.empty() && r != ncclRemoteError ? 'e' : 'p');
     fail(fmt::format("new_group (sub-group {})", child.group_id), kind, what);  // the parent is broken too
   }
@@ -115,11 +123,14 @@ std::shared_ptr<NcclComm> NcclComm::split(const GroupSetup& child, bool member, 
   return c;
 }
 
-NcclComm::~NcclComm() { shutdown(); }
+NcclComm::~NcclComm() {
+  shutdown();
+}
 
 void NcclComm::make_stream() {
   DeviceGuard guard(device_);
-  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags for the NCCL stream");
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+             "cudaStreamCreateWithFlags for the NCCL stream");
   check_cuda(cudaEventCreateWithFlags(&caller_ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
 }
 
@@ -180,7 +191,8 @@ WorkPtr NcclComm::issue(OpDesc d, const std::function<ncclResult_t(ncclComm_t, c
     try {
       std::rethrow_exception(broken_);
     } catch (const Error& e) {
-      throw Error(fmt::format("rank {}: {} not started: this group failed earlier: {}", setup_.rank, d.describe(), e.what()));
+      throw Error(
+          fmt::format("rank {}: {} not started: this group failed earlier: {}", setup_.rank, d.describe(), e.what()));
     }
   }
   if (shut_ || comm_ == nullptr)
@@ -203,14 +215,16 @@ WorkPtr NcclComm::issue(OpDesc d, const std::function<ncclResult_t(ncclComm_t, c
   if (r == ncclInProgress) r = wait_ready(nullptr, true, deadline, &peer_failure);
   if (r != ncclSuccess) {
     if (!peer_failure.empty()) fail(d, 'p', "another rank failed first: " + peer_failure);
-    if (r == ncclInProgress) fail(d, 't', fmt::format("NCCL did not finish enqueueing it within {} ms", timeout.count()));
+    if (r == ncclInProgress)
+      fail(d, 't', fmt::format("NCCL did not finish enqueueing it within {} ms", timeout.count()));
     std::string text;
     {
       std::lock_guard<std::mutex> g(mu_);
       text = nccl_error_text(r, comm_);
     }
     if (immediate == ncclInvalidArgument)  // NCCL checked the arguments: nothing was enqueued, the group stays usable
-      throw InvalidArgument(fmt::format("rank {}: {}: NCCL rejected the arguments: {}", setup_.rank, d.describe(), text));
+      throw InvalidArgument(
+          fmt::format("rank {}: {}: NCCL rejected the arguments: {}", setup_.rank, d.describe(), text));
     fail(d, r == ncclRemoteError ? 'p' : 'e', "NCCL failed to enqueue it: " + text);
   }
   cudaEvent_t done = nullptr;
@@ -272,7 +286,8 @@ void NcclComm::fail(const std::string& what, char kind, const std::string& reaso
   const std::string first = record_first_failure(why);
   std::string msg = fmt::format("{}: {}", ctx, reason);
   if (kind == 't')
-    msg += "; HINT: a peer is slow, hung or never called this collective; raise COHORT_TIMEOUT if the work is just long";
+    msg +=
+        "; HINT: a peer is slow, hung or never called this collective; raise COHORT_TIMEOUT if the work is just long";
   if (!first.empty() && first != why) msg += "; first failure in the group: " + first;
   std::exception_ptr e = kind == 't'   ? std::make_exception_ptr(TimeoutError(msg))
                          : kind == 'p' ? std::make_exception_ptr(PeerError(msg, -1))
@@ -347,9 +362,10 @@ void NcclComm::shutdown() noexcept {
         }
       }
       if (!clean) {
-        std::string msg = fmt::format("rank {} (group {}, GPU {}): the group was shut down before its operations finished "
-                                      "cleanly (within {} ms); the communicator was aborted, so their results are undefined",
-                                      setup_.rank, setup_.group_id, device_, setup_.timeout.count());
+        std::string msg = fmt::format(
+            "rank {} (group {}, GPU {}): the group was shut down before its operations finished "
+            "cleanly (within {} ms); the communicator was aborted, so their results are undefined",
+            setup_.rank, setup_.group_id, device_, setup_.timeout.count());
         COHORT_WARN(kColl, "{}", msg);
         std::lock_guard<std::mutex> g(mu_);
         if (!broken_) broken_ = std::make_exception_ptr(Error(msg));

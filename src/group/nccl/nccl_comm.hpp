@@ -28,8 +28,8 @@
 #include <mutex>
 #include <string>
 
-#include "group/nccl/nccl_util.hpp"
 #include "group/native_group.hpp"
+#include "group/nccl/nccl_util.hpp"
 #include "group/op.hpp"
 
 namespace cohort::group::nccl {

@@ -19,18 +19,21 @@
 //   barrier:  an allreduce of one float on the stream; its Work's wait is the sync.
 //   send/recv and batch_isend_irecv: ncclSend/ncclRecv, grouped for a batch.
 //     NCCL has no tags: messages between a pair match in issue order, whatever their tag.
-#include <algorithm>
-#include <set>
+#include "group/nccl/nccl_group.hpp"
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <set>
+
 #include "core/log.hpp"
 #include "group/nccl/nccl_comm.hpp"
-#include "group/nccl/nccl_group.hpp"
 
 namespace cohort::group {
 
-bool nccl_backend_built() { return true; }
+bool nccl_backend_built() {
+  return true;
+}
 
 namespace nccl {
 namespace {
@@ -38,9 +41,9 @@ namespace {
 using collectives::Coll;
 
 // Returns from the enclosing enqueue function when an NCCL call fails.
-#define COHORT_NCCL_TRY(call)                                                  \
-  do {                                                                         \
-    ncclResult_t cohort_r_ = (call);                                           \
+#define COHORT_NCCL_TRY(call)                                                      \
+  do {                                                                             \
+    ncclResult_t cohort_r_ = (call);                                               \
     if (cohort_r_ != ncclSuccess && cohort_r_ != ncclInProgress) return cohort_r_; \
   } while (0)
 
@@ -61,7 +64,9 @@ ncclResult_t copy_on(cudaStream_t s, void* dst, const void* src, size_t bytes) {
   return ncclSuccess;
 }
 
-uint8_t* at(void* p, size_t block, size_t bytes) { return static_cast<uint8_t*>(p) + block * bytes; }
+uint8_t* at(void* p, size_t block, size_t bytes) {
+  return static_cast<uint8_t*>(p) + block * bytes;
+}
 
 class NcclGroup final : public ProcessGroup {
  public:
@@ -167,7 +172,8 @@ class NcclGroup final : public ProcessGroup {
   WorkPtr barrier(BarrierOptions o) override {
     OpDesc d{Coll::Barrier, {}, {}, ReduceOp::Sum, 0, -1, 0, o.timeout};
     void* buf = barrier_buf_;
-    return run(d, {}, [buf](ncclComm_t c, cudaStream_t s) { return ncclAllReduce(buf, buf, 1, ncclFloat32, ncclSum, c, s); });
+    return run(d, {},
+               [buf](ncclComm_t c, cudaStream_t s) { return ncclAllReduce(buf, buf, 1, ncclFloat32, ncclSum, c, s); });
   }
   WorkPtr send(Buffer buf, int dst, SendRecvOptions o) override {
     OpDesc d{Coll::Send, buf, {}, ReduceOp::Sum, 0, dst, o.tag, o.timeout};
@@ -191,8 +197,10 @@ class NcclGroup final : public ProcessGroup {
       return grouped([&] {
         for (const auto& op : d.batch) {
           if (op.buf.count == 0) continue;
-          if (op.kind == P2POp::Send) COHORT_NCCL_TRY(ncclSend(op.buf.data, op.buf.count, to_nccl(op.buf.dtype), op.peer, c, s));
-          else COHORT_NCCL_TRY(ncclRecv(op.buf.data, op.buf.count, to_nccl(op.buf.dtype), op.peer, c, s));
+          if (op.kind == P2POp::Send)
+            COHORT_NCCL_TRY(ncclSend(op.buf.data, op.buf.count, to_nccl(op.buf.dtype), op.peer, c, s));
+          else
+            COHORT_NCCL_TRY(ncclRecv(op.buf.data, op.buf.count, to_nccl(op.buf.dtype), op.peer, c, s));
         }
         return ncclSuccess;
       });
@@ -204,7 +212,8 @@ class NcclGroup final : public ProcessGroup {
     std::set<int> seen;
     for (int r : ranks) {
       if (r < 0 || r >= me.size)
-        throw InvalidArgument(fmt::format("new_group: rank {} is out of range; this group has ranks 0..{}", r, me.size - 1));
+        throw InvalidArgument(
+            fmt::format("new_group: rank {} is out of range; this group has ranks 0..{}", r, me.size - 1));
       if (!seen.insert(r).second) throw InvalidArgument(fmt::format("new_group: rank {} is listed twice", r));
     }
     if (ranks.empty()) throw InvalidArgument("new_group: the list of ranks is empty");
@@ -288,9 +297,10 @@ std::shared_ptr<ProcessGroup> create_nccl_group(const GroupSetup& setup, std::op
       setup.store->compare_set("failure", Bytes{}, Bytes(why.begin(), why.end()));
     } catch (const std::exception&) {
     }
-    throw InvalidArgument(fmt::format("{}; HINT: run on a machine with an NVIDIA GPU and driver (nvidia-smi lists it), "
-                                      "check CUDA_VISIBLE_DEVICES, or use COHORT_BACKEND=native with host buffers",
-                                      why));
+    throw InvalidArgument(
+        fmt::format("{}; HINT: run on a machine with an NVIDIA GPU and driver (nvidia-smi lists it), "
+                    "check CUDA_VISIBLE_DEVICES, or use COHORT_BACKEND=native with host buffers",
+                    why));
   }
   const int device = (local_rank ? *local_rank : setup.rank) % devices;
   // The caller's thread works on this rank's GPU from now on, as with

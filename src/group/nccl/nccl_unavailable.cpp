@@ -5,7 +5,9 @@
 
 namespace cohort::group {
 
-bool nccl_backend_built() { return false; }
+bool nccl_backend_built() {
+  return false;
+}
 
 std::shared_ptr<ProcessGroup> create_nccl_group(const GroupSetup&, std::optional<int>) {
   throw InvalidArgument(

@@ -79,9 +79,10 @@ void NcclWork::wait(Millis timeout) {
   });
   std::lock_guard<std::mutex> g(mu_);
   if (!done_)
-    throw TimeoutError(fmt::format("Work::wait timed out after {} ms on {}; the operation is still running (its own "
-                                   "deadline is in {} ms)",
-                                   t.count(), desc_.describe(), deadline_.remaining_ms()));
+    throw TimeoutError(
+        fmt::format("Work::wait timed out after {} ms on {}; the operation is still running (its own "
+                    "deadline is in {} ms)",
+                    t.count(), desc_.describe(), deadline_.remaining_ms()));
   if (err_) std::rethrow_exception(err_);
 }
 
