@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include <fmt/format.h>
 
 #include "bench_colls.hpp"
+#include "bench_memory.hpp"
 #include "commands.hpp"
 #include "core/env.hpp"
 
@@ -25,6 +27,7 @@ struct BenchFlags {
   double factor = 2;
   int iters = 20, warmup = 5, check = 1, root = 0;
   std::string dtype = "float", op = "sum";
+  std::string device = "cpu";
 };
 
 std::vector<size_t> size_list(const BenchFlags& f) {
@@ -59,16 +62,19 @@ void say(ProcessGroup& pg, const std::string& s) {
   }
 }
 
-void print_header(ProcessGroup& pg, const BenchFlags& f, const std::vector<size_t>& sizes) {
+void print_header(ProcessGroup& pg, BenchMemory& mem, const BenchFlags& f, const std::vector<size_t>& sizes) {
   char host[64] = {0};
   gethostname(host, sizeof(host) - 1);
   std::string me = fmt::format("#  Rank {:3d} Pid {:7d} on {:>16}", pg.rank(), getpid(), host);
   std::vector<char> line(96, 0), all(96 * pg.size(), 0);
   std::memcpy(line.data(), me.data(), std::min(me.size(), line.size() - 1));
-  pg.allgather(Buffer{line.data(), line.size(), DType::U8}, Buffer{all.data(), all.size(), DType::U8})->wait();
-  say(pg, fmt::format("# cohort bench {}: nranks {} minBytes {} maxBytes {} warmup iters: {} iters: {} validation: {}\n#\n",
+  mem.exchange(line.data(), line.size(), all.data(), all.size(), [&](void* in, void* out) {
+    return pg.allgather(Buffer{in, line.size(), DType::U8}, Buffer{out, all.size(), DType::U8});
+  });
+  say(pg, fmt::format("# cohort bench {}: nranks {} minBytes {} maxBytes {} warmup iters: {} iters: {} validation: {} device: {} "
+                      "backend: {}\n#\n",
                       f.coll, pg.size(), sizes.front(), sizes.back(), f.warmup, f.iters == 0 ? std::string("auto") : std::to_string(f.iters),
-                      f.check));
+                      f.check, f.device, pg.backend_name()));
   for (int r = 0; r < pg.size(); ++r) say(pg, std::string(all.data() + r * 96) + "\n");
   say(pg, "#\n");
   say(pg, fmt::format("#{:>79}{:>36}\n", "out-of-place", "in-place"));
@@ -90,8 +96,18 @@ int run_bench(const BenchFlags& f) {
   auto op = parse_reduce_op(f.op);
   if (!op) throw InvalidArgument(fmt::format("-o {}: unknown op; use sum, prod, min, max or avg", f.op));
   auto sizes = size_list(f);
+  const BenchDevice device = parse_bench_device(f.device);  // cuda in a CPU-only build fails here, before any set-up
 
-  auto pg = init_process_group();
+  InitOptions io;
+  if (device == BenchDevice::Cuda) {
+    const char* env = std::getenv("COHORT_BACKEND");
+    if (env != nullptr && *env != '\0' && std::string(env) != "nccl")
+      throw InvalidArgument(fmt::format("--device cuda needs the nccl backend, but COHORT_BACKEND={}; unset it or set it to nccl", env));
+    io.backend = "nccl";
+  }
+  auto pg = init_process_group(io);
+  if (device == BenchDevice::Cpu && pg->backend_name() == "nccl")
+    throw InvalidArgument("the nccl backend moves GPU memory only: add --device cuda (or use COHORT_BACKEND=native)");
   const int n = pg->size();
   if (f.root < 0 || f.root >= n) throw InvalidArgument(fmt::format("-r {}: root out of range 0..{}", f.root, n - 1));
   const size_t es = dtype_size(*dt);
@@ -102,8 +118,14 @@ int run_bench(const BenchFlags& f) {
     max_send = std::max(max_send, sc);
     max_recv = std::max(max_recv, rc);
   }
-  std::vector<uint8_t> sendbuf(max_send * es + 64), recvbuf(max_recv * es + 64);
-  print_header(*pg, f, sizes);
+  auto mem = BenchMemory::make(device, max_send * es + 64, max_recv * es + 64);
+  print_header(*pg, *mem, f, sizes);
+  // One control allreduce of a single element (timings, wrong counts), through the backend's memory.
+  auto allreduce_one = [&](void* v, DType t) {
+    mem->exchange(v, dtype_size(t), v, dtype_size(t), [&](void* in, void* out) {
+      return pg->allreduce(Buffer{in, 1, t}, Buffer{out, 1, t});
+    });
+  };
 
   double bw_sum = 0;
   int bw_rows = 0;
@@ -121,22 +143,35 @@ int run_bench(const BenchFlags& f) {
     const int iters = f.iters > 0 ? f.iters : int(std::clamp<size_t>((size_t(2) << 30) / std::max<size_t>(bytes, 1), 5, 1000));
     for (int in_place = 0; in_place < 2; ++in_place) {
       BenchCase c{coll, *dt, *op, f.root, in_place == 1};
-      Buffer send{sendbuf.data(), sc, *dt}, recv{recvbuf.data(), rc, *dt};
-      fill_inputs(*pg, c, send, recv);
+      // The patterns live in the host buffers; the collective runs on send/recv (the same, or their GPU twins).
+      Buffer host_send{mem->host_send(), sc, *dt}, host_recv{mem->host_recv(), rc, *dt};
+      Buffer send{mem->send(), sc, *dt}, recv{mem->recv(), rc, *dt};
+      fill_inputs(*pg, c, host_send, host_recv);
+      mem->upload(host_send.bytes(), host_recv.bytes());
       for (int i = 0; i < f.warmup; ++i) run_once(*pg, c, send, recv)->wait();
       pg->barrier()->wait();
       double t0 = now_us();
-      for (int i = 0; i < iters; ++i) run_once(*pg, c, send, recv)->wait();
+      if (device == BenchDevice::Cuda) {
+        // As nccl-tests: enqueue every iteration on the stream, then wait (host
+        // timer after the last one's event has completed).
+        std::vector<WorkPtr> works;
+        for (int i = 0; i < iters; ++i) works.push_back(run_once(*pg, c, send, recv));
+        for (auto& w : works) w->wait();
+      } else {
+        for (int i = 0; i < iters; ++i) run_once(*pg, c, send, recv)->wait();
+      }
       double us = (now_us() - t0) / iters;
       double sum_us = us;
-      pg->allreduce(Buffer{&sum_us, 1, DType::F64})->wait();
+      allreduce_one(&sum_us, DType::F64);
       us = sum_us / n;
       int64_t wrong = 0;
       if (f.check) {
-        fill_inputs(*pg, c, send, recv);
+        fill_inputs(*pg, c, host_send, host_recv);
+        mem->upload(host_send.bytes(), host_recv.bytes());
         run_once(*pg, c, send, recv)->wait();
-        wrong = count_wrong(*pg, c, send, recv);
-        pg->allreduce(Buffer{&wrong, 1, DType::I64})->wait();
+        mem->download(host_send.bytes(), host_recv.bytes());
+        wrong = count_wrong(*pg, c, host_send, host_recv);
+        allreduce_one(&wrong, DType::I64);
         total_wrong += wrong;
       }
       double algbw = bytes / us / 1e3;  // GB/s with 1 GB = 1e9 B
@@ -170,6 +205,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("-d,--datatype", f.dtype, "float, double, half, bf16, int8, uint8, int32, int64");
   cmd->add_option("-o,--op", f.op, "sum, prod, min, max, avg");
   cmd->add_option("-r,--root", f.root, "root rank of rooted collectives");
+  cmd->add_option("--device", f.device,
+                  "cpu: host buffers (native backend); cuda: GPU buffers with the nccl backend (a build with CUDA, docs/nccl.md)");
   cmd->callback([&exit_code] { exit_code = run_bench(f); });
 }
 

@@ -8,6 +8,7 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/launch_env.hpp"
+#include "group/nccl/nccl_group.hpp"
 #include "group/native_group.hpp"
 
 namespace cohort {
@@ -40,7 +41,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
               le.master_addr_from);
 
   std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
-  if (backend != "native")
+  if (backend != "native" && backend != "nccl")
     throw InvalidArgument(fmt::format("backend '{}' is not available in this build; use native (COHORT_BACKEND=native)", backend));
 
   Millis timeout = opts.timeout.count() > 0 ? opts.timeout : Millis(static_cast<int64_t>(kTimeout.seconds() * 1000));
@@ -84,6 +85,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   s.timeout = timeout;
   s.transport = opts.transport.empty() ? kTransport.str() : opts.transport;
   s.route_hint = route_hint;
+  if (backend == "nccl") return group::create_nccl_group(s, le.local_rank);
   return group::NativeGroup::create(std::move(s));
 }
 
