@@ -123,7 +123,24 @@ TEST(BindPlan, OnlyTheLaunchersCpusAreHandedOut) {
   EXPECT_THROW(plan_binding(BindMode::Core, 2, two_sockets(), {42}), cohort::InvalidArgument);
 }
 
+TEST(BindPlan, AutoPinsToCoresOnlyWhenEachRankCanHaveOne) {
+  auto two = plan_binding(BindMode::Auto, 2, two_sockets(), two_sockets().online);
+  EXPECT_EQ(two.mode, BindMode::Core);
+  EXPECT_EQ(two.cpus, (std::vector<CpuList>{{0, 1, 4, 5}, {2, 3, 6, 7}}));
+  EXPECT_NE(describe_binding(BindMode::Auto, two).find("--bind auto (core): local rank 0 -> CPUs 0-1,4-5"),
+            std::string::npos);
+  auto one = plan_binding(BindMode::Auto, 1, two_sockets(), two_sockets().online);
+  EXPECT_EQ(one.mode, BindMode::None);
+  EXPECT_TRUE(one.cpus.empty());
+  auto five = plan_binding(BindMode::Auto, 5, two_sockets(), two_sockets().online);  // 4 cores
+  EXPECT_EQ(five.mode, BindMode::None);
+  EXPECT_TRUE(five.cpus.empty());
+  EXPECT_NE(describe_binding(BindMode::Auto, five).find("--bind auto (none): workers are not pinned"),
+            std::string::npos);
+}
+
 TEST(BindPlan, ParsesTheFlag) {
+  EXPECT_EQ(parse_bind("auto"), BindMode::Auto);
   EXPECT_EQ(parse_bind("none"), BindMode::None);
   EXPECT_EQ(parse_bind("numa"), BindMode::Numa);
   EXPECT_EQ(parse_bind("core"), BindMode::Core);
@@ -183,6 +200,16 @@ TEST(RunBind, CorePinsEachRankToItsOwnCores) {
   EXPECT_NE(r.err.find("INFO LAUNCH: --bind core: local rank 0 -> CPUs " + cohort::core::cpu_list_text(plan.cpus[0])),
             std::string::npos)
       << r.err;
+}
+
+TEST(RunBind, AutoIsTheDefaultAndPinsTwoRanksWhenThereAreTwoCores) {
+  auto plan = plan_binding(BindMode::Auto, 2, cohort::core::read_cpu_layout(), cohort::core::current_affinity());
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("affinity_worker")});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto a = affinities(r.out, 2);
+  ASSERT_EQ(a.size(), 2u) << r.out;
+  for (int rank : {0, 1})
+    EXPECT_EQ(a[rank], plan.mode == BindMode::Core ? plan.cpus[rank] : cohort::core::current_affinity());
 }
 
 TEST(RunBind, NumaPinsEachRankToTheCpusOfANode) {

@@ -72,5 +72,5 @@ TEST(DebugLog, LauncherPrintsTheBindingAtInfo) {
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "1", "/bin/true"},
                    {{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "LAUNCH"}});
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_TRUE(contains(r.err, "INFO LAUNCH: --bind none: workers are not pinned")) << r.err;
+  EXPECT_TRUE(contains(r.err, "INFO LAUNCH: --bind auto (none): workers are not pinned")) << r.err;
 }

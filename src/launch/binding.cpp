@@ -26,16 +26,19 @@ core::CpuList join(const std::vector<core::CpuList>& lists) {
 }  // namespace
 
 BindMode parse_bind(const std::string& text) {
+  if (text == "auto") return BindMode::Auto;
   if (text == "none") return BindMode::None;
   if (text == "numa") return BindMode::Numa;
   if (text == "core") return BindMode::Core;
-  throw InvalidArgument(fmt::format("--bind {}: expected none (no pinning, the default), numa (each local rank on "
-                                    "the CPUs of one NUMA node) or core (each local rank on its own cores)",
+  throw InvalidArgument(fmt::format("--bind {}: expected auto (the default: core when 2 <= local ranks <= cores, "
+                                    "else none), none (no pinning), numa (each local rank on the CPUs of one NUMA "
+                                    "node) or core (each local rank on its own cores)",
                                     text));
 }
 
 const char* bind_name(BindMode mode) {
   switch (mode) {
+    case BindMode::Auto: return "auto";
     case BindMode::None: return "none";
     case BindMode::Numa: return "numa";
     case BindMode::Core: return "core";
@@ -45,7 +48,11 @@ const char* bind_name(BindMode mode) {
 
 BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, const core::CpuList& allowed_in) {
   BindPlan plan;
-  if (mode == BindMode::None || nproc < 1) return plan;
+  plan.mode = mode;
+  if (mode == BindMode::None || nproc < 1) {
+    plan.mode = BindMode::None;
+    return plan;
+  }
   core::CpuList allowed = allowed_in;
   std::sort(allowed.begin(), allowed.end());
 
@@ -79,6 +86,13 @@ BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, c
     return std::make_pair(node_of(a.front()), a.front()) < std::make_pair(node_of(b.front()), b.front());
   });
   const size_t C = cores.size(), n = static_cast<size_t>(nproc);
+  if (mode == BindMode::Auto) {
+    if (n < 2 || n > C) {
+      plan.mode = BindMode::None;
+      return plan;
+    }
+    plan.mode = BindMode::Core;
+  }
   if (n > C) {
     plan.oversubscribed = true;
     for (size_t i = 0; i < n; ++i) plan.cpus.push_back(cores[i % C]);
@@ -92,9 +106,12 @@ BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, c
   return plan;
 }
 
-std::string describe_binding(BindMode mode, const BindPlan& plan) {
-  if (mode == BindMode::None) return "--bind none: workers are not pinned (they inherit the launcher's CPU affinity)";
-  std::string s = fmt::format("--bind {}:", bind_name(mode));
+std::string describe_binding(BindMode asked, const BindPlan& plan) {
+  const std::string flag = asked == BindMode::Auto ? fmt::format("--bind auto ({})", bind_name(plan.mode))
+                                                   : fmt::format("--bind {}", bind_name(asked));
+  if (plan.mode == BindMode::None)
+    return flag + ": workers are not pinned (they inherit the launcher's CPU affinity)";
+  std::string s = flag + ":";
   for (size_t i = 0; i < plan.cpus.size(); ++i)
     s += fmt::format("{} local rank {} -> CPUs {}", i ? "," : "", i, core::cpu_list_text(plan.cpus[i]));
   if (plan.oversubscribed) s += " (more local ranks than cores: some share a core)";

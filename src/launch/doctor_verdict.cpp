@@ -96,8 +96,19 @@ std::string connect_problem(const RankReport& from, const RankReport* to, const 
   return fmt::format("{} at {}: {}; {}", head, p.addr, p.error, hint);
 }
 
-Verdict judge_reports(const std::vector<RankReport>& reports, const std::vector<int>& missing, int world_size,
+// Hosts that share a hostname but not a boot or network namespace (containers,
+// network-namespace tests) get their namespace added to the name: "vm (net:[4026532])".
+std::vector<RankReport> disambiguate_hosts(std::vector<RankReport> rs) {
+  std::map<std::string, std::set<std::string>> ids_of_name;
+  for (const RankReport& r : rs) ids_of_name[r.host].insert(r.host_id);
+  for (RankReport& r : rs)
+    if (ids_of_name[r.host].size() > 1) r.host += " (" + r.host_id.substr(r.host_id.rfind('|') + 1) + ")";
+  return rs;
+}
+
+Verdict judge_reports(const std::vector<RankReport>& reports_in, const std::vector<int>& missing, int world_size,
                       const DoctorOptions& opts) {
+  const std::vector<RankReport> reports = disambiguate_hosts(reports_in);
   Verdict v;
   std::map<int, const RankReport*> by_rank;
   for (const RankReport& r : reports) by_rank[r.rank] = &r;
