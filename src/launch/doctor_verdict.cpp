@@ -87,7 +87,8 @@ std::string connect_problem(const RankReport& from, const RankReport* to, const 
   if (e.find("refused") != std::string::npos)
     hint = "is a firewall blocking the port, or does the address belong to another interface than the one the peer "
            "listens on? set COHORT_SOCKET_IFNAME to the interface that connects the hosts";
-  else if (e.find("timed out") != std::string::npos || e.find("unreachable") != std::string::npos)
+  else if (e.find("timed out") != std::string::npos || e.find("unreachable") != std::string::npos ||
+           e.find("No route") != std::string::npos)
     hint = "packets to that address are dropped or not routed: is a firewall dropping them, or is it an address of a "
            "network the other host is not on? set COHORT_SOCKET_IFNAME to the interface that connects the hosts";
   else
