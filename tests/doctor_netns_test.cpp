@@ -3,7 +3,7 @@
 // and `ip netns`; skips otherwise. The namespaces are private to the test, so
 // the fixed ports below cannot collide with anything.
 //
-// Unreachable case: node 1 advertises an address of a dummy interface in its
+// Unreachable case: node 1 advertises an address of a second interface in its
 // namespace that the other namespace cannot reach (ARP for it goes unanswered:
 // arp_ignore=1), so node 0's probe really fails, as with a misconfigured
 // COHORT_SOCKET_IFNAME on a real cluster.
@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -82,6 +83,8 @@ class DoctorNetns : public ::testing::Test {
       out_[node] = slurp(d + ".out");
       err_[node] = slurp(d + ".err");
       rc_[node] = std::atoi(slurp(d + ".rc").c_str());
+      if (std::getenv("COHORT_TEST_SHOW") != nullptr)  // to look at the output of a passing run
+        std::printf("--- node %d, exit %d\n%s%s", node, rc_[node], out_[node].c_str(), err_[node].c_str());
     }
   }
 
@@ -104,12 +107,15 @@ TEST_F(DoctorNetns, TwoHostsAreHealthyAndMeasuredOverTcp) {
 }
 
 TEST_F(DoctorNetns, UnreachableAddressIsNamedAndPreflightRefuses) {
-  // A dummy interface in node 1's namespace whose address node 0 cannot reach.
-  ASSERT_TRUE(sh("ip -n " + ns_[1] + " link add dd0 type dummy") &&
-              sh("ip -n " + ns_[1] + " addr add 10.82.0.102/32 dev dd0") && sh("ip -n " + ns_[1] + " link set dd0 up") &&
+  // A second interface in node 1's namespace (one end of a veth pair that
+  // stays inside it) whose address node 0 cannot reach.
+  const std::string side = "vddc" + std::to_string(getpid()), other = "vddd" + std::to_string(getpid());
+  ASSERT_TRUE(sh("ip -n " + ns_[1] + " link add " + side + " type veth peer name " + other) &&
+              sh("ip -n " + ns_[1] + " addr add 10.82.0.102/32 dev " + side) &&
+              sh("ip -n " + ns_[1] + " link set " + side + " up") &&
               sh("ip netns exec " + ns_[1] + " sysctl -w net.ipv4.conf.all.arp_ignore=1"));
   const std::string marker = dir_ + "/started";
-  run_nodes("--preflight /bin/sh -c 'touch " + marker + ".$RANK'", "COHORT_SOCKET_IFNAME=dd0");
+  run_nodes("--preflight /bin/sh -c 'touch " + marker + ".$RANK'", "COHORT_SOCKET_IFNAME==" + side);
   EXPECT_EQ(rc_[0], 1) << out_[0] << err_[0];
   EXPECT_EQ(rc_[1], 1) << out_[1] << err_[1];
   EXPECT_TRUE(contains(out_[0], "PROBLEM: rank 0 on host ")) << out_[0];

@@ -300,7 +300,8 @@ class Agent {
       say(fmt::format("pre-flight check passed; starting {}", opts_.command[0]));
       return -1;
     }
-    say(fmt::format("pre-flight check failed (the doctor's verdict is above); refusing to start {}", opts_.command[0]));
+    say(fmt::format("pre-flight check failed (the doctor's verdict is {}); refusing to start {}",
+                    opts_.node_rank == 0 ? "above" : "in node 0's output, from rank 0", opts_.command[0]));
     publish_final(fmt::format("the pre-flight check failed on node {} ({})", opts_.node_rank, job_.host));
     return 1;
   }

@@ -208,7 +208,10 @@ int run_doctor(const DoctorOptions& o) {
   try {
     le = group::read_launch_env(env);
   } catch (const Error& e) {
-    std::fprintf(stderr, "cohort doctor: PROBLEM: the launcher's variables are not usable: %s\n", e.what());
+    std::fprintf(stderr,
+                 "cohort doctor: PROBLEM: the launcher's variables are not usable: %s\n"
+                 "  HINT: run the doctor as the workers of a job, e.g. `cohort run --nproc-per-node 2 cohort doctor`\n",
+                 e.what());
     return 1;
   }
   core::set_log_rank(le.rank);
