@@ -121,6 +121,7 @@ TEST(BindPlan, OnlyTheLaunchersCpusAreHandedOut) {
   auto n = plan_binding(BindMode::Numa, 2, two_sockets(), {2, 3, 6});
   EXPECT_EQ(n.cpus, (std::vector<CpuList>{{2, 3, 6}, {2, 3, 6}}));
   EXPECT_THROW(plan_binding(BindMode::Core, 2, two_sockets(), {42}), cohort::InvalidArgument);
+  EXPECT_EQ(plan_binding(BindMode::Auto, 2, two_sockets(), {42}).mode, BindMode::None);  // auto never refuses
 }
 
 TEST(BindPlan, AutoPinsToCoresOnlyWhenEachRankCanHaveOne) {

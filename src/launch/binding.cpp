@@ -60,6 +60,10 @@ BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, c
   std::vector<core::CpuList> nodes;
   for (const auto& n : layout.numa)
     if (auto c = intersect(n, allowed); !c.empty()) nodes.push_back(std::move(c));
+  if (nodes.empty() && mode == BindMode::Auto) {  // a strange sysfs: auto never stops a job from starting
+    plan.mode = BindMode::None;
+    return plan;
+  }
   if (nodes.empty())
     throw InvalidArgument(fmt::format("--bind {}: none of this host's CPUs ({}) is in the launcher's affinity ({}); "
                                       "run `cohort run` without --bind, or with a wider taskset / cpuset",
