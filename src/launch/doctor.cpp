@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <thread>
 
 #include <fmt/format.h>
@@ -241,13 +242,20 @@ int run_doctor(const DoctorOptions& o) {
   try {
     // Phase 1: environment and connectivity.
     RankReport mine = doctor::check_environment(le, env);
-    doctor::ProbeListener listener(mine.interface, doctor::fault_closed_port(me));
-    store->set_string(fmt::format("addr/{}", me), listener.advertised());
+    std::unique_ptr<doctor::ProbeListener> listener;
+    try {
+      listener = std::make_unique<doctor::ProbeListener>(mine.interface, doctor::fault_closed_port(me));
+    } catch (const Error& e) {  // a finding like any other: the other ranks still report theirs
+      mine.env_problems.push_back(fmt::format("cannot open a probe listener: {}|set COHORT_SOCKET_IFNAME to an "
+                                              "interface of this host that the others can reach",
+                                              e.what()));
+    }
+    store->set_string(fmt::format("addr/{}", me), listener ? listener->advertised() : "");
     mine.peers = doctor::probe_peers(*store, me, n, deadline);
     store->set_string(fmt::format("report/{}", me), report_to_json(mine));
     store->add("probed", 1);
     wait_count(*store, "probed", n, deadline);  // keep answering until every rank has probed (or gave up)
-    listener.stop();
+    if (listener) listener->stop();
 
     std::vector<RankReport> reports;
     Verdict v;

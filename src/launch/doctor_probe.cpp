@@ -121,7 +121,9 @@ RankReport check_environment(const group::LaunchEnv& le, const group::EnvMap& en
     r.interface = transport::choose_local_address(le.master_addr);
   } catch (const Error& e) {
     r.interface = "127.0.0.1";
-    r.env_problems.push_back(fmt::format("{}|fix COHORT_SOCKET_IFNAME (or unset it to use the interface that routes "
+    // Harmless while every rank is on this host (shm, no TCP between ranks); fatal once one is not.
+    const bool one_host = le.local_world_size && *le.local_world_size == le.world_size;
+    (one_host ? r.env_warnings : r.env_problems).push_back(fmt::format("{}|fix COHORT_SOCKET_IFNAME (or unset it to use the interface that routes "
                                          "to the store's host {})",
                                          e.what(), le.master_addr));
   }
@@ -186,8 +188,52 @@ void ProbeListener::loop() {
   }
 }
 
+namespace {
+
+// One connect + request/reply to pr.addr, bounded by `per_probe`; fills pr.
+void probe_one(PeerProbe& pr, std::chrono::milliseconds per_probe) {
+  const double limit_s = per_probe.count() / 1000.0;
+  auto colon = pr.addr.rfind(':');
+  const std::string host = pr.addr.substr(0, colon);
+  const auto port = static_cast<uint16_t>(std::stoi(pr.addr.substr(colon + 1)));
+  auto t0 = core::Clock::now();
+  auto probe_deadline = core::Deadline::after(per_probe);
+  std::string why;
+  store::net::Fd fd = store::net::connect_once(host, port, probe_deadline, &why);
+  if (!fd.valid()) {
+    pr.error = why.empty() ? fmt::format("timed out after {} s", limit_s) : why;
+    return;
+  }
+  int err = 0;
+  size_t done = 0;
+  const int64_t sent_at = wall_ns();
+  int64_t peer_now = 0;
+  auto st = store::net::send_all(fd.get(), reinterpret_cast<const uint8_t*>(&kPingMagic), sizeof(kPingMagic),
+                                 probe_deadline, &err);
+  if (st == store::net::IoStatus::Ok)
+    st = store::net::recv_all(fd.get(), reinterpret_cast<uint8_t*>(&peer_now), sizeof(peer_now), probe_deadline, &err,
+                              &done);
+  const int64_t got_at = wall_ns();
+  if (st != store::net::IoStatus::Ok) {
+    pr.error = st == store::net::IoStatus::Timeout
+                   ? fmt::format("connected, but no reply within {} s (timed out)", limit_s)
+                   : fmt::format("connected, but the exchange failed: {}",
+                                 err != 0 ? store::net::errno_text(err) : std::string("closed by the peer"));
+    return;
+  }
+  pr.ok = true;
+  pr.rtt_ms = core::seconds_since(t0) * 1000.0;
+  pr.clock_offset_ms = static_cast<double>(peer_now - (sent_at + got_at) / 2) / 1e6;
+}
+
+}  // namespace
+
+// Addresses first (from the store, each wait bounded by the overall
+// deadline), then the probes, up to kParallel at a time: unreachable peers
+// cost one COHORT_DOCTOR_CONNECT_TIMEOUT per batch, not one each.
 std::vector<PeerProbe> probe_peers(Store& store, int me, int world_size, core::Deadline deadline) {
   using Ms = std::chrono::milliseconds;
+  constexpr size_t kParallel = 16;
   const auto per_probe = Ms(static_cast<int64_t>(kConnectTimeout.seconds() * 1000));
   std::vector<PeerProbe> out;
   for (int p = 0; p < world_size; ++p) {
@@ -196,47 +242,17 @@ std::vector<PeerProbe> probe_peers(Store& store, int me, int world_size, core::D
     pr.peer = p;
     try {
       pr.addr = store.get_string(fmt::format("addr/{}", p), Ms(std::max(1, deadline.remaining_ms())));
+      if (pr.addr.empty()) pr.error = "it has no probe listener (its own report says why)";
     } catch (const Error& e) {
       pr.error = fmt::format("no address within the deadline: {}", e.what());
-      out.push_back(pr);
-      continue;
     }
-    auto colon = pr.addr.rfind(':');
-    const std::string host = pr.addr.substr(0, colon);
-    const auto port = static_cast<uint16_t>(std::stoi(pr.addr.substr(colon + 1)));
-    auto t0 = core::Clock::now();
-    auto probe_deadline = core::Deadline::after(per_probe);
-    std::string why;
-    store::net::Fd fd = store::net::connect_once(host, port, probe_deadline, &why);
-    if (!fd.valid()) {
-      pr.error = why.empty() ? fmt::format("timed out after {} s", per_probe.count() / 1000.0) : why;
-      if (probe_deadline.passed() && why.find("timed out") == std::string::npos)
-        pr.error += fmt::format(" (timed out after {} s)", per_probe.count() / 1000.0);
-      out.push_back(pr);
-      continue;
-    }
-    int err = 0;
-    size_t done = 0;
-    const int64_t sent_at = wall_ns();
-    int64_t peer_now = 0;
-    auto st = store::net::send_all(fd.get(), reinterpret_cast<const uint8_t*>(&kPingMagic), sizeof(kPingMagic),
-                                   probe_deadline, &err);
-    if (st == store::net::IoStatus::Ok)
-      st = store::net::recv_all(fd.get(), reinterpret_cast<uint8_t*>(&peer_now), sizeof(peer_now), probe_deadline,
-                                &err, &done);
-    const int64_t got_at = wall_ns();
-    if (st != store::net::IoStatus::Ok) {
-      pr.error = st == store::net::IoStatus::Timeout
-                     ? fmt::format("connected, but no reply within {} s (timed out)", per_probe.count() / 1000.0)
-                     : fmt::format("connected, but the exchange failed: {}",
-                                   err != 0 ? store::net::errno_text(err) : std::string("closed by the peer"));
-      out.push_back(pr);
-      continue;
-    }
-    pr.ok = true;
-    pr.rtt_ms = core::seconds_since(t0) * 1000.0;
-    pr.clock_offset_ms = static_cast<double>(peer_now - (sent_at + got_at) / 2) / 1e6;
     out.push_back(pr);
+  }
+  for (size_t first = 0; first < out.size(); first += kParallel) {
+    std::vector<std::thread> batch;
+    for (size_t i = first; i < std::min(out.size(), first + kParallel); ++i)
+      if (!out[i].addr.empty()) batch.emplace_back(probe_one, std::ref(out[i]), per_probe);
+    for (auto& t : batch) t.join();
   }
   return out;
 }

@@ -80,7 +80,7 @@ std::string connect_problem(const RankReport& from, const RankReport* to, const 
   std::string head = fmt::format("rank {} on host {} cannot reach rank {} on host {}", from.rank, from.host, p.peer,
                                  host_of(to));
   if (p.addr.empty())
-    return fmt::format("{}: rank {} never published its probe address ({}); did it start? look at its output above",
+    return fmt::format("{}: rank {} published no probe address ({}); look at its own problems and its output",
                        head, p.peer, p.error);
   std::string hint;
   const std::string& e = p.error;
