@@ -22,6 +22,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 RankReport report(int rank, const std::string& host, int world) {
   RankReport r;
   r.rank = rank;
+  r.world_size = world;
   r.host = host;
   r.host_id = host + "|boot|ns";
   r.launcher = "cohort run";
@@ -72,6 +73,14 @@ TEST(DoctorVerdict, MissingRanksLoopbackAcrossHostsAndEnvProblems) {
   EXPECT_TRUE(contains(text(v), "rank 2 did not report")) << text(v);
   EXPECT_TRUE(contains(text(v), "rank 1 on host b would use the loopback address 127.0.0.1")) << text(v);
   EXPECT_TRUE(contains(text(v), "rank 0 on host a: /dev/shm is missing\n  HINT: mount a tmpfs there")) << text(v);
+}
+
+TEST(DoctorVerdict, RanksThatDisagreeOnTheWorldSize) {
+  std::vector<RankReport> rs{report(0, "a", 2), report(1, "b", 2)};
+  rs[1].world_size = 4;
+  Verdict v = judge_reports(rs, {}, 2, DoctorOptions{});
+  EXPECT_FALSE(v.healthy);
+  EXPECT_TRUE(contains(text(v), "rank 1 on host b was told the world size is 4, rank 0 that it is 2")) << text(v);
 }
 
 TEST(DoctorVerdict, ClockSkewBetweenHostsIsAWarningOnly) {

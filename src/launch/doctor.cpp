@@ -242,6 +242,10 @@ int run_doctor(const DoctorOptions& o) {
   try {
     // Phase 1: environment and connectivity.
     RankReport mine = doctor::check_environment(le, env);
+    if (store->add(fmt::format("claim/{}", me), 1) > 1)  // only the later of two would-be rank-Rs sees this
+      mine.env_problems.push_back(fmt::format("another process also started as rank {}|each rank must be started "
+                                              "once: two launchers with the same --node-rank, or RANK set by hand?",
+                                              me));
     std::unique_ptr<doctor::ProbeListener> listener;
     try {
       listener = std::make_unique<doctor::ProbeListener>(mine.interface, doctor::fault_closed_port(me));

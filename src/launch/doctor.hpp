@@ -57,6 +57,7 @@ struct PeerProbe {
 // One rank's findings (published as JSON).
 struct RankReport {
   int rank = -1;
+  int world_size = 0;     // as this rank's launcher variables say
   std::string host;       // hostname
   std::string host_id;    // hostname + boot id + network namespace: ranks that share shm and a network stack
   std::string launcher;   // "cohort run", "torchrun", ...

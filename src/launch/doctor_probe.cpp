@@ -112,6 +112,7 @@ std::string host_identity() {
 RankReport check_environment(const group::LaunchEnv& le, const group::EnvMap& env) {
   RankReport r;
   r.rank = le.rank;
+  r.world_size = le.world_size;
   r.host = hostname();
   r.host_id = host_identity();
   r.launcher = le.source;

@@ -44,7 +44,7 @@ std::string report_to_json(const RankReport& r) {
   for (const PeerProbe& p : r.peers)
     peers.push_back({{"peer", p.peer}, {"addr", p.addr}, {"ok", p.ok}, {"error", p.error}, {"rtt_ms", p.rtt_ms},
                      {"clock_offset_ms", p.clock_offset_ms}});
-  json j = {{"rank", r.rank},         {"host", r.host},
+  json j = {{"rank", r.rank},         {"world_size", r.world_size}, {"host", r.host},
             {"host_id", r.host_id},   {"launcher", r.launcher},
             {"interface", r.interface}, {"shm_free_mib", r.shm_free_mib},
             {"env_problems", r.env_problems}, {"env_warnings", r.env_warnings},
@@ -57,6 +57,7 @@ RankReport report_from_json(const std::string& text) {
     json j = json::parse(text);
     RankReport r;
     r.rank = j.at("rank").get<int>();
+    r.world_size = j.at("world_size").get<int>();
     r.host = j.at("host").get<std::string>();
     r.host_id = j.at("host_id").get<std::string>();
     r.launcher = j.at("launcher").get<std::string>();
@@ -135,6 +136,11 @@ Verdict judge_reports(const std::vector<RankReport>& reports_in, const std::vect
     add_problem(v, fmt::format("the ranks were started by different launchers ({})", fmt::join(launchers, ", ")),
                 "start every rank the same way (one `cohort run` per node, or one mpirun / srun)");
   for (const RankReport& r : reports) {
+    if (r.world_size != world_size)
+      add_problem(v, fmt::format("rank {} on host {} was told the world size is {}, rank 0 that it is {}", r.rank,
+                                 r.host, r.world_size, world_size),
+                  "every rank must get the same WORLD_SIZE: start all nodes with the same --nnodes and "
+                  "--nproc-per-node");
     if (hosts.size() > 1 && r.interface.rfind("127.", 0) == 0)
       add_problem(v, fmt::format("rank {} on host {} would use the loopback address {} for TCP, but the job spans {} "
                                  "hosts", r.rank, r.host, r.interface, hosts.size()),
