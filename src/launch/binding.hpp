@@ -3,8 +3,9 @@
 //   auto  (default) core when there are at least 2 local ranks and no more
 //         than the usable cores; none otherwise (1 rank: nothing to keep apart;
 //         more ranks than cores: they must share, let the scheduler balance).
-//         Measured on the 2-core VM (docs/launcher.md): 2 ranks pinned to a
-//         core each ran allreduce 5-8x faster than unpinned ones.
+//         Measured on the 2-core VM (docs/launcher.md): pinned, 2 ranks ran
+//         small allreduces ~100x faster (no 30 us spin on a shared core);
+//         16 MiB ones were ~1.5x slower while other builds loaded the cores.
 //   none  no pinning: workers inherit the launcher's affinity and the kernel's
 //         scheduler places them. Use it when several launchers share a host
 //         (each would hand out the same cores) or other jobs are pinned there.
