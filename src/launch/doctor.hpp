@@ -62,6 +62,7 @@ struct RankReport {
   std::string host_id;    // hostname + boot id + network namespace: ranks that share shm and a network stack
   std::string launcher;   // "cohort run", "torchrun", ...
   std::string interface;  // the address TCP would use
+  std::string interface_name;  // "eth0 (10.0.0.1)", for people
   double shm_free_mib = -1;
   std::vector<std::string> env_problems;  // "problem|hint" each (see env_problem)
   std::vector<std::string> env_warnings;

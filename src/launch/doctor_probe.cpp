@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 
 #include <chrono>
 #include <cstring>
@@ -93,6 +94,22 @@ void check_dev_shm(const group::LaunchEnv& le, RankReport& r) {
                                          r.shm_free_mib, local));
 }
 
+// "eth0 (10.0.0.1)": the interface that holds the address, for the verdict.
+std::string interface_text(const std::string& address) {
+  ifaddrs* ifs = nullptr;
+  std::string name;
+  if (getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i != nullptr && name.empty(); i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+      char buf[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof(buf));
+      if (address == buf) name = i->ifa_name;
+    }
+    freeifaddrs(ifs);
+  }
+  return name.empty() ? address : fmt::format("{} ({})", name, address);
+}
+
 }  // namespace
 
 std::string hostname() {
@@ -120,6 +137,7 @@ RankReport check_environment(const group::LaunchEnv& le, const group::EnvMap& en
   check_dev_shm(le, r);
   try {
     r.interface = transport::choose_local_address(le.master_addr);
+    r.interface_name = interface_text(r.interface);
   } catch (const Error& e) {
     r.interface = "127.0.0.1";
     // Harmless while every rank is on this host (shm, no TCP between ranks); fatal once one is not.

@@ -46,7 +46,7 @@ std::string report_to_json(const RankReport& r) {
                      {"clock_offset_ms", p.clock_offset_ms}});
   json j = {{"rank", r.rank},         {"world_size", r.world_size}, {"host", r.host},
             {"host_id", r.host_id},   {"launcher", r.launcher},
-            {"interface", r.interface}, {"shm_free_mib", r.shm_free_mib},
+            {"interface", r.interface}, {"interface_name", r.interface_name}, {"shm_free_mib", r.shm_free_mib},
             {"env_problems", r.env_problems}, {"env_warnings", r.env_warnings},
             {"peers", peers}};
   return j.dump();
@@ -62,6 +62,7 @@ RankReport report_from_json(const std::string& text) {
     r.host_id = j.at("host_id").get<std::string>();
     r.launcher = j.at("launcher").get<std::string>();
     r.interface = j.at("interface").get<std::string>();
+    r.interface_name = j.value("interface_name", r.interface);
     r.shm_free_mib = j.at("shm_free_mib").get<double>();
     r.env_problems = j.at("env_problems").get<std::vector<std::string>>();
     r.env_warnings = j.at("env_warnings").get<std::vector<std::string>>();
@@ -124,7 +125,7 @@ Verdict judge_reports(const std::vector<RankReport>& reports_in, const std::vect
   for (const auto& [id, ranks] : hosts) {
     const RankReport* r = by_rank[ranks.front()];
     v.lines.push_back(fmt::format("  host {}: ranks {}; TCP interface {}; /dev/shm {}", r->host, fmt::join(ranks, ","),
-                                  r->interface,
+                                  r->interface_name.empty() ? r->interface : r->interface_name,
                                   r->shm_free_mib < 0 ? std::string("missing")
                                                       : fmt::format("{:.0f} MiB free", r->shm_free_mib)));
   }
