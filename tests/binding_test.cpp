@@ -11,6 +11,7 @@
 #include "cohort/error.hpp"
 #include "core/cpu_layout.hpp"
 #include "launch/binding.hpp"
+#include "launch/options.hpp"
 #include "launch_harness.hpp"
 
 namespace lt = launch_test;
@@ -229,6 +230,17 @@ TEST(RunBind, NumaPinsEachRankToTheCpusOfANode) {
     }
     EXPECT_TRUE(is_a_node) << "rank " << rank << " runs on CPUs " << cohort::core::cpu_list_text(cpus);
   }
+}
+
+TEST(RunFlags, MinBusbwNeedsPreflight) {
+  LaunchOptions o;
+  o.command = {"/bin/true"};
+  o.min_busbw = 5;
+  EXPECT_THROW(validate(o), cohort::InvalidArgument);
+  o.preflight = true;
+  EXPECT_NO_THROW(validate(o));
+  o.bind = "socket";
+  EXPECT_THROW(validate(o), cohort::InvalidArgument);
 }
 
 TEST(RunBind, RejectsAnUnknownMode) {

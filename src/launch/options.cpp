@@ -185,6 +185,8 @@ void validate(const LaunchOptions& o) {
   parse_bind(o.bind);  // throws on anything but none / numa / core
   if (!(o.min_busbw >= 0))
     throw InvalidArgument(fmt::format("--min-busbw {}: expected a bandwidth in GB/s, 0 or more", o.min_busbw));
+  if (o.min_busbw > 0 && !o.preflight)
+    throw InvalidArgument(fmt::format("--min-busbw {} applies to the pre-flight check only: add --preflight", o.min_busbw));
 }
 
 Endpoints resolve_endpoints(const LaunchOptions& o) {
