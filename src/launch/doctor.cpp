@@ -3,11 +3,13 @@
 // group. See doctor.hpp for the flow.
 #include "launch/doctor.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -38,6 +40,14 @@ bool wait_count(Store& store, const std::string& key, int64_t want, core::Deadli
   return false;
 }
 
+// The median of the timed rounds: one preempted round on a busy host does not
+// decide the number.
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
 // Bytes of the probe messages: a pattern that depends on the sender and the
 // round, so a stale or misrouted message is caught too.
 uint8_t pattern(int sender, int round, size_t i) { return static_cast<uint8_t>(i * 131 + sender * 17 + round * 7 + 1); }
@@ -63,46 +73,43 @@ LinkProbe link_from_json(const std::string& s) {
 
 // One pair's ping-pong: `a` measures, `b` answers. Latency from 8-byte round
 // trips, bandwidth from probe_bytes each way (busbw of a point-to-point link is
-// its one-way rate). Both sides check every byte; b's check reaches a via the store.
+// its one-way rate), the median of o.iters rounds. Both sides check every
+// byte, outside the timed part; b's check reaches a via the store.
 void probe_pair(ProcessGroup& pg, Store& store, int key, LinkProbe l, const DoctorOptions& o) {
   const int me = pg.rank(), peer = me == l.a ? l.b : l.a;
   bool ok = true;
   try {
-    std::vector<uint8_t> small(8), big(o.probe_bytes);
-    double rtt_sum = 0, bw_time = 0;
+    // Filling and checking stay outside the timed part: only transfers are timed.
+    std::vector<uint8_t> small_out(8), small_in(8), big_out(o.probe_bytes), big_in(o.probe_bytes);
+    std::vector<double> rtts, bw_times;
+    auto exchange = [&](std::vector<uint8_t>& out, std::vector<uint8_t>& in) {
+      if (me == l.a) {
+        pg.send(buffer(out), peer, SendRecvOptions{})->wait();
+        pg.recv(buffer(in), peer, SendRecvOptions{})->wait();
+      } else {
+        pg.recv(buffer(in), peer, SendRecvOptions{})->wait();
+        pg.send(buffer(out), peer, SendRecvOptions{})->wait();
+      }
+    };
     for (int round = 0; round <= o.iters; ++round) {  // round 0 warms up
+      fill(small_out, me, round);
+      fill(big_out, me, round);
+      std::vector<uint8_t> sync_out(1), sync_in(1);
+      exchange(sync_out, sync_in);  // untimed: both sides are done filling and checking
       auto t0 = core::Clock::now();
-      if (me == l.a) {
-        fill(small, me, round);
-        pg.send(buffer(small), peer, SendRecvOptions{})->wait();
-        pg.recv(buffer(small), peer, SendRecvOptions{})->wait();
-        ok = check(small, peer, round) && ok;
-      } else {
-        pg.recv(buffer(small), peer, SendRecvOptions{})->wait();
-        ok = check(small, peer, round) && ok;
-        fill(small, me, round);
-        pg.send(buffer(small), peer, SendRecvOptions{})->wait();
-      }
+      exchange(small_out, small_in);
       auto t1 = core::Clock::now();
-      if (me == l.a) {
-        fill(big, me, round);
-        pg.send(buffer(big), peer, SendRecvOptions{})->wait();
-        pg.recv(buffer(big), peer, SendRecvOptions{})->wait();
-        ok = check(big, peer, round) && ok;
-      } else {
-        pg.recv(buffer(big), peer, SendRecvOptions{})->wait();
-        ok = check(big, peer, round) && ok;
-        fill(big, me, round);
-        pg.send(buffer(big), peer, SendRecvOptions{})->wait();
-      }
+      exchange(big_out, big_in);
       auto t2 = core::Clock::now();
+      ok = check(small_in, peer, round) && check(big_in, peer, round) && ok;
       if (round > 0) {
-        rtt_sum += std::chrono::duration<double>(t1 - t0).count();
-        bw_time += std::chrono::duration<double>(t2 - t1).count();
+        rtts.push_back(std::chrono::duration<double>(t1 - t0).count());
+        bw_times.push_back(std::chrono::duration<double>(t2 - t1).count());
       }
     }
-    l.latency_us = rtt_sum / o.iters / 2 * 1e6;
-    l.busbw_gbps = bw_time > 0 ? 2.0 * static_cast<double>(o.probe_bytes) * o.iters / bw_time / 1e9 : 0;
+    l.latency_us = median(rtts) / 2 * 1e6;
+    const double bw_time = median(bw_times);
+    l.busbw_gbps = bw_time > 0 ? 2.0 * static_cast<double>(o.probe_bytes) / bw_time / 1e9 : 0;
   } catch (const Error& e) {
     l.error = e.what();
   }
@@ -126,12 +133,13 @@ LinkProbe probe_allreduce(ProcessGroup& pg, const std::string& transports, const
   const int n = pg.size(), me = pg.rank();
   std::vector<float> v(std::max<size_t>(1, o.probe_bytes / sizeof(float)));
   int32_t wrong = 0;
-  double t = 0;
+  std::vector<double> times;
   for (int round = 0; round <= o.iters; ++round) {
     for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((me + 1) * ((i + round) % 5));
+    pg.barrier(BarrierOptions{})->wait();  // every rank is done filling: time the allreduce alone
     auto t0 = core::Clock::now();
     pg.allreduce(buffer(v), AllreduceOptions{})->wait();
-    if (round > 0) t += core::seconds_since(t0);
+    if (round > 0) times.push_back(core::seconds_since(t0));
     const float ranks = static_cast<float>(n * (n + 1) / 2);
     for (size_t i = 0; i < v.size(); ++i)
       if (v[i] != ranks * static_cast<float>((i + round) % 5)) ++wrong;
@@ -139,9 +147,10 @@ LinkProbe probe_allreduce(ProcessGroup& pg, const std::string& transports, const
   std::vector<int32_t> w{wrong};
   pg.allreduce(buffer(w), AllreduceOptions{.op = ReduceOp::Max})->wait();
   l.data_ok = w[0] == 0;
-  const double algbw = t > 0 ? static_cast<double>(v.size() * sizeof(float)) * o.iters / t / 1e9 : 0;
+  const double t = median(times);
+  const double algbw = t > 0 ? static_cast<double>(v.size() * sizeof(float)) / t / 1e9 : 0;
   l.busbw_gbps = algbw * 2.0 * (n - 1) / n;
-  l.latency_us = t / o.iters * 1e6;
+  l.latency_us = t * 1e6;
   return l;
 }
 
@@ -186,8 +195,10 @@ std::vector<LinkProbe> measure(const group::LaunchEnv& le, std::shared_ptr<Store
     }
     pg->barrier(BarrierOptions{})->wait();
   }
-  std::string mix = by_host.size() > 1 ? (by_host.size() == reports.size() ? "tcp" : "shm + tcp") : "shm";
-  if (reports.size() == 1) mix = "self";
+  // The allreduce's transports, as rank 0 reaches its peers.
+  std::set<std::string> kinds;
+  for (int p = 1; p < le.world_size; ++p) kinds.insert(native != nullptr ? native->transport_of(p) : "?");
+  std::string mix = kinds.empty() ? "self" : fmt::format("{}", fmt::join(kinds, " + "));
   LinkProbe all = probe_allreduce(*pg, mix, o);
   pg->shutdown();
   if (le.rank != 0) return out;
