@@ -12,6 +12,8 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 // One allreduce of 1000 bytes (recursive doubling) and one of 1 MiB (ring).
 lt::Result job(std::map<std::string, std::string> env, std::vector<std::string> bytes = {"1000"}) {
+  for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO"})
+    env.emplace(k, "");  // unset unless the test sets it: the caller's shell must not change the output
   return lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("coll_worker"), "allreduce-loop",
                   bytes.at(0), "1"},
                  std::move(env), 120);
