@@ -37,6 +37,9 @@ struct RunFlags {
   double monitor_interval = 0.1;
   std::string start_method = "spawn";
   std::string rdzv_conf;
+  std::string bind = "auto";
+  bool preflight = false;
+  double min_busbw = 0;
 };
 
 const char* kFooter = R"(
@@ -93,6 +96,13 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--monitor-interval,--monitor_interval", f->monitor_interval, "accepted for torchrun; ignored");
   cmd->add_option("--start-method,--start_method", f->start_method, "accepted for torchrun; ignored");
   cmd->add_option("--rdzv-conf,--rdzv_conf", f->rdzv_conf, "accepted for torchrun; ignored");
+  cmd->add_option("--bind", f->bind, "pin each local rank: auto (core when 2 <= local ranks <= cores, else none), "
+                                     "none, numa (the CPUs of one NUMA node) or core (its own cores)")
+      ->capture_default_str();
+  cmd->add_flag("--preflight", f->preflight, "run `cohort doctor` as the workers first; refuse to start PROGRAM "
+                                             "when a link is broken or below --min-busbw");
+  cmd->add_option("--min-busbw", f->min_busbw, "with --preflight: GB/s every link class must reach (0: any)")
+      ->capture_default_str();
 
   cmd->callback([cmd, f, &exit_code] {
     launch::LaunchOptions o;
@@ -115,6 +125,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
     o.no_python = f->no_python;
     o.module = f->module;
     o.command = cmd->remaining();
+    o.bind = f->bind;
+    o.preflight = f->preflight;
+    o.min_busbw = f->min_busbw;
     exit_code = launch::run_job(o);
   });
 }

@@ -10,5 +10,6 @@ void add_run_command(CLI::App& app, int& exit_code);    // cmd_run.cpp: the laun
 void add_bench_command(CLI::App& app, int& exit_code);  // cmd_bench.cpp: nccl-tests style benchmark
 void add_env_command(CLI::App& app, int& exit_code);    // cmd_env.cpp: every COHORT_* knob
 void add_topo_command(CLI::App& app, int& exit_code);   // cmd_topo.cpp: hwloc topology and relation matrix
+void add_doctor_command(CLI::App& app, int& exit_code);  // cmd_doctor.cpp: environment, connectivity, bandwidth check
 
 }  // namespace cohort::tools

@@ -129,6 +129,24 @@ std::optional<Algo> override_from_env(Coll c, const std::string& spec) {
   return result;
 }
 
+namespace {
+std::string kib(size_t b) { return b % 1024 == 0 ? fmt::format("{} KiB", b / 1024) : fmt::format("{} B", b); }
+}  // namespace
+
+std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm) {
+  const size_t rd = all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp;
+  std::string s = fmt::format(
+      "tuner thresholds for {} ranks ({}): allreduce recursive_doubling up to {}, ring above; broadcast binomial up "
+      "to {}{}, pipeline above; allgather {}; reduce_scatter ring; reduce binomial",
+      nranks, all_shm ? "all peers over shm" : "some peers over tcp", kib(rd), kib(t.broadcast_binomial_max),
+      nranks <= 2 ? " (always with 2 ranks)" : "",
+      nranks <= 8 ? fmt::format("direct up to {} per rank, ring above", kib(t.allgather_direct_max))
+                  : std::string("ring (more than 8 ranks)"));
+  const std::string spec = kAlgo.str();
+  if (!spec.empty()) s += fmt::format("; overridden by COHORT_ALGO={}", spec);
+  return s;
+}
+
 Algo select(const TunerInput& in) {
   static const std::string spec = kAlgo.str();
   if (auto a = override_from_env(in.coll, spec)) return *a;

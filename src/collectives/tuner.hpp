@@ -38,6 +38,11 @@ Algo choose(const TunerInput& in, const Thresholds& t = Thresholds{});
 // an algorithm that cannot run this collective.
 std::optional<Algo> override_from_env(Coll c, const std::string& spec);
 
+// The thresholds as the INFO log prints them at group set-up, with what the
+// tuner will pick for a group of `nranks` and any COHORT_ALGO override:
+// "tuner: allreduce recursive_doubling up to 16 KiB (this group: all shm), ring above; ...".
+std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm);
+
 // The override (if any) or the default; what the group calls.
 Algo select(const TunerInput& in);
 

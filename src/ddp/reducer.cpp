@@ -21,6 +21,7 @@
 
 #include "cohort/ddp.hpp"
 #include "core/check.hpp"
+#include "core/log.hpp"
 #include "ddp/messages.hpp"
 
 namespace cohort::ddp {
@@ -88,6 +89,23 @@ struct Reducer::Impl {
       }
     }
     reset_stats();
+    if (core::log_enabled(core::LogLevel::Info, core::kDdp)) log_plan();
+  }
+
+  // INFO: the bucket plan, so a user can see how gradients are grouped
+  // (bucket_cap_mb, first_bucket_mb) before asking why overlap is poor.
+  void log_plan() const {
+    size_t total = 0;
+    for (const PlannedBucket& b : plan) total += b.bytes();
+    COHORT_INFO(kDdp, "bucket plan: {} parameter(s), {:.2f} MiB of gradients in {} bucket(s) (cap {} MiB, first {} MiB)",
+                params.size(), total / 1048576.0, plan.size(), opts.bucket_cap_mb, opts.first_bucket_mb);
+    for (size_t b = 0; b < plan.size(); ++b) {
+      const PlannedBucket& pb = plan[b];
+      std::string first = pb.params.empty() ? "-" : params[pb.params.front()].name;
+      std::string last = pb.params.empty() ? "-" : params[pb.params.back()].name;
+      COHORT_INFO(kDdp, "bucket {}: {} parameter(s), {} x {} ({:.2f} MiB), parameters {} .. {}", b, pb.params.size(),
+                  dtype_name(pb.dtype), pb.count, pb.bytes() / 1048576.0, first, last);
+    }
   }
 
   void* slot(size_t p) {

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "collectives/tuner.hpp"
 #include "core/log.hpp"
 #include "group/native_group.hpp"
 #include "transport/tcp/tcp_transport.hpp"
@@ -76,6 +77,7 @@ void NativeGroup::connect() {
     to.route_hint = setup_.route_hint;
     auto tcp = transport::TcpTransport::open(to, store, deadline);
     for (int r : remote) conns_[r] = tcp->take(r);
+    tcp_local_addr_ = tcp->local_address();
   }
   all_shm_ = remote.empty();
   engine_ = std::make_unique<transport::Engine>(shm_.get());
@@ -84,6 +86,35 @@ void NativeGroup::connect() {
   comm_ = std::make_unique<collectives::Comm>(me, n, std::move(raw), engine_.get());
   COHORT_INFO(kInit, "group {}: rank {}/{} connected: {} peer(s) over shm, {} over tcp", setup_.group_id, me, n,
               local.empty() ? 0 : local.size() - 1, remote.size());
+  if (core::log_enabled(core::LogLevel::Info, core::kInit)) log_peers(hosts, remote);
+  COHORT_INFO(kTuning, "group {}: {}", setup_.group_id,
+              collectives::describe_thresholds(collectives::Thresholds{}, n, all_shm_));
+}
+
+// One INFO line per peer: the transport chosen for it and why, so that "why is
+// this slow" starts from facts (a peer on this host over TCP is a misconfigured
+// COHORT_TRANSPORT or a different network namespace, ...).
+void NativeGroup::log_peers(const std::vector<std::string>& hosts, const std::vector<int>& remote) {
+  const int me = setup_.rank;
+  const std::string pref = setup_.transport.empty() ? "" : fmt::format(", COHORT_TRANSPORT={}", setup_.transport);
+  for (int r = 0; r < setup_.size; ++r) {
+    if (r == me) continue;
+    const bool same_host = hosts[r] == hosts[me];
+    const std::string where = same_host ? "same host" : "other host";
+    const std::string kind = transport_of(r);
+    if (kind == "tcp" && std::find(remote.begin(), remote.end(), r) != remote.end()) {
+      std::string peer_addr = "?";
+      try {
+        peer_addr = setup_.store->get_string(fmt::format("tcp/{}", r), Millis(1000));
+      } catch (const std::exception&) {
+      }
+      COHORT_INFO(kInit, "group {}: peer {} (world rank {}): transport tcp, {}{}, {} -> {}", setup_.group_id, r,
+                  setup_.world_ranks[r], where, pref, tcp_local_addr_, peer_addr);
+    } else {
+      COHORT_INFO(kInit, "group {}: peer {} (world rank {}): transport {}, {}{}", setup_.group_id, r,
+                  setup_.world_ranks[r], kind, where, pref);
+    }
+  }
 }
 
 std::string NativeGroup::transport_of(int peer) const {

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "cohort/process_group.hpp"
+#include "core/cpu_layout.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/launch_env.hpp"
@@ -35,10 +36,14 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   const int rank = le.rank;
   const int size = le.world_size;
   core::set_log_rank(rank);
-  COHORT_INFO(kInit, "rank {} of {} (local rank {} of {}) from {}'s variables; store host {} ({})", rank, size,
+  COHORT_INFO(kInit, "rank {} of {} (local rank {} of {}) from {}'s variables ({}); store host {} ({})", rank, size,
               le.local_rank ? std::to_string(*le.local_rank) : "?",
-              le.local_world_size ? std::to_string(*le.local_world_size) : "?", le.source, le.master_addr,
-              le.master_addr_from);
+              le.local_world_size ? std::to_string(*le.local_world_size) : "?", le.source, le.variables,
+              le.master_addr, le.master_addr_from);
+  if (core::log_enabled(core::LogLevel::Info, core::kInit))  // reading sysfs only when someone looks
+    COHORT_INFO(kInit, "host {}: {}", le.local_world_size ? fmt::format("with {} local rank(s)", *le.local_world_size)
+                                                          : std::string("seen"),
+                core::describe_host_cpus(core::read_cpu_layout(), core::current_affinity()));
 
   std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
   if (backend != "native" && backend != "nccl")

@@ -215,6 +215,11 @@ LaunchEnv read_launch_env(const EnvMap& env, std::optional<int> given_rank, std:
   le.local_rank = p.local_rank;
   le.local_world_size = p.local_size;
   le.source = p.source;
+  le.variables = fmt::format("{}={} {}={}", p.rank_var.empty() ? "rank" : p.rank_var, p.rank,
+                             p.size_var.empty() ? "size" : p.size_var, p.size);
+  if (p.local_rank) le.variables += fmt::format(" {}={}", p.local_rank_var.empty() ? "local rank" : p.local_rank_var, *p.local_rank);
+  if (p.local_size)
+    le.variables += fmt::format(" {}={}", p.local_size_var.empty() ? "local size" : p.local_size_var, *p.local_size);
 
   if (auto store = get(env, kStoreAddr.name())) {  // `cohort run`'s agent serves the store
     auto port = get(env, kStorePort.name());

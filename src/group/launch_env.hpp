@@ -56,6 +56,9 @@ struct LaunchEnv {
   // Where master_addr came from, for the INFO log: "MASTER_ADDR",
   // "COHORT_STORE_ADDR", "SLURM_JOB_NODELIST", "single host", ...
   std::string master_addr_from;
+  // The variables rank and sizes were read from, for the INFO log:
+  // "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2".
+  std::string variables;
 };
 
 // Reads the launcher's variables from `env`. Rank and size given by the caller

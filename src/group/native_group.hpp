@@ -73,6 +73,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
  private:
   explicit NativeGroup(GroupSetup setup);
   void connect();
+  void log_peers(const std::vector<std::string>& hosts, const std::vector<int>& remote);  // INFO, group_setup.cpp
   WorkPtr submit(OpDesc d);
   void execute(OpDesc& d);       // on the progress thread or inline
   // Runs d with mu_ held by lk on entry and exit (released while it runs); completes w.
@@ -103,6 +104,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   std::vector<uint64_t> p2p_sent_, p2p_recvd_;
   std::exception_ptr broken_;
   int subgroups_ = 0;
+  std::string tcp_local_addr_;  // the address this rank's TCP connections use (for the INFO log)
 };
 
 }  // namespace cohort::group

@@ -16,7 +16,9 @@
 #include "cohort/error.hpp"
 #include "cohort/store.hpp"
 #include "core/env.hpp"
+#include "core/cpu_layout.hpp"
 #include "core/log.hpp"
+#include "launch/binding.hpp"
 #include "launch/monitor.hpp"
 #include "launch/rendezvous.hpp"
 #include "launch/run_id.hpp"
@@ -62,9 +64,13 @@ struct Job {
   std::string log_root;       // empty: no log files
   std::string host;
   bool set_omp = false;
+  BindMode bind_mode = BindMode::None;
+  BindPlan bind;              // CPUs of each local rank (--bind)
 };
 
-std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt) {
+// The workers of one attempt; exe / argv: the program's, or `cohort doctor` for --preflight.
+std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::string& exe,
+                                     const std::vector<std::string>& argv) {
   JobEnv env;
   env.nproc_per_node = job.opts.nproc_per_node;
   env.nnodes = job.opts.nnodes;
@@ -84,8 +90,9 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt) {
     WorkerPlan p;
     p.local_rank = lr;
     p.global_rank = job.opts.node_rank * job.opts.nproc_per_node + lr;
-    p.spawn.path = job.exe;
-    p.spawn.argv = job.argv;
+    p.spawn.path = exe;
+    p.spawn.argv = argv;
+    if (!job.bind.cpus.empty()) p.spawn.cpus = job.bind.cpus[static_cast<size_t>(lr)];
     p.spawn.env = merge_environment(environ, worker_env_vars(env, lr));
     p.route = route_streams(job.opts, lr);
     if (!job.log_root.empty()) p.log_dir = worker_log_dir(job.log_root, job.cohort_run_id, attempt, lr);
@@ -128,6 +135,8 @@ Job prepare(const LaunchOptions& opts) {
   job.host = this_host();
   job.set_omp = omp_threads_default_needed(std::getenv("OMP_NUM_THREADS"), opts.nproc_per_node);
   job.log_root = make_log_root(opts);
+  job.bind_mode = parse_bind(opts.bind);
+  job.bind = plan_binding(job.bind_mode, opts.nproc_per_node, core::read_cpu_layout(), core::current_affinity());
   return job;
 }
 
@@ -139,6 +148,11 @@ class Agent {
     start_stores();
     if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
     if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, job_.cohort_run_id));
+    COHORT_INFO(kLaunch, "{}", describe_binding(job_.bind_mode, job_.bind));
+    if (job_.bind.oversubscribed)
+      COHORT_WARN(kLaunch, "--bind core with {} local ranks on {} usable core(s): ranks share cores; --bind none lets "
+                           "the scheduler balance them",
+                  opts_.nproc_per_node, core::read_cpu_layout().cores.size());
     int code = 1;
     try {
       code = attempts();
@@ -189,32 +203,11 @@ class Agent {
         rdzv_->join(attempt, job_.cohort_run_id);
         joined_ = true;
       }
-      std::vector<WorkerPlan> plans = plan_attempt(job_, attempt);
+      if (attempt == 0 && opts_.preflight)
+        if (int code = preflight(attempt); code >= 0) return code;
+      std::vector<WorkerPlan> plans = plan_attempt(job_, attempt, job_.exe, job_.argv);
       bool no_restart = false;  // the store is gone, or a launcher left the job
-      MonitorOptions mo;
-      mo.signals = &signals_;
-      mo.term_timeout = knob_ms(kTermTimeout);
-      if (rdzv_) {
-        mo.check_remote = [&]() -> std::optional<std::string> {
-          try {
-            std::optional<RemoteFailure> f = rdzv_->failure(attempt);
-            if (!f) return std::nullopt;
-            no_restart = no_restart || f->final;
-            return f->what;
-          } catch (const std::exception& e) {
-            no_restart = true;
-            return fmt::format("lost the launcher's store at {}:{} ({}); node 0's launcher has probably exited",
-                               job_.ep.store_addr, job_.ep.store_port, e.what());
-          }
-        };
-        mo.on_local_failure = [&](const WorkerExit& e) {
-          try {
-            rdzv_->publish_failure(attempt, {describe_failure(job_, e), false});
-          } catch (const std::exception& ex) {
-            COHORT_WARN(kLaunch, "could not tell the other nodes about the failure: {}", ex.what());
-          }
-        };
-      }
+      MonitorOptions mo = monitor_options(attempt, no_restart);
       AttemptResult r = run_attempt(plans, mo);
       remove_shm_segments(job_.cohort_run_id);
       if (r.unkillable) say("some workers survived SIGKILL; giving up on them (they may be stuck in the kernel)");
@@ -253,6 +246,64 @@ class Agent {
       say(fmt::format("{}; {}{}", what, stopped, restarts));
       return 1;
     }
+  }
+
+  // How the monitor watches the other nodes during attempt k (multi-node only).
+  MonitorOptions monitor_options(int attempt, bool& no_restart) {
+    MonitorOptions mo;
+    mo.signals = &signals_;
+    mo.term_timeout = knob_ms(kTermTimeout);
+    if (rdzv_) {
+      mo.check_remote = [this, attempt, &no_restart]() -> std::optional<std::string> {
+        try {
+          std::optional<RemoteFailure> f = rdzv_->failure(attempt);
+          if (!f) return std::nullopt;
+          no_restart = no_restart || f->final;
+          return f->what;
+        } catch (const std::exception& e) {
+          no_restart = true;
+          return fmt::format("lost the launcher's store at {}:{} ({}); node 0's launcher has probably exited",
+                             job_.ep.store_addr, job_.ep.store_port, e.what());
+        }
+      };
+      mo.on_local_failure = [this, attempt](const WorkerExit& e) {
+        try {
+          rdzv_->publish_failure(attempt, {describe_failure(job_, e), false});
+        } catch (const std::exception& ex) {
+          COHORT_WARN(kLaunch, "could not tell the other nodes about the failure: {}", ex.what());
+        }
+      };
+    }
+    return mo;
+  }
+
+  // --preflight: `cohort doctor` as the workers, before the program's first
+  // attempt. Returns -1 when the job is healthy, else the exit code.
+  int preflight(int attempt) {
+    say("--preflight: checking the job with `cohort doctor` before starting the program");
+    std::error_code ec;
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    if (ec) throw IoError(fmt::format("--preflight: cannot find this cohort binary (/proc/self/exe): {}", ec.message()));
+    std::vector<std::string> argv{self, "doctor"};
+    if (opts_.min_busbw > 0) argv.insert(argv.end(), {"--min-busbw", fmt::format("{}", opts_.min_busbw)});
+    std::vector<WorkerPlan> plans = plan_attempt(job_, attempt, self, argv);
+    bool no_restart = false;
+    AttemptResult r = run_attempt(plans, monitor_options(attempt, no_restart));
+    remove_shm_segments(job_.cohort_run_id);
+    if (r.outcome == AttemptResult::Outcome::Interrupted) {
+      say(fmt::format("received {} during the pre-flight check; stopped {} worker(s)", signal_name(r.signal), r.stopped));
+      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+                                signal_name(r.signal)));
+      return 128 + r.signal;
+    }
+    if (r.outcome == AttemptResult::Outcome::Succeeded) {
+      say(fmt::format("pre-flight check passed; starting {}", opts_.command[0]));
+      return -1;
+    }
+    say(fmt::format("pre-flight check failed (the doctor's verdict is {}); refusing to start {}",
+                    opts_.node_rank == 0 ? "above" : "in node 0's output, from rank 0", opts_.command[0]));
+    publish_final(fmt::format("the pre-flight check failed on node {} ({})", opts_.node_rank, job_.host));
+    return 1;
   }
 
   // A launcher that stops or fails takes its node out of the job: the other

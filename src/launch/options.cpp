@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
+#include "launch/binding.hpp"
 
 namespace cohort::launch {
 namespace {
@@ -181,6 +182,11 @@ void validate(const LaunchOptions& o) {
                                           spec == &o.tee ? "--tee" : "--redirects", rank, o.nproc_per_node,
                                           o.nproc_per_node - 1));
   if (!o.rdzv_endpoint.empty()) parse_endpoint(o.rdzv_endpoint, o.master_port + 1);  // throws on bad syntax
+  parse_bind(o.bind);  // throws on anything but none / numa / core
+  if (!(o.min_busbw >= 0))
+    throw InvalidArgument(fmt::format("--min-busbw {}: expected a bandwidth in GB/s, 0 or more", o.min_busbw));
+  if (o.min_busbw > 0 && !o.preflight)
+    throw InvalidArgument(fmt::format("--min-busbw {} applies to the pre-flight check only: add --preflight", o.min_busbw));
 }
 
 Endpoints resolve_endpoints(const LaunchOptions& o) {

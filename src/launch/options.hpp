@@ -64,6 +64,9 @@ struct LaunchOptions {
   bool no_python = false;
   bool module = false;             // -m: PROGRAM is a python module
   std::vector<std::string> command;  // PROGRAM ARGS..., passed through untouched
+  std::string bind = "auto";       // --bind auto|none|numa|core (launch/binding.hpp)
+  bool preflight = false;          // --preflight: run `cohort doctor` as the workers first (launch/doctor.hpp)
+  double min_busbw = 0;            // --min-busbw GB/s for the pre-flight check (0: any)
 };
 
 // Checks ranges and combinations; throws InvalidArgument naming the flag and the fix.

@@ -1,6 +1,7 @@
 #include "launch/process.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
@@ -14,6 +15,7 @@
 
 #include "cohort/error.hpp"
 #include "core/check.hpp"
+#include "core/cpu_layout.hpp"
 
 namespace cohort::launch {
 namespace {
@@ -96,6 +98,11 @@ pid_t spawn_worker(const SpawnRequest& req) {
     throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(err)));
   }
   const pid_t launcher = getpid();
+  cpu_set_t cpus;  // built here: CPU_SET is not promised to be async-signal-safe
+  CPU_ZERO(&cpus);
+  for (int c : req.cpus)
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &cpus);
+  const bool pin = !req.cpus.empty();
 
   pid_t pid = fork();
   if (pid == 0) {
@@ -110,9 +117,15 @@ pid_t spawn_worker(const SpawnRequest& req) {
     close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
     signal(SIGPIPE, SIG_DFL);
     if (req.signal_mask != nullptr) sigprocmask(SIG_SETMASK, req.signal_mask, nullptr);
-    execve(req.path.c_str(), argv.data(), envp.data());
-    int err = errno;
-    ssize_t ignored = write(exec_status[1], &err, sizeof(err));
+    int status[2] = {0, 0};  // {stage, errno}: 1 = pinning, 2 = exec
+    if (pin && sched_setaffinity(0, sizeof(cpus), &cpus) != 0) {
+      status[0] = 1;
+    } else {
+      execve(req.path.c_str(), argv.data(), envp.data());
+      status[0] = 2;
+    }
+    status[1] = errno;
+    ssize_t ignored = write(exec_status[1], status, sizeof(status));
     (void)ignored;
     _exit(127);
   }
@@ -125,18 +138,22 @@ pid_t spawn_worker(const SpawnRequest& req) {
                               std::strerror(fork_errno)));
   }
   setpgid(pid, pid);  // also here, so the group exists before we might signal it (EACCES after exec is fine)
-  int child_errno = 0;
+  int child_status[2] = {0, 0};
   ssize_t n;
   do {
-    n = read(exec_status[0], &child_errno, sizeof(child_errno));
+    n = read(exec_status[0], child_status, sizeof(child_status));
   } while (n < 0 && errno == EINTR);
   close(exec_status[0]);
-  if (n == static_cast<ssize_t>(sizeof(child_errno))) {
+  if (n == static_cast<ssize_t>(sizeof(child_status))) {
     int status;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
+    if (child_status[0] == 1)
+      throw IoError(fmt::format("cohort run: cannot pin {} to CPUs {} (--bind): sched_setaffinity: {}; the CPUs may "
+                                "be outside this container's cpuset: run without --bind",
+                                req.path, core::cpu_list_text(req.cpus), std::strerror(child_status[1])));
     throw IoError(fmt::format("cohort run: cannot start {}: {}; check that it is an executable for this machine",
-                              req.path, std::strerror(child_errno)));
+                              req.path, std::strerror(child_status[1])));
   }
   return pid;
 }

@@ -53,13 +53,15 @@ struct SpawnRequest {
   int stdout_fd = -1;              // the worker's stdout / stderr (write ends)
   int stderr_fd = -1;
   const sigset_t* signal_mask = nullptr;  // restored in the worker before exec
+  std::vector<int> cpus;           // sched_setaffinity in the worker before exec (--bind); empty: inherit
 };
 
 // Forks and execs one worker: stdin from /dev/null, in its own process group
 // (pgid == pid, so its children are signalled with it), with
 // PR_SET_PDEATHSIG(SIGKILL) so that it dies if the launcher's main thread dies.
-// Blocks only until the exec succeeded or failed. Throws IoError naming the
-// program and errno when fork or exec fails (the child is reaped then).
+// Pins it to req.cpus when given. Blocks only until the exec succeeded or
+// failed. Throws IoError naming the program and errno when fork, pinning or
+// exec fails (the child is reaped then).
 pid_t spawn_worker(const SpawnRequest& req);
 
 // Sends sig to the process group `pgid`; a group that is already gone is fine.

@@ -1,0 +1,78 @@
+// COHORT_DEBUG / COHORT_DEBUG_SUBSYS end to end: 2-rank jobs under `cohort run`
+// (tests/progs/coll_worker.cpp) and what their stderr says at each level.
+#include <gtest/gtest.h>
+
+#include "launch_harness.hpp"
+
+namespace lt = launch_test;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// One allreduce of 1000 bytes (recursive doubling) and one of 1 MiB (ring).
+lt::Result job(std::map<std::string, std::string> env, std::vector<std::string> bytes = {"1000"}) {
+  for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO"})
+    env.emplace(k, "");  // unset unless the test sets it: the caller's shell must not change the output
+  return lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("coll_worker"), "allreduce-loop",
+                  bytes.at(0), "1"},
+                 std::move(env), 120);
+}
+
+}  // namespace
+
+TEST(DebugLog, InfoNamesTheTransportTheTopologyAndTheThresholds) {
+  auto r = job({{"COHORT_DEBUG", "INFO"}});
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (int rank : {0, 1}) {
+    const std::string me = "[rank" + std::to_string(rank) + "]: cohort[rank " + std::to_string(rank) + "] INFO ";
+    const int peer = 1 - rank;
+    EXPECT_TRUE(contains(r.err, me + "INIT: group 0: peer " + std::to_string(peer) + " (world rank " +
+                                    std::to_string(peer) + "): transport shm, same host"))
+        << r.err;
+    EXPECT_TRUE(contains(r.err, me + "INIT: host with 2 local rank(s): ")) << r.err;
+    EXPECT_TRUE(contains(r.err, "NUMA node(s)")) << r.err;
+    EXPECT_TRUE(contains(r.err, me + "TUNING: group 0: tuner thresholds for 2 ranks (all peers over shm): allreduce "
+                                     "recursive_doubling up to 16 KiB, ring above"))
+        << r.err;
+    EXPECT_TRUE(contains(r.err, me + "INIT: rank " + std::to_string(rank) + " of 2 (local rank " +
+                                    std::to_string(rank) + " of 2) from cohort run's variables (RANK=" +
+                                    std::to_string(rank) + " WORLD_SIZE=2"))
+        << r.err;
+  }
+  EXPECT_FALSE(contains(r.err, "TRACE")) << r.err;
+}
+
+TEST(DebugLog, InfoOverTcpNamesBothAddresses) {
+  auto r = job({{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "INIT"}, {"COHORT_TRANSPORT", "tcp"}});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank0]: cohort[rank 0] INFO INIT: group 0: peer 1 (world rank 1): transport tcp, same "
+                              "host, COHORT_TRANSPORT=tcp, 127.0.0.1 -> 127.0.0.1:"))
+      << r.err;
+  EXPECT_FALSE(contains(r.err, "TUNING")) << "COHORT_DEBUG_SUBSYS=INIT must leave TUNING out:\n" << r.err;
+}
+
+TEST(DebugLog, TraceNamesEachCollectiveItsAlgorithmAndBytes) {
+  auto small = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}});
+  ASSERT_EQ(small.status, 0) << small.err;
+  EXPECT_TRUE(contains(small.err, "[rank1]: cohort[rank 1] TRACE COLL: allreduce #0 (f32 x 250, sum) 1000 bytes algo "
+                                  "recursive_doubling"))
+      << small.err;
+  auto big = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}}, {"1048576"});
+  ASSERT_EQ(big.status, 0) << big.err;
+  EXPECT_TRUE(contains(big.err, "TRACE COLL: allreduce #0 (f32 x 262144, sum) 1048576 bytes algo ring")) << big.err;
+}
+
+TEST(DebugLog, WarnIsTheDefaultAndQuiet) {
+  auto r = job({});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(contains(r.err, "cohort[rank")) << r.err;
+  EXPECT_FALSE(contains(r.err, "INFO")) << r.err;
+}
+
+TEST(DebugLog, LauncherPrintsTheBindingAtInfo) {
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "1", "/bin/true"},
+                   {{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "LAUNCH"}});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "INFO LAUNCH: --bind auto (none): workers are not pinned")) << r.err;
+}
