@@ -1,7 +1,9 @@
 // Every collective algorithm, one per file in this folder. Each takes a Comm
 // whose key and deadline are set, raw byte pointers and counts that the group
 // layer has validated, and blocks until this rank's part is done.
-// ReduceOp::Avg arrives here as Sum; the group layer divides afterwards.
+// ReduceOp::Avg arrives here as Sum; the group layer divides afterwards, except
+// for the ring algorithms, which take avg_div (the group size for Avg, else 0)
+// and divide each piece of the result as its last reduction lands.
 #pragma once
 
 #include <cstddef>
@@ -12,7 +14,7 @@
 namespace cohort::collectives {
 
 // allreduce
-void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
+void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div = 0);
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
 
 // broadcast
@@ -25,7 +27,8 @@ void reduce_binomial(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, 
 // allgather / reduce_scatter
 void allgather_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank);
 void allgather_direct(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank);
-void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op);
+void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op,
+                         int avg_div = 0);
 
 // rooted and personalised
 void gather_linear(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank, int root);

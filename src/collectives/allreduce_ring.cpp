@@ -11,6 +11,9 @@
 // Allgather, steps s = 0 .. n-2: send chunk (rank + 1 - s), receive chunk
 // (rank - s) and store it. Afterwards every chunk is complete everywhere.
 //
+// Avg (avg_div = n) divides each piece of a chunk as its last reduction lands,
+// so the allgather already moves averages and no second pass is needed.
+//
 // Each rank sends and receives 2 (n-1)/n of the buffer: the busbw factor.
 // The transports pipeline each chunk in slot / staging sized pieces, so that
 // the neighbour reduces piece k while piece k+1 is on its way.
@@ -20,7 +23,7 @@
 
 namespace cohort::collectives {
 
-void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op) {
+void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div) {
   const int n = c.size(), rank = c.rank();
   const size_t es = dtype_size(t);
   if (n == 1) {
@@ -35,8 +38,9 @@ void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, D
   for (int s = 0; s < n - 1; ++s) {
     int send_chunk = mod(rank - s), recv_chunk = mod(rank - s - 1);
     const uint8_t* src = (s == 0 ? send : recv) + off(send_chunk);
+    const int div = s == n - 2 ? avg_div : 0;  // the last step completes the chunk: divide it for Avg
     c.sendrecv(right, src, len(send_chunk), left,
-               Sink::reduce_into(recv + off(recv_chunk), send + off(recv_chunk), t, op), len(recv_chunk));
+               Sink::reduce_into(recv + off(recv_chunk), send + off(recv_chunk), t, op, div), len(recv_chunk));
   }
   for (int s = 0; s < n - 1; ++s) {
     int send_chunk = mod(rank + 1 - s), recv_chunk = mod(rank - s);

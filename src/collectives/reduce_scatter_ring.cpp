@@ -13,7 +13,8 @@
 
 namespace cohort::collectives {
 
-void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op) {
+void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op,
+                         int avg_div) {
   const int n = c.size(), rank = c.rank();
   const size_t b = count_per_rank * dtype_size(t);
   if (n == 1) {
@@ -28,7 +29,7 @@ void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t cou
     int sb = mod(rank - s - 1), rb = mod(rank - s - 2);
     const uint8_t* src = s == 0 ? send + sb * b : acc[(s - 1) % 2];
     uint8_t* dst = s == n - 2 ? recv : acc[s % 2];
-    c.sendrecv(right, src, b, left, Sink::reduce_into(dst, send + rb * b, t, op), b);
+    c.sendrecv(right, src, b, left, Sink::reduce_into(dst, send + rb * b, t, op, s == n - 2 ? avg_div : 0), b);
   }
 }
 

@@ -168,9 +168,12 @@ void NativeGroup::run_algorithm(OpDesc& d) {
 
   switch (d.coll) {
     case Coll::Allreduce:
-      if (a == Algo::Ring) c::allreduce_ring(comm, sp, rp, d.send.count, t, op);
-      else c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
-      if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
+      if (a == Algo::Ring) {
+        c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+      } else {
+        c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
+        if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
+      }
       return;
     case Coll::Broadcast:
       if (n == 1) return;
@@ -186,8 +189,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       else c::allgather_ring(comm, sp, rp, d.send.bytes());
       return;
     case Coll::ReduceScatter:
-      c::reduce_scatter_ring(comm, sp, rp, d.recv.count, t, op);
-      if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
+      c::reduce_scatter_ring(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0);
       return;
     case Coll::Gather: c::gather_linear(comm, sp, rp, d.send.bytes(), d.root); return;
     case Coll::Scatter: c::scatter_linear(comm, sp, rp, d.recv.bytes(), d.root); return;

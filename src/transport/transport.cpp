@@ -15,6 +15,7 @@ void Sink::deliver(const uint8_t* data, size_t offset, size_t len) const {
   } else {
     size_t esize = dtype_size(dtype);
     core::reduce(dst + offset, other + offset, data, len / esize, dtype, op);
+    if (avg_div > 1) core::scale_avg(dst + offset, len / esize, dtype, avg_div);
   }
 }
 

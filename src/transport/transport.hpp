@@ -58,10 +58,14 @@ struct Sink {
   const uint8_t* other = nullptr;  // ... or dst[i] = other[i] (op) incoming[i] (Reduce); other may be dst
   DType dtype = DType::U8;
   ReduceOp op = ReduceOp::Sum;
+  // Reduce only: when > 1, each delivered piece is then divided by avg_div
+  // (Avg's last step, done while the piece is still in cache instead of in a
+  // second pass over the whole output).
+  int avg_div = 0;
 
   static Sink copy_to(void* dst) { return Sink{Copy, static_cast<uint8_t*>(dst), nullptr}; }
-  static Sink reduce_into(void* dst, const void* other, DType t, ReduceOp op) {
-    return Sink{Reduce, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(other), t, op};
+  static Sink reduce_into(void* dst, const void* other, DType t, ReduceOp op, int avg_div = 0) {
+    return Sink{Reduce, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(other), t, op, avg_div};
   }
   // Delivers bytes [offset, offset + len) of the message. len is a whole number
   // of elements for Reduce (transports keep partial elements back).
