@@ -22,6 +22,7 @@
 #include "launch/monitor.hpp"
 #include "launch/rendezvous.hpp"
 #include "launch/run_id.hpp"
+#include "launch/hang_report.hpp"
 #include "launch/store_link.hpp"
 #include "launch/worker_env.hpp"
 
@@ -211,6 +212,8 @@ class Agent {
       AttemptResult r = run_attempt(plans, mo);
       remove_shm_segments(job_.cohort_run_id);
       if (r.unkillable) say("some workers survived SIGKILL; giving up on them (they may be stuck in the kernel)");
+      if (r.outcome == AttemptResult::Outcome::WorkerFailed || r.outcome == AttemptResult::Outcome::RemoteFailed)
+        if (auto v = fetch_hang_verdict(store_, job_.ep.store_port, attempt)) say(*v);  // once for the job
 
       if (r.outcome == AttemptResult::Outcome::Interrupted) {
         say(fmt::format("received {}; stopped {} worker(s)", signal_name(r.signal), r.stopped));
