@@ -23,6 +23,7 @@
 #include "launch/rendezvous.hpp"
 #include "launch/run_id.hpp"
 #include "launch/hang_report.hpp"
+#include "launch/job_secret_setup.hpp"
 #include "launch/store_link.hpp"
 #include "launch/worker_env.hpp"
 
@@ -146,6 +147,7 @@ class Agent {
   explicit Agent(const LaunchOptions& opts) : opts_(opts), job_(prepare(opts)) {}
 
   int run() {
+    if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
     start_stores();
     if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
     if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, job_.cohort_run_id));
