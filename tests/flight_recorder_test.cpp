@@ -45,16 +45,17 @@ TEST(FlightRecorder, RecordsStatesInOrder) {
 }
 
 TEST(FlightRecorder, RingKeepsTheNewestEntries) {
-  FlightRecorder fr(3);
+  FlightRecorder fr(3);  // rounded up to 4
+  EXPECT_EQ(fr.capacity(), 4u);
   for (uint64_t s = 0; s < 10; ++s) {
     fr.called(s, allreduce_f32_fp(), s);
     fr.started(s);
     fr.finished(s, true);
   }
   auto snap = fr.snapshot();
-  ASSERT_EQ(snap.size(), 3u);
-  EXPECT_EQ(snap[0].seq, 7u);
-  EXPECT_EQ(snap[2].seq, 9u);
+  ASSERT_EQ(snap.size(), 4u);
+  EXPECT_EQ(snap[0].seq, 6u);
+  EXPECT_EQ(snap[3].seq, 9u);
   EXPECT_FALSE(fr.find(2).has_value()) << "overwritten";
 }
 

@@ -68,7 +68,16 @@ std::optional<Progress> Progress::decode(const std::string& s) {
   return p;
 }
 
-FlightRecorder::FlightRecorder(size_t entries) : slots_(entries == 0 ? 1 : entries) {}
+namespace {
+size_t round_up_pow2(size_t n) {
+  size_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+}  // namespace
+
+FlightRecorder::FlightRecorder(size_t entries)
+    : slots_(round_up_pow2(entries == 0 ? 1 : entries)), mask_(slots_.size() - 1) {}
 
 size_t FlightRecorder::configured_entries() {
   int64_t n = kEntries.integer();
@@ -88,7 +97,7 @@ int64_t FlightRecorder::now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count) {
+void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count, bool started_now) {
   Slot& s = slot(seq);
   const uint64_t v = s.version.load(kRelaxed);
   s.version.store(v + 1, kRelaxed);  // odd: being written
@@ -96,9 +105,10 @@ void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count) 
   s.seq.store(seq, kRelaxed);
   s.fingerprint.store(fingerprint, kRelaxed);
   s.count.store(count, kRelaxed);
-  s.state.store(static_cast<uint8_t>(FlightState::Queued), kRelaxed);
-  s.queued_ns.store(now_ns(), kRelaxed);
-  s.start_ns.store(0, kRelaxed);
+  const int64_t now = now_ns();
+  s.state.store(static_cast<uint8_t>(started_now ? FlightState::Started : FlightState::Queued), kRelaxed);
+  s.queued_ns.store(now, kRelaxed);
+  s.start_ns.store(started_now ? now : 0, kRelaxed);
   s.end_ns.store(0, kRelaxed);
   s.version.store(v + 2, std::memory_order_release);
   called_.store(static_cast<int64_t>(seq), std::memory_order_release);
@@ -106,6 +116,7 @@ void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count) 
 
 void FlightRecorder::started(uint64_t seq) {
   Slot& s = slot(seq);
+  if (s.state.load(kRelaxed) == static_cast<uint8_t>(FlightState::Started)) return;  // called(..., started_now)
   const uint64_t v = s.version.load(kRelaxed);
   s.version.store(v + 1, kRelaxed);
   std::atomic_thread_fence(std::memory_order_release);
@@ -145,7 +156,7 @@ std::optional<FlightEntry> FlightRecorder::read(const Slot& s) const {
 }
 
 std::optional<FlightEntry> FlightRecorder::find(uint64_t seq) const {
-  auto e = read(slots_[seq % slots_.size()]);
+  auto e = read(slots_[seq & mask_]);
   if (!e || e->seq != seq) return std::nullopt;
   return e;
 }

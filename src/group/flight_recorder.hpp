@@ -1,8 +1,8 @@
 // FlightRecorder: each group's bounded, always-on record of its recent
 // collectives, for hang diagnosis (docs/fault-tolerance.md).
 //
-// A ring of COHORT_FLIGHT_RECORDER_ENTRIES slots (default 256), indexed by the
-// operation's sequence number modulo the ring size. Each slot holds what
+// A ring of COHORT_FLIGHT_RECORDER_ENTRIES slots (default 256; rounded up to a
+// power of two), indexed by the operation's sequence number modulo the ring size. Each slot holds what
 // identifies the call on every rank (sequence number, the fingerprint of
 // collective / dtype / op / root, element count) and its state with the times
 // it was queued, started and ended.
@@ -66,7 +66,9 @@ class FlightRecorder {
   static int64_t configured_heartbeat_ms();
 
   // Hot path: caller's / progress thread, one writer per slot at a time (see above).
-  void called(uint64_t seq, uint32_t fingerprint, uint64_t count);
+  // started_now: the caller runs it at once (inline), so the call is also its
+  // start; started() then costs one load.
+  void called(uint64_t seq, uint32_t fingerprint, uint64_t count, bool started_now = false);
   void started(uint64_t seq);
   void finished(uint64_t seq, bool ok);
 
@@ -87,10 +89,11 @@ class FlightRecorder {
     std::atomic<uint8_t> state{0};
     std::atomic<int64_t> queued_ns{0}, start_ns{0}, end_ns{0};
   };
-  Slot& slot(uint64_t seq) { return slots_[seq % slots_.size()]; }
+  Slot& slot(uint64_t seq) { return slots_[seq & mask_]; }
   std::optional<FlightEntry> read(const Slot& s) const;
 
-  std::vector<Slot> slots_;
+  std::vector<Slot> slots_;  // a power of two, so that a slot is seq & mask_ (no division on the hot path)
+  uint64_t mask_ = 0;
   std::atomic<int64_t> called_{-1};
   std::atomic<int64_t> completed_{-1};
 };

@@ -81,8 +81,9 @@ WorkPtr NativeGroup::submit(OpDesc d) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stopping_) throw Error(fmt::format("{}: the process group was shut down", collectives::coll_name(d.coll)));
   d.seq = next_seq_++;
-  recorder_.called(d.seq, d.fingerprint(), d.call_count());
-  if (queue_.empty() && !busy_ && d.bytes() <= inline_max_) {
+  const bool run_inline = queue_.empty() && !busy_ && d.bytes() <= inline_max_;
+  recorder_.called(d.seq, d.fingerprint(), d.call_count(), run_inline);
+  if (run_inline) {
     auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
     run_locked(lk, d, *w);
     return w;
