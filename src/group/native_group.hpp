@@ -111,7 +111,8 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   int subgroups_ = 0;
   FlightRecorder recorder_{FlightRecorder::configured_entries()};
   int64_t heartbeat_ms_ = FlightRecorder::configured_heartbeat_ms();
-  Progress published_;  // the last heartbeat (progress thread only)
+  Progress published_;             // the last heartbeat (progress thread only)
+  bool heartbeat_failed_ = false;  // the store refused one: no more (progress thread only)
   std::string tcp_local_addr_;  // the address this rank's TCP connections use (for the INFO log)
 };
 

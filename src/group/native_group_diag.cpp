@@ -9,8 +9,11 @@ namespace cohort::group {
 
 // Progress thread (or create()), without mu_: publishes this rank's progress
 // when it changed since the last heartbeat. A store that fails is logged, not
-// fatal: the collectives do not need it.
+// fatal: the collectives do not need it. Heartbeats then stop for good, so that
+// a store that is gone (rank 0 finished first) cannot hold this thread in the
+// client's reconnect loop, and shutdown() in turn.
 void NativeGroup::publish_heartbeat() {
+  if (heartbeat_failed_) return;
   Progress p = recorder_.progress();
   if (p == published_ && p.called >= 0) return;
   try {
@@ -18,7 +21,9 @@ void NativeGroup::publish_heartbeat() {
     setup_.store->set(heartbeat_key(setup_.rank), Bytes(s.begin(), s.end()));
     published_ = p;
   } catch (const std::exception& e) {
-    COHORT_INFO(kColl, "group {}: could not publish the heartbeat: {}", setup_.group_id, e.what());
+    heartbeat_failed_ = true;
+    COHORT_INFO(kColl, "group {}: could not publish the heartbeat ({}); no more heartbeats for this group",
+                setup_.group_id, e.what());
   }
 }
 

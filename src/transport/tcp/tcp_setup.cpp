@@ -185,8 +185,9 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
       uint8_t challenge[tcp_hello::kChallengeBytes];
       tcp_hello::Nonce nonce{};
       tcp_hello::Verdict cv = tcp_hello::Verdict::Short;
-      bool ok = store::net::recv_all(fd, challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
-                (cv = tcp_hello::check_challenge(challenge, sizeof(challenge), &nonce)) == tcp_hello::Verdict::Ok;
+      bool ok =
+          store::net::recv_all(fd, challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
+          (cv = tcp_hello::check_challenge(challenge, sizeof(challenge), &nonce)) == tcp_hello::Verdict::Ok;
       if (ok) {
         auto hello = tcp_hello::encode_hello(secret, nonce, {group_hash, opts.my_rank, static_cast<uint32_t>(k)});
         ok = store::net::send_all(fd, hello.data(), hello.size(), deadline, &e) == store::net::IoStatus::Ok;
@@ -195,7 +196,7 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
         close(fd);
         close(lfd);
         throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed: {}", opts.my_rank, p, host, port,
-                                    e                                ? store::net::errno_text(e)
+                                    e                                 ? store::net::errno_text(e)
                                     : cv != tcp_hello::Verdict::Short ? std::string(tcp_hello::verdict_text(cv))
                                                                       : std::string("timed out or closed")),
                         p);
@@ -229,15 +230,22 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     int e = 0;
     size_t got = 0;
     tcp_hello::Verdict v = tcp_hello::Verdict::Short;
+    // The magic and version first, so that a stranger is turned away without waiting for the rest.
+    size_t rest = 0;
     if (store::net::send_all(fd, challenge.data(), challenge.size(), hs_deadline, &e) == store::net::IoStatus::Ok &&
-        store::net::recv_all(fd, hello, sizeof(hello), hs_deadline, &e, &got) == store::net::IoStatus::Ok)
-      v = tcp_hello::check_hello(hello, sizeof(hello), secret, nonce, &h);
-    else
-      v = got >= 8 ? tcp_hello::check_hello(hello, got, secret, nonce, &h) : tcp_hello::Verdict::Short;
+        store::net::recv_all(fd, hello, 8, hs_deadline, &e, &got) == store::net::IoStatus::Ok) {
+      v = tcp_hello::check_hello(hello, 8, secret, nonce, &h);  // Short when the header is right
+      if (v == tcp_hello::Verdict::Short &&
+          store::net::recv_all(fd, hello + 8, sizeof(hello) - 8, hs_deadline, &e, &rest) == store::net::IoStatus::Ok)
+        v = tcp_hello::check_hello(hello, sizeof(hello), secret, nonce, &h);
+    }
     std::string why;
-    if (v != tcp_hello::Verdict::Ok) why = tcp_hello::verdict_text(v);
-    else if (h.group_hash != group_hash) why = "a handshake for another group or job";
-    else if (to_accept.count(h.rank) == 0 || h.socket >= static_cast<uint32_t>(nsocks) || t->fds_[h.rank][h.socket] != -1)
+    if (v != tcp_hello::Verdict::Ok)
+      why = tcp_hello::verdict_text(v);
+    else if (h.group_hash != group_hash)
+      why = "a handshake for another group or job";
+    else if (to_accept.count(h.rank) == 0 || h.socket >= static_cast<uint32_t>(nsocks) ||
+             t->fds_[h.rank][h.socket] != -1)
       why = fmt::format("an unexpected rank {} socket {}", h.rank, h.socket);
     if (!why.empty()) {
       sockaddr_in from{};
