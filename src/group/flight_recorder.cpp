@@ -114,25 +114,21 @@ void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count, 
   called_.store(static_cast<int64_t>(seq), std::memory_order_release);
 }
 
+// started / finished change one entry's state and one time: single relaxed
+// stores, no version bump (a reader may see the new state a moment before its
+// time, which a diagnosis tolerates). Only called() rewrites a slot's identity
+// and needs the seqlock.
 void FlightRecorder::started(uint64_t seq) {
   Slot& s = slot(seq);
   if (s.state.load(kRelaxed) == static_cast<uint8_t>(FlightState::Started)) return;  // called(..., started_now)
-  const uint64_t v = s.version.load(kRelaxed);
-  s.version.store(v + 1, kRelaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  s.state.store(static_cast<uint8_t>(FlightState::Started), kRelaxed);
   s.start_ns.store(now_ns(), kRelaxed);
-  s.version.store(v + 2, std::memory_order_release);
+  s.state.store(static_cast<uint8_t>(FlightState::Started), std::memory_order_release);
 }
 
 void FlightRecorder::finished(uint64_t seq, bool ok) {
   Slot& s = slot(seq);
-  const uint64_t v = s.version.load(kRelaxed);
-  s.version.store(v + 1, kRelaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  s.state.store(static_cast<uint8_t>(ok ? FlightState::Completed : FlightState::Failed), kRelaxed);
   s.end_ns.store(now_ns(), kRelaxed);
-  s.version.store(v + 2, std::memory_order_release);
+  s.state.store(static_cast<uint8_t>(ok ? FlightState::Completed : FlightState::Failed), std::memory_order_release);
   if (ok) completed_.store(static_cast<int64_t>(seq), std::memory_order_release);
 }
 
@@ -174,8 +170,9 @@ std::vector<FlightEntry> FlightRecorder::snapshot() const {
 
 Progress FlightRecorder::progress() const {
   Progress p;
-  p.called = called_.load(std::memory_order_acquire);
+  // completed_ first: an operation is called before it completes, so called >= completed.
   p.completed = completed_.load(std::memory_order_acquire);
+  p.called = called_.load(std::memory_order_acquire);
   if (p.called >= 0)
     if (auto e = find(static_cast<uint64_t>(p.called))) {
       p.called_fp = e->fingerprint;

@@ -11,8 +11,10 @@
 // runs it (started / finished). The group runs one operation at a time and
 // hands it over under its mutex, so a slot never has two writers at once.
 // Readers (the heartbeat, the hang verdict, tests) may run on any thread at
-// any time: each slot is a seqlock (odd version = being written), and every
-// field is a relaxed atomic, so a reader sees either a whole entry or skips it.
+// any time: each slot's identity (seq, fingerprint, count) is written under a
+// seqlock (odd version = being written), and every field is a relaxed atomic,
+// so a reader sees a whole identity or skips the entry; state and times are
+// single stores.
 // No locks, no allocation after construction, no syscalls on the hot path: the
 // times come from CLOCK_MONOTONIC_COARSE (a vDSO read; a few ms resolution).
 #pragma once
