@@ -39,6 +39,21 @@ TEST_P(HangLaunch, VerdictNamesTheLateRankOnce) {
       << all;
 }
 
+// Processes under `cohort run`: rank 1 passes a different count; every rank
+// fails at once (no timeout) with both calls named, and no hang verdict.
+TEST_P(HangLaunch, DesyncBetweenProcessesNamesBothCalls) {
+  auto r = launch_test::run(
+      {"run", "--standalone", "--nproc-per-node", "2", "--no-python", prog("hang_worker"), "desync", "1024"},
+      {{"COHORT_TIMEOUT", "60s"}, {"COHORT_TRANSPORT", GetParam()}}, 90);
+  const std::string all = r.out + r.err;
+  EXPECT_NE(r.status, 0) << all;
+  EXPECT_NE(all.find("desync: rank 1 is in allreduce #0 (f32 x 2048, sum) while this rank is in allreduce #0 (f32 x "
+                     "1024, sum)"),
+            std::string::npos)
+      << all;
+  EXPECT_EQ(all.find("hang verdict"), std::string::npos) << all;
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, HangLaunch, ::testing::Values("shm", "tcp"));
 
 }  // namespace
