@@ -78,6 +78,16 @@ TEST(FlightRecorder, ReadersRunBesideTheWriter) {
   reader.join();
 }
 
+TEST(FlightRecorder, ZeroEntriesTurnsItOff) {
+  FlightRecorder fr(0);
+  EXPECT_FALSE(fr.enabled());
+  fr.called(0, allreduce_f32_fp(), 1);
+  fr.started(0);
+  fr.finished(0, true);
+  EXPECT_TRUE(fr.snapshot().empty());
+  EXPECT_EQ(fr.progress().called, -1);
+}
+
 TEST(FlightRecorder, ProgressRoundTripsAndRejectsJunk) {
   Progress p{7, 123, 1024, 1700000000000, 6, 99, 512};
   auto q = Progress::decode(p.encode());

@@ -13,9 +13,11 @@
 namespace cohort::group {
 namespace {
 
-const core::Knob kEntries{"COHORT_FLIGHT_RECORDER_ENTRIES", "256",
-                          "collectives each group remembers (a ring, for the hang verdict and failure reports)",
-                          core::KnobKind::Int};
+const core::Knob kEntries{
+    "COHORT_FLIGHT_RECORDER_ENTRIES", "256",
+    "collectives each group remembers (a ring, for the hang verdict and failure reports); 0 turns the "
+    "recorder and the heartbeat off",
+    core::KnobKind::Int};
 const core::Knob kHeartbeat{"COHORT_FLIGHT_RECORDER_HEARTBEAT", "1s",
                             "how often an idle rank publishes its last called / completed collective to the store (for "
                             "the hang verdict); 0 turns the heartbeat off",
@@ -77,13 +79,13 @@ size_t round_up_pow2(size_t n) {
 }  // namespace
 
 FlightRecorder::FlightRecorder(size_t entries)
-    : slots_(round_up_pow2(entries == 0 ? 1 : entries)), mask_(slots_.size() - 1) {}
+    : slots_(round_up_pow2(entries == 0 ? 1 : entries)), mask_(slots_.size() - 1), enabled_(entries > 0) {}
 
 size_t FlightRecorder::configured_entries() {
   int64_t n = kEntries.integer();
-  if (n < 1 || n > (1 << 24))
+  if (n < 0 || n > (1 << 24))
     throw InvalidArgument(fmt::format(
-        "COHORT_FLIGHT_RECORDER_ENTRIES={} is out of range; use 1 .. 16777216 (default 256)", kEntries.str()));
+        "COHORT_FLIGHT_RECORDER_ENTRIES={} is out of range; use 0 (off) .. 16777216 (default 256)", kEntries.str()));
   return static_cast<size_t>(n);
 }
 
@@ -98,6 +100,7 @@ int64_t FlightRecorder::now_ns() {
 }
 
 void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count, bool started_now) {
+  if (!enabled_) return;
   Slot& s = slot(seq);
   const uint64_t v = s.version.load(kRelaxed);
   s.version.store(v + 1, kRelaxed);  // odd: being written
@@ -119,6 +122,7 @@ void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count, 
 // time, which a diagnosis tolerates). Only called() rewrites a slot's identity
 // and needs the seqlock.
 void FlightRecorder::started(uint64_t seq) {
+  if (!enabled_) return;
   Slot& s = slot(seq);
   if (s.state.load(kRelaxed) == static_cast<uint8_t>(FlightState::Started)) return;  // called(..., started_now)
   s.start_ns.store(now_ns(), kRelaxed);
@@ -126,6 +130,7 @@ void FlightRecorder::started(uint64_t seq) {
 }
 
 void FlightRecorder::finished(uint64_t seq, bool ok) {
+  if (!enabled_) return;
   Slot& s = slot(seq);
   s.end_ns.store(now_ns(), kRelaxed);
   s.state.store(static_cast<uint8_t>(ok ? FlightState::Completed : FlightState::Failed), std::memory_order_release);

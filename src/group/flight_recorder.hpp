@@ -61,8 +61,9 @@ struct Progress {
 
 class FlightRecorder {
  public:
+  // entries 0: disabled (every call returns at once; nothing is recorded).
   explicit FlightRecorder(size_t entries);
-  // The ring size COHORT_FLIGHT_RECORDER_ENTRIES asks for (at least 1).
+  // The ring size COHORT_FLIGHT_RECORDER_ENTRIES asks for (0: disabled).
   static size_t configured_entries();
   // COHORT_FLIGHT_RECORDER_HEARTBEAT in milliseconds (0: heartbeats off).
   static int64_t configured_heartbeat_ms();
@@ -78,12 +79,13 @@ class FlightRecorder {
   Progress progress() const;
   std::optional<FlightEntry> find(uint64_t seq) const;  // nullopt: overwritten or never recorded
   std::vector<FlightEntry> snapshot() const;            // oldest first
-  size_t capacity() const { return slots_.size(); }
+  size_t capacity() const { return enabled_ ? slots_.size() : 0; }
+  bool enabled() const { return enabled_; }
 
   static int64_t now_ns();  // the recorder's clock
 
  private:
-  struct Slot {
+  struct alignas(64) Slot {  // one cache line per operation
     std::atomic<uint64_t> version{0};
     std::atomic<uint64_t> seq{0};
     std::atomic<uint32_t> fingerprint{0};
@@ -96,6 +98,7 @@ class FlightRecorder {
 
   std::vector<Slot> slots_;  // a power of two, so that a slot is seq & mask_ (no division on the hot path)
   uint64_t mask_ = 0;
+  bool enabled_ = true;
   std::atomic<int64_t> called_{-1};
   std::atomic<int64_t> completed_{-1};
 };

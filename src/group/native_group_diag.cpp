@@ -13,7 +13,7 @@ namespace cohort::group {
 // a store that is gone (rank 0 finished first) cannot hold this thread in the
 // client's reconnect loop, and shutdown() in turn.
 void NativeGroup::publish_heartbeat() {
-  if (heartbeat_failed_) return;
+  if (heartbeat_failed_ || !recorder_.enabled()) return;  // a disabled recorder knows nothing to publish
   Progress p = recorder_.progress();
   if (p == published_ && p.called >= 0) return;
   try {
@@ -31,6 +31,7 @@ void NativeGroup::publish_heartbeat() {
 std::string NativeGroup::hang_verdict(const OpDesc& d) {
   using collectives::Coll;
   if (d.coll == Coll::Send || d.coll == Coll::Recv || d.coll == Coll::P2PBatch) return {};  // numbered per rank
+  if (!recorder_.enabled()) return {};
   HangInputs in;
   in.group_store = setup_.store.get();
   in.world_store = setup_.root_store.get();
