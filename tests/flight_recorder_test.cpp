@@ -78,6 +78,16 @@ TEST(FlightRecorder, ReadersRunBesideTheWriter) {
   reader.join();
 }
 
+TEST(FlightRecorder, MoreQueuedThanSlotsKeepsTheNewerCall) {
+  FlightRecorder fr(4);
+  for (uint64_t s = 0; s < 5; ++s) fr.called(s, allreduce_f32_fp(), s);  // #4 takes #0's slot
+  fr.started(0);
+  fr.finished(0, true);
+  ASSERT_TRUE(fr.find(4).has_value());
+  EXPECT_EQ(fr.find(4)->state, FlightState::Queued);
+  EXPECT_EQ(fr.progress().completed, 0);
+}
+
 TEST(FlightRecorder, ZeroEntriesTurnsItOff) {
   FlightRecorder fr(0);
   EXPECT_FALSE(fr.enabled());

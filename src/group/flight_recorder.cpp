@@ -124,6 +124,7 @@ void FlightRecorder::called(uint64_t seq, uint32_t fingerprint, uint64_t count, 
 void FlightRecorder::started(uint64_t seq) {
   if (!enabled_) return;
   Slot& s = slot(seq);
+  if (s.seq.load(kRelaxed) != seq) return;  // over 256 queued: a newer call took the slot
   if (s.state.load(kRelaxed) == static_cast<uint8_t>(FlightState::Started)) return;  // called(..., started_now)
   s.start_ns.store(now_ns(), kRelaxed);
   s.state.store(static_cast<uint8_t>(FlightState::Started), std::memory_order_release);
@@ -132,9 +133,10 @@ void FlightRecorder::started(uint64_t seq) {
 void FlightRecorder::finished(uint64_t seq, bool ok) {
   if (!enabled_) return;
   Slot& s = slot(seq);
+  if (ok) completed_.store(static_cast<int64_t>(seq), std::memory_order_release);
+  if (s.seq.load(kRelaxed) != seq) return;
   s.end_ns.store(now_ns(), kRelaxed);
   s.state.store(static_cast<uint8_t>(ok ? FlightState::Completed : FlightState::Failed), std::memory_order_release);
-  if (ok) completed_.store(static_cast<int64_t>(seq), std::memory_order_release);
 }
 
 std::optional<FlightEntry> FlightRecorder::read(const Slot& s) const {
