@@ -7,7 +7,8 @@ set -euo pipefail
 
 pkgs=(cmake make g++ pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev
       libgtest-dev libgmock-dev libhwloc-dev zlib1g-dev iproute2 procps
-      libtorch-dev libopenblas0-pthread dataset-fashion-mnist)
+      libtorch-dev libopenblas0-pthread dataset-fashion-mnist
+      clang libclang-rt-dev)  # clang + libFuzzer: fuzz/ (the fuzz_* ctests skip without them)
 if [[ "${1:-}" == "--peers" ]]; then
   pkgs+=(openmpi-bin libopenmpi-dev python3-torch python3-numpy)
 fi

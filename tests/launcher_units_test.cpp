@@ -206,7 +206,7 @@ TEST(RunId, UniqueAndSafe) {
   EXPECT_NE(a, b);
   EXPECT_EQ(a.rfind("my_job_1-", 0), 0u) << a;
   EXPECT_EQ(make_cohort_run_id("none").rfind("job-", 0), 0u);
-  EXPECT_LE(make_cohort_run_id(std::string(100, 'x')).size(), 24u + 1 + 8);
+  EXPECT_LE(make_cohort_run_id(std::string(100, 'x')).size(), 24u + 1 + 16);
 }
 
 TEST(RunId, RemovesOnlyThisJobsSegments) {

@@ -2,16 +2,16 @@
 // connect retry, a server that disappears, secrets, hostile input, knobs,
 // and the wire format's pure encode/decode functions.
 #include <arpa/inet.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <fmt/format.h>
-#include <gtest/gtest.h>
-
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <random>
 #include <thread>
@@ -26,7 +26,9 @@ namespace proto = cohort::store;
 
 namespace {
 
-Bytes B(const std::string& s) { return Bytes(s.begin(), s.end()); }
+Bytes B(const std::string& s) {
+  return Bytes(s.begin(), s.end());
+}
 
 TcpStoreOptions at(uint16_t port, Millis connect_timeout = 10s) {
   return TcpStoreOptions{.host = "127.0.0.1", .port = port, .timeout = 20s, .connect_timeout = connect_timeout};
@@ -63,14 +65,31 @@ uint16_t free_port() {
   return probe.port();
 }
 
-int raw_connect(uint16_t port) {
+// Connects and reads the server's Challenge (its nonce goes to *nonce).
+int raw_connect(uint16_t port, proto::Nonce* nonce = nullptr) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
   ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
   EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  uint8_t challenge[proto::kChallengeBytes];
+  size_t got = 0;
+  while (got < sizeof(challenge)) {
+    ssize_t r = ::recv(fd, challenge + got, sizeof(challenge) - got, 0);
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  proto::Nonce n{};
+  uint16_t version = 0;
+  EXPECT_TRUE(proto::decode_challenge(challenge, got, &n, &version));
+  if (nonce != nullptr) *nonce = n;
   return fd;
+}
+
+// A correct Hello for the connection whose Challenge carried `nonce`.
+Bytes good_hello(const proto::Nonce& nonce) {
+  return proto::encode_hello(proto::configured_secret(), nonce);
 }
 
 void raw_send(int fd, const Bytes& b) {
@@ -109,7 +128,9 @@ Bytes frame(const Bytes& body) {
   return cat(out, body);
 }
 
-Bytes le32(uint32_t v) { return Bytes{uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)}; }
+Bytes le32(uint32_t v) {
+  return Bytes{uint8_t(v), uint8_t(v >> 8), uint8_t(v >> 16), uint8_t(v >> 24)};
+}
 
 TEST(TcpStore, ClientStartedBeforeServerConnectsWhenItAppears) {
   uint16_t port = free_port();
@@ -156,8 +177,10 @@ TEST(TcpStore, ServerDestroyedWhileClientsWaitGivesIoErrorPromptly) {
   for (int i = 0; i < kWaiters; ++i)
     threads.emplace_back([&, i] {
       try {
-        if (i % 2) clients[i]->get("never", 60s);
-        else clients[i]->wait({"never", "nor_this"}, 60s);
+        if (i % 2)
+          clients[i]->get("never", 60s);
+        else
+          clients[i]->wait({"never", "nor_this"}, 60s);
       } catch (const IoError& e) {
         errors[i] = e.what();
       }
@@ -197,26 +220,38 @@ TEST(TcpStore, MalformedInputClosesOnlyThatConnection) {
   TcpStoreServer server("127.0.0.1", 0);
   TcpStore good(at(server.port()));
   good.set("k", B("v"));
-  Bytes hello = proto::encode_hello(proto::configured_secret());
-  Bytes old_version = hello;
-  old_version[4] = 99;
   Bytes get_never = proto::encode_request({.op = proto::Op::Get, .keys = {"never"}});
   Bytes set_k = proto::encode_request({.op = proto::Op::Set, .keys = {"k"}, .value = B("evil")});
-  std::vector<std::pair<const char*, Bytes>> cases = {
-      {"http request", B("GET / HTTP/1.1\r\nHost: x\r\n\r\n")},
-      {"other version", old_version},
-      {"huge secret", cat(Bytes(hello.begin(), hello.begin() + 8), le32(1u << 30))},
-      {"huge frame", cat(hello, cat(le32(0xfffffff0u), B("abcd")))},
-      {"empty frame", cat(hello, le32(0))},
-      {"unknown op", cat(hello, frame({200}))},
-      {"key past the frame", cat(hello, frame(cat({1}, cat(le32(1000), B("ab")))))},
-      {"trailing bytes", cat(hello, frame({8, 0}))},
-      {"wait count too big", cat(hello, frame(cat({5}, le32(0xffffffffu))))},
-      {"request while waiting", cat(hello, cat(get_never, set_k))},
+  // Each case gets this connection's good Hello and returns the bytes to send.
+  using Make = std::function<Bytes(const Bytes& hello)>;
+  std::vector<std::pair<const char*, Make>> cases = {
+      {"http request", [](const Bytes&) { return B("GET / HTTP/1.1\r\nHost: x\r\n\r\n"); }},
+      {"other version",
+       [](Bytes h) {
+         h[4] = 99;
+         return h;
+       }},
+      {"wrong proof",
+       [](Bytes h) {
+         h[20] ^= 1;
+         return h;
+       }},
+      {"proof for another connection", [](const Bytes&) { return good_hello(proto::Nonce{}); }},
+      {"huge frame", [](const Bytes& h) { return cat(h, cat(le32(0xfffffff0u), B("abcd"))); }},
+      {"empty frame", [](const Bytes& h) { return cat(h, le32(0)); }},
+      {"unknown op", [](const Bytes& h) { return cat(h, frame({200})); }},
+      {"key past the frame", [](const Bytes& h) { return cat(h, frame(cat({1}, cat(le32(1000), B("ab"))))); }},
+      {"trailing bytes",
+       [](const Bytes& h) {
+         return cat(h, frame({8, 0}));
+       }},
+      {"wait count too big", [](const Bytes& h) { return cat(h, frame(cat({5}, le32(0xffffffffu)))); }},
+      {"request while waiting", [&](const Bytes& h) { return cat(h, cat(get_never, set_k)); }},
   };
-  for (const auto& [name, bytes] : cases) {
-    int fd = raw_connect(server.port());
-    raw_send(fd, bytes);
+  for (const auto& [name, make] : cases) {
+    proto::Nonce nonce{};
+    int fd = raw_connect(server.port(), &nonce);
+    raw_send(fd, make(good_hello(nonce)));
     EXPECT_TRUE(closed_by_server(fd)) << name;
     ::close(fd);
   }
@@ -225,8 +260,9 @@ TEST(TcpStore, MalformedInputClosesOnlyThatConnection) {
   for (int i = 0; i < 50; ++i) {
     Bytes junk(rng() % 300);
     for (auto& b : junk) b = static_cast<uint8_t>(rng());
-    int fd = raw_connect(server.port());
-    raw_send(fd, cat(hello, junk));
+    proto::Nonce nonce{};
+    int fd = raw_connect(server.port(), &nonce);
+    raw_send(fd, cat(good_hello(nonce), junk));
     ::close(fd);
   }
   EXPECT_EQ(good.get_string("k"), "v");
@@ -242,8 +278,9 @@ TEST(TcpStore, MaxFrameKnobBoundsRequests) {
   EXPECT_THROW(client.set("big", Bytes(100000)), InvalidArgument);  // refused before sending
   client.set("fits", Bytes(60000));
   EXPECT_EQ(client.get("fits").size(), 60000u);
-  int fd = raw_connect(server.port());
-  raw_send(fd, cat(proto::encode_hello(proto::configured_secret()), le32(100000)));
+  proto::Nonce nonce{};
+  int fd = raw_connect(server.port(), &nonce);
+  raw_send(fd, cat(good_hello(nonce), le32(100000)));
   EXPECT_TRUE(closed_by_server(fd));
   ::close(fd);
 }
@@ -345,26 +382,34 @@ TEST(TcpProtocol, RandomBytesNeverCrashTheDecoders) {
     for (auto& b : body) b = static_cast<uint8_t>(rng() % 12);  // small values: plausible ops and lengths
     proto::decode_request(body.data(), body.size(), &req, &why);
     proto::decode_response(static_cast<proto::Op>(1 + i % 9), body.data(), body.size(), &resp, &why);
-    proto::check_hello(body.data(), body.size(), "s");
+    proto::check_hello(body.data(), body.size(), "s", proto::Nonce{});
+    proto::Nonce n;
+    uint16_t v = 0;
+    proto::decode_challenge(body.data(), body.size(), &n, &v);
   }
 }
 
 TEST(TcpProtocol, HelloVerdicts) {
   using V = proto::HelloVerdict;
-  Bytes good = proto::encode_hello("secret");
-  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secret").verdict, V::Ok);
-  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secret").used, good.size());
-  EXPECT_EQ(proto::check_hello(good.data(), good.size() - 1, "secret").verdict, V::NeedMore);
-  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secreT").verdict, V::BadSecret);
-  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "").verdict, V::BadSecret);
+  proto::Nonce nonce = proto::make_nonce(), other_nonce = proto::make_nonce();
+  Bytes good = proto::encode_hello("secret", nonce);
+  ASSERT_EQ(good.size(), proto::kHelloBytes);
+  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secret", nonce).verdict, V::Ok);
+  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secret", nonce).used, good.size());
+  EXPECT_EQ(proto::check_hello(good.data(), good.size() - 1, "secret", nonce).verdict, V::NeedMore);
+  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secreT", nonce).verdict, V::BadSecret);
+  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "", nonce).verdict, V::BadSecret);
+  EXPECT_EQ(proto::check_hello(good.data(), good.size(), "secret", other_nonce).verdict, V::BadSecret) << "a replay";
   Bytes other = good;
-  other[4] = 2;
-  EXPECT_EQ(proto::check_hello(other.data(), other.size(), "secret").verdict, V::BadVersion);
+  other[4] = 1;
+  EXPECT_EQ(proto::check_hello(other.data(), other.size(), "secret", nonce).verdict, V::BadVersion);
   other = good;
   other[0] ^= 1;
-  EXPECT_EQ(proto::check_hello(other.data(), 4, "secret").verdict, V::BadMagic);
-  Bytes huge = cat(Bytes(good.begin(), good.begin() + 8), le32(1u << 20));
-  EXPECT_EQ(proto::check_hello(huge.data(), huge.size(), "").verdict, V::SecretTooLong);
+  EXPECT_EQ(proto::check_hello(other.data(), 4, "secret", nonce).verdict, V::BadMagic);
+  // The secret itself never crosses the wire.
+  const std::string secret = "a-long-recognisable-secret";
+  Bytes h = proto::encode_hello(secret, nonce);
+  EXPECT_EQ(std::search(h.begin(), h.end(), secret.begin(), secret.end()), h.end());
 }
 
 }  // namespace

@@ -74,7 +74,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   if (run_id.empty()) {
     if (rank == 0) {
       std::random_device rd;
-      root->set_string("run_id", fmt::format("{:08x}", rd()));
+      root->set_string("run_id", fmt::format("{:08x}{:08x}", rd(), rd()));  // 64 bits: names shm segments
     }
     run_id = root->get_string("run_id");
   }

@@ -53,6 +53,10 @@ NativeGroup::NativeGroup(GroupSetup setup)
 std::shared_ptr<NativeGroup> NativeGroup::create(GroupSetup setup) {
   std::shared_ptr<NativeGroup> g(new NativeGroup(std::move(setup)));
   g->connect();
+  if (g->heartbeat_ms_ > 0) {  // the progress thread doubles as the heartbeat (flight_recorder.hpp)
+    g->publish_heartbeat();
+    g->thread_ = std::thread([p = g.get()] { p->progress_loop(); });
+  }
   return g;
 }
 
@@ -77,7 +81,9 @@ WorkPtr NativeGroup::submit(OpDesc d) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stopping_) throw Error(fmt::format("{}: the process group was shut down", collectives::coll_name(d.coll)));
   d.seq = next_seq_++;
-  if (queue_.empty() && !busy_ && d.bytes() <= inline_max_) {
+  const bool run_inline = queue_.empty() && !busy_ && d.bytes() <= inline_max_;
+  recorder_.called(d.seq, d.fingerprint(), d.call_count(), run_inline);
+  if (run_inline) {
     auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
     run_locked(lk, d, *w);
     return w;
@@ -94,11 +100,13 @@ void NativeGroup::run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkIm
   busy_ = true;
   lk.unlock();
   std::exception_ptr err;
+  recorder_.started(d.seq);
   try {
     execute(d);
   } catch (...) {
     err = std::current_exception();
   }
+  recorder_.finished(d.seq, !err);
   w.complete(err);
   lk.lock();
   busy_ = false;
@@ -120,7 +128,14 @@ void NativeGroup::progress_loop() {
   for (;;) {
     // Inline operations run only while the queue is empty and we are idle, so
     // waiting for !busy_ keeps the issue order.
-    cv_.wait(lk, [&] { return stopping_ || (!queue_.empty() && !busy_); });
+    auto ready = [&] { return stopping_ || (!queue_.empty() && !busy_); };
+    if (heartbeat_ms_ <= 0) cv_.wait(lk, ready);
+    else if (!cv_.wait_for(lk, Millis(heartbeat_ms_), ready)) {
+      lk.unlock();
+      publish_heartbeat();
+      lk.lock();
+      continue;
+    }
     if (stopping_) return;
     auto [d, w] = std::move(queue_.front());
     queue_.pop_front();
@@ -258,10 +273,11 @@ void NativeGroup::fail(const OpDesc& d, std::exception_ptr cause) {
     reason = e.what();
     wrapped = std::make_exception_ptr(PeerError(fmt::format("{}: {}", ctx, e.what()), e.peer()));
   } catch (const TimeoutError& e) {
-    reason = e.what();
+    std::string verdict = hang_verdict(d);
+    reason = verdict.empty() ? std::string(e.what()) : fmt::format("{} ({})", verdict, e.what());
     wrapped = std::make_exception_ptr(TimeoutError(fmt::format(
         "{}: {}; HINT: a peer is slow, hung or never called this collective; raise COHORT_TIMEOUT if the work is just long",
-        ctx, e.what())));
+        ctx, reason)));
   } catch (const InvalidArgument& e) {
     std::rethrow_exception(cause);  // nothing was sent: the group stays usable
   } catch (const std::exception& e) {

@@ -20,6 +20,7 @@
 
 #include "cohort/process_group.hpp"
 #include "collectives/comm.hpp"
+#include "group/flight_recorder.hpp"
 #include "group/op.hpp"
 #include "group/work.hpp"
 #include "transport/engine.hpp"
@@ -84,6 +85,10 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   [[noreturn]] void fail(const OpDesc& d, std::exception_ptr cause);
   // compare_set of the group's "failure" key: returns the first failure recorded (maybe ours).
   std::string record_first_failure(const std::string& why);
+  // Hang diagnosis (native_group_diag.cpp): the heartbeat, from the progress
+  // thread while idle, and the verdict on a timed-out collective.
+  void publish_heartbeat();
+  std::string hang_verdict(const OpDesc& d);
 
   GroupSetup setup_;
   std::unique_ptr<transport::ShmTransport> shm_;
@@ -104,6 +109,10 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   std::vector<uint64_t> p2p_sent_, p2p_recvd_;
   std::exception_ptr broken_;
   int subgroups_ = 0;
+  FlightRecorder recorder_{FlightRecorder::configured_entries()};
+  int64_t heartbeat_ms_ = recorder_.enabled() ? FlightRecorder::configured_heartbeat_ms() : 0;
+  Progress published_;             // the last heartbeat (progress thread only)
+  bool heartbeat_failed_ = false;  // the store refused one: no more (progress thread only)
   std::string tcp_local_addr_;  // the address this rank's TCP connections use (for the INFO log)
 };
 

@@ -39,7 +39,8 @@ void WorkImpl::wait(Millis timeout) {
     std::unique_lock<std::mutex> lk(mu_);
     // The operation has its own deadline (its transport waits); this bound
     // only protects a caller whose operation is stuck behind others.
-    if (!cv_.wait_for(lk, t, [&] { return done_.load(std::memory_order_acquire); }))
+    // The slack lets a timed-out operation finish its hang verdict (hang_verdict.hpp) and report it.
+    if (!cv_.wait_for(lk, t + std::chrono::seconds(5), [&] { return done_.load(std::memory_order_acquire); }))
       throw TimeoutError(fmt::format("Work::wait timed out after {} ms on {}; the operation is still running",
                                      t.count(), desc_.describe()));
   }

@@ -22,6 +22,8 @@
 #include "launch/monitor.hpp"
 #include "launch/rendezvous.hpp"
 #include "launch/run_id.hpp"
+#include "launch/hang_report.hpp"
+#include "launch/job_secret_setup.hpp"
 #include "launch/store_link.hpp"
 #include "launch/worker_env.hpp"
 
@@ -145,6 +147,7 @@ class Agent {
   explicit Agent(const LaunchOptions& opts) : opts_(opts), job_(prepare(opts)) {}
 
   int run() {
+    if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
     start_stores();
     if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
     if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, job_.cohort_run_id));
@@ -211,6 +214,8 @@ class Agent {
       AttemptResult r = run_attempt(plans, mo);
       remove_shm_segments(job_.cohort_run_id);
       if (r.unkillable) say("some workers survived SIGKILL; giving up on them (they may be stuck in the kernel)");
+      if (r.outcome == AttemptResult::Outcome::WorkerFailed || r.outcome == AttemptResult::Outcome::RemoteFailed)
+        if (auto v = fetch_hang_verdict(store_, job_.ep.store_port, attempt)) say(*v);  // once for the job
 
       if (r.outcome == AttemptResult::Outcome::Interrupted) {
         say(fmt::format("received {}; stopped {} worker(s)", signal_name(r.signal), r.stopped));

@@ -25,7 +25,7 @@ std::string make_cohort_run_id(const std::string& run_id) {
                 c == '-';
     if (!safe) c = '_';
   }
-  return base + "-" + random_hex(8);
+  return base + "-" + random_hex(16);  // 64 random bits: shm segment names cannot be guessed
 }
 
 int remove_shm_segments(const std::string& cohort_run_id, const std::string& shm_dir) {

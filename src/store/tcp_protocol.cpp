@@ -5,13 +5,12 @@
 #include <fmt/format.h>
 
 #include "core/env.hpp"
+#include "core/job_secret.hpp"
+#include "core/sha256.hpp"
 
 namespace cohort::store {
 namespace {
 
-const core::Knob kSecret{"COHORT_STORE_SECRET", "",
-                         "shared secret a TcpStore client presents to the store server; the server refuses clients whose "
-                         "secret differs, so set the same value in every process of a job (empty: no secret)"};
 const core::Knob kMaxFrame{"COHORT_STORE_MAX_FRAME", "256M",
                            "largest TcpStore request or response (bytes; K/M/G suffixes); bigger frames close the "
                            "connection, so one bad peer cannot make the store allocate without bound",
@@ -38,7 +37,7 @@ const char* op_name(Op op) {
   return "unknown";
 }
 
-std::string configured_secret() { return kSecret.str(); }
+std::string configured_secret() { return core::job_secret(); }
 
 uint64_t configured_max_frame() {
   uint64_t v = kMaxFrame.bytes();
@@ -99,17 +98,57 @@ Bytes Reader::bytes() {
   return p ? Bytes(p, p + n) : Bytes();
 }
 
-Bytes encode_hello(std::string_view secret) {
+namespace {
+
+core::Digest hello_proof(std::string_view secret, const Nonce& nonce) {
+  static constexpr char kContext[] = "cohort-store-v2";
+  uint8_t msg[sizeof(kContext) - 1 + kNonceBytes];
+  std::memcpy(msg, kContext, sizeof(kContext) - 1);
+  std::memcpy(msg + sizeof(kContext) - 1, nonce.data(), kNonceBytes);
+  return core::hmac_sha256(secret, msg, sizeof(msg));
+}
+
+}  // namespace
+
+Nonce make_nonce() {
+  Nonce n;
+  core::random_bytes(n.data(), n.size());
+  return n;
+}
+
+Bytes encode_challenge(const Nonce& nonce) {
   Bytes out;
   Writer w(out);
   w.u32(kMagic);
   w.u16(kVersion);
   w.u16(0);
-  w.blob(secret);
+  out.insert(out.end(), nonce.begin(), nonce.end());
   return out;
 }
 
-HelloCheck check_hello(const uint8_t* data, size_t n, std::string_view secret) {
+bool decode_challenge(const uint8_t* data, size_t n, Nonce* nonce, uint16_t* version) {
+  if (n < 8) return false;
+  Reader r(data, 8);
+  if (r.u32() != kMagic) return false;
+  *version = r.u16();
+  if (*version != kVersion) return true;  // the caller reports the mismatch
+  if (n != kChallengeBytes) return false;
+  std::memcpy(nonce->data(), data + 8, kNonceBytes);
+  return true;
+}
+
+Bytes encode_hello(std::string_view secret, const Nonce& nonce) {
+  Bytes out;
+  Writer w(out);
+  w.u32(kMagic);
+  w.u16(kVersion);
+  w.u16(0);
+  core::Digest proof = hello_proof(secret, nonce);
+  out.insert(out.end(), proof.begin(), proof.end());
+  return out;
+}
+
+HelloCheck check_hello(const uint8_t* data, size_t n, std::string_view secret, const Nonce& nonce) {
   HelloCheck h;
   Reader r(data, n);
   uint32_t magic = r.u32();
@@ -119,24 +158,15 @@ HelloCheck check_hello(const uint8_t* data, size_t n, std::string_view secret) {
     return h;
   }
   h.version = r.u16();
-  r.u16();  // reserved
-  h.secret_len = r.u32();
   if (!r.ok()) return h;
   if (h.version != kVersion) {
     h.verdict = HelloVerdict::BadVersion;
     return h;
   }
-  if (h.secret_len > kMaxSecretBytes) {
-    h.verdict = HelloVerdict::SecretTooLong;
-    return h;
-  }
-  if (r.left() < h.secret_len) return h;
-  const uint8_t* theirs = data + kHelloFixedBytes;
-  unsigned diff = h.secret_len != secret.size();
-  for (size_t i = 0; i < secret.size(); ++i)
-    diff |= static_cast<unsigned char>(secret[i]) ^ (i < h.secret_len ? theirs[i] : 0);
-  h.verdict = diff == 0 ? HelloVerdict::Ok : HelloVerdict::BadSecret;
-  h.used = kHelloFixedBytes + h.secret_len;
+  if (n < kHelloBytes) return h;
+  core::Digest want = hello_proof(secret, nonce);
+  h.verdict = core::equal_digests(want.data(), data + 8, kProofBytes) ? HelloVerdict::Ok : HelloVerdict::BadSecret;
+  h.used = kHelloBytes;
   return h;
 }
 

@@ -4,13 +4,18 @@
 // All integers are little-endian. A blob is a u32 length followed by that many
 // bytes (keys, values, messages, the secret).
 //
-// 1. Handshake, once per connection, client first:
-//      Hello    client -> server: u32 magic "CHST" (0x54534843), u16 version,
-//                                 u16 reserved (0), blob secret (at most 4 KiB)
-//      Welcome  server -> client: u32 magic, u16 server version, u16 status
-//                                 (0 ok, 1 version mismatch, 2 secret mismatch)
-//    On a nonzero status the server closes the connection after the Welcome.
-//    A peer whose first bytes are not the magic is closed without a reply.
+// 1. Handshake, once per connection: a challenge-response on the job secret
+//    (core/job_secret.hpp), which never crosses the wire.
+//      Challenge server -> client: u32 magic "CHST" (0x54534843), u16 version,
+//                                  u16 reserved (0), 16 random bytes (the nonce)
+//      Hello     client -> server: u32 magic, u16 version, u16 reserved (0),
+//                                  32 bytes HMAC-SHA256(secret, "cohort-store-v2" || nonce)
+//      Welcome   server -> client: u32 magic, u16 server version, u16 status
+//                                  (0 ok, 1 version mismatch, 2 secret mismatch)
+//    On a nonzero status the server closes the connection after the Welcome
+//    (and logs the refusal). A peer whose first bytes are not the magic is
+//    closed without a reply. Nothing but a Hello is read before an ok Welcome,
+//    so a client without the secret cannot read or write any key.
 //
 // 2. Then frames: u32 body length (1 .. COHORT_STORE_MAX_FRAME) + body.
 //    request body  = u8 op + arguments
@@ -43,6 +48,7 @@
 // allocated or copied; a frame that fails to decode closes its connection.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -53,10 +59,12 @@
 namespace cohort::store {
 
 constexpr uint32_t kMagic = 0x54534843;  // "CHST" read as little-endian bytes
-constexpr uint16_t kVersion = 1;
-constexpr size_t kHelloFixedBytes = 12;  // magic, version, reserved, secret length
+constexpr uint16_t kVersion = 2;  // 2: challenge-response (1 sent the secret itself)
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kChallengeBytes = 8 + kNonceBytes;
+constexpr size_t kProofBytes = 32;
+constexpr size_t kHelloBytes = 8 + kProofBytes;
 constexpr size_t kWelcomeBytes = 8;
-constexpr uint32_t kMaxSecretBytes = 4096;
 
 enum class Op : uint8_t { Set = 1, Get = 2, Add = 3, CompareSet = 4, Wait = 5, Check = 6, Delete = 7, NumKeys = 8, Cancel = 9 };
 enum class Status : uint8_t { Ok = 0, Error = 1, Cancelled = 2 };
@@ -68,7 +76,7 @@ inline uint32_t load_le32(const uint8_t* p) {
   return p[0] | p[1] << 8 | p[2] << 16 | static_cast<uint32_t>(p[3]) << 24;
 }  // "set", "get", ... as in the Store API
 
-// COHORT_STORE_SECRET and COHORT_STORE_MAX_FRAME (declared in tcp_protocol.cpp).
+// The job secret (core/job_secret.hpp) and COHORT_STORE_MAX_FRAME (declared in tcp_protocol.cpp).
 std::string configured_secret();
 uint64_t configured_max_frame();
 
@@ -133,20 +141,24 @@ class Reader {
   bool ok_ = true;
 };
 
-Bytes encode_hello(std::string_view secret);
+using Nonce = std::array<uint8_t, kNonceBytes>;
+Nonce make_nonce();  // from the kernel's random source
+Bytes encode_challenge(const Nonce& nonce);
+// False unless the bytes are a whole Challenge; *version is what the server speaks.
+bool decode_challenge(const uint8_t* data, size_t n, Nonce* nonce, uint16_t* version);
+Bytes encode_hello(std::string_view secret, const Nonce& nonce);
 
-// The server's verdict on the first bytes of a connection. `used` is the
-// Hello's length when the verdict is Ok. BadVersion and BadSecret deserve a
-// Welcome saying so; the rest are closed without a word.
-enum class HelloVerdict { NeedMore, Ok, BadMagic, BadVersion, SecretTooLong, BadSecret };
+// The server's verdict on the first bytes a client sent after the Challenge.
+// `used` is the Hello's length when the verdict is Ok. BadVersion and
+// BadSecret deserve a Welcome saying so; BadMagic is closed without a word.
+enum class HelloVerdict { NeedMore, Ok, BadMagic, BadVersion, BadSecret };
 struct HelloCheck {
   HelloVerdict verdict = HelloVerdict::NeedMore;
   size_t used = 0;
-  uint16_t version = 0;      // what the client speaks (for BadVersion)
-  uint32_t secret_len = 0;   // what it claimed (for SecretTooLong)
+  uint16_t version = 0;  // what the client speaks (for BadVersion)
 };
-// Compares the secret in time independent of where it differs.
-HelloCheck check_hello(const uint8_t* data, size_t n, std::string_view secret);
+// Compares the proof in time independent of where it differs.
+HelloCheck check_hello(const uint8_t* data, size_t n, std::string_view secret, const Nonce& nonce);
 Bytes encode_welcome(WelcomeStatus status);
 // A whole frame (length prefix included).
 Bytes encode_request(const Request& req);

@@ -103,11 +103,22 @@ void TcpStore::Impl::connect() {
 
 // False (with *why) for failures worth retrying; throws when the server refused us.
 bool TcpStore::Impl::handshake(net::Fd& s, core::Deadline deadline, std::string* why) {
-  Bytes hello = store::encode_hello(secret);
   int err = 0;
   size_t got = 0;
+  uint8_t challenge[store::kChallengeBytes];
+  IoStatus st = net::recv_all(s.get(), challenge, sizeof(challenge), deadline, &err, &got);
+  store::Nonce nonce{};
+  uint16_t server_version = 0;
+  if (st == IoStatus::Ok && !store::decode_challenge(challenge, sizeof(challenge), &nonce, &server_version))
+    throw IoError(fmt::format("{} is not a cohort store server (its first bytes are not a store challenge); "
+                              "HINT: check MASTER_PORT: another service listens there", where));
+  if (st == IoStatus::Ok && server_version != store::kVersion)
+    throw IoError(fmt::format("store server {} speaks store protocol version {}, this client {}; HINT: run the same "
+                              "cohort version in every process", where, server_version, store::kVersion));
+  Bytes hello;
+  if (st == IoStatus::Ok) hello = store::encode_hello(secret, nonce);
   uint8_t w[store::kWelcomeBytes];
-  IoStatus st = net::send_all(s.get(), hello.data(), hello.size(), deadline, &err);
+  if (st == IoStatus::Ok) st = net::send_all(s.get(), hello.data(), hello.size(), deadline, &err);
   if (st == IoStatus::Ok) st = net::recv_all(s.get(), w, sizeof(w), deadline, &err, &got);
   if (st != IoStatus::Ok) {
     *why = st == IoStatus::Timeout  ? "no answer to the handshake"
@@ -123,9 +134,10 @@ bool TcpStore::Impl::handshake(net::Fd& s, core::Deadline deadline, std::string*
     throw IoError(fmt::format("{} is not a cohort store server (it answered the handshake with other bytes); "
                               "HINT: check MASTER_PORT: another service listens there", where));
   if (status == store::WelcomeStatus::BadSecret)
-    throw IoError(fmt::format("store server {} refused this client: the secret did not match (COHORT_STORE_SECRET "
-                              "differs between this process and the server); HINT: set the same COHORT_STORE_SECRET "
-                              "in every process of the job, or unset it everywhere", where));
+    throw IoError(fmt::format("store server {} refused this client: the secret did not match (the job secret, "
+                              "COHORT_SECRET / COHORT_SECRET_FILE / COHORT_STORE_SECRET, differs between this process "
+                              "and the server); HINT: give every process of the job the same COHORT_SECRET, or unset "
+                              "it everywhere", where));
   if (status != store::WelcomeStatus::Ok)
     throw IoError(fmt::format("store server {} refused this client: it speaks store protocol version {}, this client "
                               "{}; HINT: run the same cohort version in every process", where, version, store::kVersion));

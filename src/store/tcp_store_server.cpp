@@ -96,7 +96,9 @@ void TcpStoreServer::Impl::accept_all() {
     }
     c->events = EPOLLIN;
     COHORT_TRACE(kStore, "store server {}: connection from {}", where, c->peer);
-    conns.emplace(fd, std::move(c));
+    Conn& conn = *conns.emplace(fd, std::move(c)).first->second;
+    conn.nonce = store::make_nonce();
+    reply(conn, store::encode_challenge(conn.nonce));  // the client answers with a Hello (tcp_protocol.hpp)
   }
 }
 

@@ -20,6 +20,8 @@
 namespace cohort {
 namespace store {
 
+using Nonce = std::array<uint8_t, kNonceBytes>;
+
 constexpr size_t kReadChunk = 256 * 1024;  // one recv() at most
 
 // One client connection.
@@ -27,6 +29,7 @@ struct Conn {
   net::Fd fd;
   std::string peer;
   bool greeted = false;
+  Nonce nonce{};                   // this connection's challenge
   bool dead = false;               // dropped; closed at the end of this epoll batch
   bool close_after_flush = false;  // refused handshake: close once the Welcome is out
   Bytes in;                        // unparsed bytes: at most one partial frame

@@ -22,15 +22,12 @@ using store::Response;
 // Returns the bytes the Hello took, or 0 when more must arrive (or c was dropped or refused).
 size_t TcpStoreServer::Impl::parse_hello(Conn& c, const uint8_t* p, size_t avail) {
   using store::HelloVerdict;
-  store::HelloCheck h = store::check_hello(p, avail, secret);
+  store::HelloCheck h = store::check_hello(p, avail, secret, c.nonce);
   switch (h.verdict) {
     case HelloVerdict::NeedMore: return 0;
     case HelloVerdict::Ok: c.greeted = true; reply(c, store::encode_welcome(store::WelcomeStatus::Ok)); return h.used;
     case HelloVerdict::BadMagic:
       drop(c, fmt::format("not a cohort store client (first bytes {:02x} {:02x} {:02x} {:02x})", p[0], p[1], p[2], p[3]), true);
-      return 0;
-    case HelloVerdict::SecretTooLong:
-      drop(c, fmt::format("handshake secret of {} bytes (limit {})", h.secret_len, store::kMaxSecretBytes), true);
       return 0;
     case HelloVerdict::BadVersion:
       COHORT_WARN(kStore, "store server {}: refused {}: protocol version {} (this server speaks {}); "
@@ -39,8 +36,8 @@ size_t TcpStoreServer::Impl::parse_hello(Conn& c, const uint8_t* p, size_t avail
       reply(c, store::encode_welcome(store::WelcomeStatus::BadVersion));
       return 0;
     case HelloVerdict::BadSecret:
-      COHORT_WARN(kStore, "store server {}: refused {}: its secret does not match this server's COHORT_STORE_SECRET; "
-                  "HINT: set the same COHORT_STORE_SECRET in every process of the job", where, c.peer);
+      COHORT_WARN(kStore, "store server {}: refused {}: it does not know the job secret (its proof "
+                  "does not match); HINT: every process of the job needs the same COHORT_SECRET (or COHORT_SECRET_FILE)", where, c.peer);
       c.close_after_flush = true;
       reply(c, store::encode_welcome(store::WelcomeStatus::BadSecret));
       return 0;

@@ -19,8 +19,10 @@
 
 #include "cohort/error.hpp"
 #include "core/env.hpp"
+#include "core/job_secret.hpp"
 #include "core/log.hpp"
 #include "store/net.hpp"
+#include "transport/tcp/tcp_hello.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
 namespace cohort::transport {
@@ -37,17 +39,6 @@ const core::Knob kSockBuf{"COHORT_SOCKET_BUFFER", "0",
                           "SO_SNDBUF / SO_RCVBUF for rank-to-rank sockets (0: leave them to the kernel's autotuning, "
                           "which measured best on loopback)",
                           core::KnobKind::Bytes};
-
-constexpr uint32_t kHelloMagic = 0x4f4c4548;  // "HELO"
-constexpr uint32_t kHelloVersion = 1;
-
-struct Hello {
-  uint32_t magic;
-  uint32_t version;
-  uint64_t group_hash;
-  int32_t rank;
-  uint32_t pad;
-};
 
 std::string err(int e) {
   return std::strerror(e);
@@ -131,6 +122,7 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
   std::unique_ptr<TcpTransport> t(new TcpTransport());
   t->local_addr_ = choose_local_address(opts.route_hint);
   const uint64_t group_hash = std::hash<std::string>{}(opts.group_id);
+  const std::string secret = core::job_secret();
 
   int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (lfd < 0) throw IoError(fmt::format("socket() failed: {}", err(errno)));
@@ -186,15 +178,27 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      Hello h{kHelloMagic, kHelloVersion, group_hash, opts.my_rank, static_cast<uint32_t>(k)};
+      // Answer the acceptor's challenge with our proof of the job secret (tcp_hello.hpp).
       store::net::set_nonblocking(fd);
       int e = 0;
-      if (store::net::send_all(fd, reinterpret_cast<const uint8_t*>(&h), sizeof(h), deadline, &e) !=
-          store::net::IoStatus::Ok) {
+      size_t got = 0;
+      uint8_t challenge[tcp_hello::kChallengeBytes];
+      tcp_hello::Nonce nonce{};
+      tcp_hello::Verdict cv = tcp_hello::Verdict::Short;
+      bool ok =
+          store::net::recv_all(fd, challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
+          (cv = tcp_hello::check_challenge(challenge, sizeof(challenge), &nonce)) == tcp_hello::Verdict::Ok;
+      if (ok) {
+        auto hello = tcp_hello::encode_hello(secret, nonce, {group_hash, opts.my_rank, static_cast<uint32_t>(k)});
+        ok = store::net::send_all(fd, hello.data(), hello.size(), deadline, &e) == store::net::IoStatus::Ok;
+      }
+      if (!ok) {
         close(fd);
         close(lfd);
         throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed: {}", opts.my_rank, p, host, port,
-                                    e ? store::net::errno_text(e) : std::string("timed out or closed")),
+                                    e                                 ? store::net::errno_text(e)
+                                    : cv != tcp_hello::Verdict::Short ? std::string(tcp_hello::verdict_text(cv))
+                                                                      : std::string("timed out or closed")),
                         p);
       }
       t->fds_[p].push_back(fd);
@@ -217,20 +221,43 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     if (fd < 0) continue;
     tune_socket(fd);
     store::net::set_nonblocking(fd);
-    Hello h{};
+    // Challenge the connector; only a Hello proving the job secret makes this socket ours.
+    const tcp_hello::Nonce nonce = tcp_hello::make_nonce();
+    const auto challenge = tcp_hello::encode_challenge(nonce);
+    const auto hs_deadline = core::Deadline::after(std::chrono::seconds(5));
+    uint8_t hello[tcp_hello::kHelloBytes];
+    tcp_hello::HelloFields h;
     int e = 0;
     size_t got = 0;
-    if (store::net::recv_all(fd, reinterpret_cast<uint8_t*>(&h), sizeof(h), core::Deadline::after(std::chrono::seconds(5)), &e,
-                             &got) != store::net::IoStatus::Ok ||
-        h.magic != kHelloMagic ||
-        h.version != kHelloVersion || h.group_hash != group_hash || to_accept.count(h.rank) == 0 ||
-        h.pad >= static_cast<uint32_t>(nsocks) || t->fds_[h.rank][h.pad] != -1) {
-      COHORT_WARN(kNet, "tcp: refused a connection on {} with a bad hello (magic {:#x}, version {}, rank {})", me,
-                  h.magic, h.version, h.rank);
+    tcp_hello::Verdict v = tcp_hello::Verdict::Short;
+    // The magic and version first, so that a stranger is turned away without waiting for the rest.
+    size_t rest = 0;
+    if (store::net::send_all(fd, challenge.data(), challenge.size(), hs_deadline, &e) == store::net::IoStatus::Ok &&
+        store::net::recv_all(fd, hello, 8, hs_deadline, &e, &got) == store::net::IoStatus::Ok) {
+      v = tcp_hello::check_hello(hello, 8, secret, nonce, &h);  // Short when the header is right
+      if (v == tcp_hello::Verdict::Short &&
+          store::net::recv_all(fd, hello + 8, sizeof(hello) - 8, hs_deadline, &e, &rest) == store::net::IoStatus::Ok)
+        v = tcp_hello::check_hello(hello, sizeof(hello), secret, nonce, &h);
+    }
+    std::string why;
+    if (v != tcp_hello::Verdict::Ok)
+      why = tcp_hello::verdict_text(v);
+    else if (h.group_hash != group_hash)
+      why = "a handshake for another group or job";
+    else if (to_accept.count(h.rank) == 0 || h.socket >= static_cast<uint32_t>(nsocks) ||
+             t->fds_[h.rank][h.socket] != -1)
+      why = fmt::format("an unexpected rank {} socket {}", h.rank, h.socket);
+    if (!why.empty()) {
+      sockaddr_in from{};
+      socklen_t flen = sizeof(from);
+      char buf[INET_ADDRSTRLEN] = "?";
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&from), &flen) == 0)
+        inet_ntop(AF_INET, &from.sin_addr, buf, sizeof(buf));
+      COHORT_WARN(kNet, "tcp: rank {} refused a connection from {} on {}: {}", opts.my_rank, buf, me, why);
       close(fd);
       continue;
     }
-    t->fds_[h.rank][h.pad] = fd;
+    t->fds_[h.rank][h.socket] = fd;
     if (--to_accept[h.rank] == 0) to_accept.erase(h.rank);
   }
   close(lfd);
