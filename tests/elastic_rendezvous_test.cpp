@@ -13,6 +13,8 @@
 #include "cohort/error.hpp"
 #include "cohort/store.hpp"
 #include "launch/liveness.hpp"
+#include "launch/options.hpp"
+#include "launch/worker_env.hpp"
 
 using namespace cohort;
 using namespace cohort::launch;
@@ -72,6 +74,48 @@ TEST(ElasticRanks, PrefixSumsOfDifferentNproc) {
   EXPECT_EQ(nodes[1].rank_base, 2);
   EXPECT_EQ(nodes[2].rank_base, 3);
   EXPECT_EQ(nodes[2].node_rank, 2);
+}
+
+TEST(ElasticOptions, MinMaxNeedsTheC10dBackend) {
+  LaunchOptions o;
+  o.command = {"true"};
+  o.nnodes = 3;
+  o.min_nnodes = 1;
+  try {
+    validate(o);
+    FAIL() << "MIN < MAX with the static backend must be refused";
+  } catch (const InvalidArgument& e) {
+    EXPECT_TRUE(contains(e.what(), "--nnodes 1:3: elastic membership (MIN < MAX) needs the dynamic rendezvous"))
+        << e.what();
+    EXPECT_TRUE(contains(e.what(), "--rdzv-backend c10d")) << e.what();
+  }
+  o.rdzv_backend = "c10d";
+  o.node_rank = 7;  // ignored: c10d assigns node ranks
+  EXPECT_NO_THROW(validate(o));
+  EXPECT_TRUE(is_elastic(o));
+  o.nnodes = 1;
+  o.min_nnodes = 1;
+  EXPECT_FALSE(is_elastic(o)) << "one node runs the plain single-node launcher";
+}
+
+TEST(ElasticOptions, WorkerRanksComeFromTheRound) {
+  JobEnv env;
+  env.nproc_per_node = 2;  // this node runs 2 workers; the round has 5 in all
+  env.nnodes = 2;
+  env.node_rank = 1;
+  env.rank_base = 3;
+  env.world_size = 5;
+  EnvVars v = worker_env_vars(env, 1);
+  auto get = [&](const std::string& k) {
+    for (const auto& [name, value] : v)
+      if (name == k) return value;
+    return std::string("<unset>");
+  };
+  EXPECT_EQ(get("RANK"), "4");
+  EXPECT_EQ(get("WORLD_SIZE"), "5");
+  EXPECT_EQ(get("LOCAL_WORLD_SIZE"), "2");
+  EXPECT_EQ(get("GROUP_RANK"), "1");
+  EXPECT_EQ(get("ROLE_RANK"), "4");
 }
 
 TEST(Liveness, SilentCounterIsLostByTheObserversClock) {
