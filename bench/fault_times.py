@@ -12,7 +12,7 @@ REPS times each (min / median / max):
   agentkill  the same, machine 1's launcher SIGKILLed instead.
   restart    the Fashion-MNIST example, 2 ranks, --max-restarts 1, rank 1
              SIGKILLs itself after step 30 (checkpoint every 20): from the
-             launcher's failure line to the first training step after the
+             kill (rank 0's step-30 line) to the first training step after the
              restart (which resumes from step 20 by itself).
 
 linkcut / agentkill need root and iproute2 (skipped otherwise); restart needs
@@ -179,6 +179,8 @@ def node_failure(build, how):
 
 
 def restart(build):
+    """Rank 1 SIGKILLs itself right after step 30, when rank 0 prints step 30's
+    loss: from that line to the first step after the restart (step 21)."""
     import tempfile
     ckpt = tempfile.mkdtemp(prefix="cohort_fault_times_")
     cmd = [os.path.join(build, "cohort"), "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -187,12 +189,15 @@ def restart(build):
            "--max-steps", "40"]
     p = popen(cmd, {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     lines = Lines(p)
-    t_fail = lines.wait_for(r"was killed by signal 9", 600)
+    t_fail = lines.wait_for(r"LOSS step=30 ", 600)
+    t_line = lines.wait_for(r"was killed by signal 9", 600)
     t_step = lines.wait_for(r"LOSS step=21 ", 600)
     p.wait(timeout=600)
     subprocess.run(["rm", "-rf", ckpt])
-    if t_fail is None or t_step is None:
+    if t_fail is None or t_line is None or t_step is None:
         raise RuntimeError("no failure or no resumed step: %s" % lines.all[-5:])
+    print("  restart: kill -> launcher's failure line %.2f s, -> first resumed step %.2f s" %
+          (t_line - t_fail, t_step - t_fail), flush=True)
     return t_step - t_fail
 
 
