@@ -5,10 +5,12 @@
 // valid checkpoint and finishes its 60 steps with the test accuracy of an
 // uninterrupted run of the same recipe (--eval-at-stop).
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <filesystem>
 #include <random>
 #include <regex>
+#include <thread>
 
 #include "launch_harness.hpp"
 
@@ -87,6 +89,54 @@ TEST(ElasticRestart, KilledRankRestartsResumesAndReachesTheSameAccuracy) {
   const int ckpt_step = kill_step / 10 * 10;
   EXPECT_NE(r.out.find("resumed from " + base + "/b/step_" + fmt_step(ckpt_step)), std::string::npos) << r.out;
   EXPECT_NEAR(accuracy(r.out), want, 1e-4) << r.out;
+  fs::remove_all(base);
+}
+
+}  // namespace
+
+namespace {
+
+// The newest committed checkpoint step in dir (step_XXXXXXXXX without a .tmp suffix), or -1.
+int newest_step(const std::string& dir) {
+  int best = -1;
+  for (auto& e : fs::directory_iterator(dir)) {
+    std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.find(".tmp") == std::string::npos)
+      best = std::max(best, std::stoi(name.substr(5)));
+  }
+  return best;
+}
+
+TEST(ElasticRestart, LauncherKilledWhileCheckpointingLeavesTheLastCheckpointLoadable) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir(), ckpt = base + "/k";
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  // A checkpoint after every step, so the launcher's death often lands inside a save.
+  std::vector<std::string> args = job(ckpt, {});
+  for (size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--checkpoint-every") args[i + 1] = "1";
+  lt::Proc run(args, env);
+  for (int i = 0; i < 6000 && (!fs::exists(ckpt) || newest_step(ckpt) < 3); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GE(newest_step(ckpt), 3) << "no checkpoints appeared";
+  std::random_device rd;
+  std::this_thread::sleep_for(std::chrono::milliseconds(rd() % 400));
+  kill(run.pid(), SIGKILL);  // the workers die with it (PR_SET_PDEATHSIG)
+  auto killed = run.wait(60);
+  EXPECT_EQ(killed.status, 128 + SIGKILL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the workers' deaths settle
+  const int last = newest_step(ckpt);
+  ASSERT_GE(last, 3);
+  bool torn = false;
+  for (auto& e : fs::directory_iterator(ckpt))
+    torn = torn || e.path().filename().string().find(".tmp") != std::string::npos;
+  std::printf("launcher killed with step %d committed%s\n", last, torn ? " and a save in progress" : "");
+
+  // The next run (a restart by hand here) picks the newest committed checkpoint and trains on.
+  auto resumed = lt::run(job(ckpt, {"--resume"}), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed from " + ckpt + "/step_" + fmt_step(last)), std::string::npos) << resumed.out;
+  EXPECT_GT(accuracy(resumed.out), 0.70) << resumed.out;
   fs::remove_all(base);
 }
 
