@@ -189,9 +189,9 @@ def restart(build):
            "--max-steps", "40"]
     p = popen(cmd, {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     lines = Lines(p)
-    t_fail = lines.wait_for(r"LOSS step=30 ", 600)
-    t_line = lines.wait_for(r"was killed by signal 9", 600)
-    t_step = lines.wait_for(r"LOSS step=21 ", 600)
+    t_fail = lines.wait_for(r"LOSS step=30 ", 300)
+    t_line = lines.wait_for(r"was killed by signal 9", 300)
+    t_step = lines.wait_for(r"LOSS step=21 ", 300)
     p.wait(timeout=600)
     subprocess.run(["rm", "-rf", ckpt])
     if t_fail is None or t_line is None or t_step is None:

@@ -231,7 +231,10 @@ int train(const TrainConfig& cfg) {
       pos += b;
       const double loss_value = loss.item<double>();
       loss_sum += loss_value;
-      if (cfg.log_losses && lead) std::printf("LOSS step=%lld value=%.7f\n", static_cast<long long>(step), loss_value);
+      if (cfg.log_losses && lead) {
+        std::printf("LOSS step=%lld value=%.7f\n", static_cast<long long>(step), loss_value);
+        std::fflush(stdout);  // a line per step as it happens (bench/fault_times.py times them)
+      }
       ++loss_n;
       auto t1 = Clock::now();
       if (step > cfg.timing_skip) {
