@@ -70,7 +70,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
 
   cmd->add_option("--nproc-per-node,--nproc_per_node", f->nproc,
                   "workers on this node: a number, or auto / cpu (one per CPU)")->capture_default_str();
-  cmd->add_option("--nnodes", f->nnodes, "number of nodes, N or MIN:MAX (MIN < MAX: elastic, needs --rdzv-backend c10d)")
+  cmd->add_option("--nnodes", f->nnodes,
+                  "number of nodes, N or MIN:MAX (MIN < MAX: elastic, needs --rdzv-backend c10d)")
       ->capture_default_str();
   cmd->add_option("--node-rank,--node_rank", f->node_rank, "rank of this node, 0..nnodes-1")->capture_default_str();
   cmd->add_option("--master-addr,--master_addr", f->master_addr, "MASTER_ADDR for the program (node 0's address)")
@@ -80,7 +81,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--standalone", f->standalone, "one node; pick free ports for the program and the launcher's store");
   cmd->add_option("--rdzv-endpoint,--rdzv_endpoint", f->rdzv_endpoint,
                   "HOST:PORT of the launcher's store, hosted by node 0 (default MASTER_ADDR:MASTER_PORT+1)");
-  cmd->add_option("--rdzv-backend,--rdzv_backend", f->rdzv_backend, "static (node 0 hosts the store, --node-rank given) or c10d (dynamic: ranks assigned, any start order, MIN:MAX)")
+  cmd->add_option("--rdzv-backend,--rdzv_backend", f->rdzv_backend,
+                  "static (node 0 hosts the store, --node-rank given) or c10d (dynamic: ranks assigned, any start "
+                  "order, MIN:MAX)")
       ->capture_default_str();
   cmd->add_option("--rdzv-id,--rdzv_id,--run-id,--run_id", f->run_id, "job id, TORCHELASTIC_RUN_ID")
       ->capture_default_str();

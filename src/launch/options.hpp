@@ -50,8 +50,8 @@ HostPort parse_endpoint(const std::string& text, int default_port);
 
 struct LaunchOptions {
   int nproc_per_node = 1;
-  int nnodes = 1;                  // --nnodes N, or MAX of MIN:MAX
-  int min_nnodes = 0;              // MIN of --nnodes MIN:MAX; 0: = nnodes
+  int nnodes = 1;      // --nnodes N, or MAX of MIN:MAX
+  int min_nnodes = 0;  // MIN of --nnodes MIN:MAX; 0: = nnodes
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   bool master_addr_given = false;  // --master-addr was on the command line
