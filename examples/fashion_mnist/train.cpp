@@ -121,8 +121,10 @@ int train(const TrainConfig& cfg) {
     if (cfg.ckpt_dir.empty())
       std::printf("auto-resume: restart %d, but no --checkpoint-dir: starting from scratch\n", restart_count);
     else
-      std::printf("auto-resume: restart %d (TORCHELASTIC_RESTART_COUNT), resuming from the newest valid checkpoint in "
-                  "%s (--no-auto-resume starts over)\n", restart_count, cfg.ckpt_dir.c_str());
+      std::printf(
+          "auto-resume: restart %d (TORCHELASTIC_RESTART_COUNT), resuming from the newest valid checkpoint in "
+          "%s (--no-auto-resume starts over)\n",
+          restart_count, cfg.ckpt_dir.c_str());
   }
   int64_t step = 0, start_epoch = 0, position = 0;
   if (resume && !cfg.ckpt_dir.empty()) {
@@ -268,7 +270,8 @@ int train(const TrainConfig& cfg) {
     if (cut_short && !cfg.eval_at_stop) break;
     double acc = evaluate(model, test_set, *pg);
     if (lead) {
-      if (cut_short) std::printf("stopped at step %lld (--max-steps), part-way through the epoch\n", static_cast<long long>(step));
+      if (cut_short)
+        std::printf("stopped at step %lld (--max-steps), part-way through the epoch\n", static_cast<long long>(step));
       std::printf("epoch %lld: test accuracy %.2f%% (train loss %.4f, %.1f s)\n", static_cast<long long>(epoch + 1), acc * 100,
                   train_loss, epoch_s);
       std::printf("RESULT ddp model=%s world=%d epoch=%lld epoch_time_s=%.2f train_loss=%.4f test_acc=%.4f\n", cfg.model.c_str(),

@@ -16,13 +16,13 @@ struct TrainConfig {
   std::string augment = "flip";  // none, flip, flip+shift
   int threads = 1;
   int64_t max_steps = 0;
-  bool eval_at_stop = false;   // measure the test accuracy also when --max-steps stops mid-epoch
+  bool eval_at_stop = false;  // measure the test accuracy also when --max-steps stops mid-epoch
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   std::string ckpt_dir;
   int64_t ckpt_every = 0;
   int keep = 3;
   bool resume = false;
-  bool auto_resume = true;     // resume by itself when TORCHELASTIC_RESTART_COUNT > 0 (a restart by `cohort run`)
+  bool auto_resume = true;  // resume by itself when TORCHELASTIC_RESTART_COUNT > 0 (a restart by `cohort run`)
   std::string comm_hook = "allreduce";
   double bucket_cap_mb = 25.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out
