@@ -5,8 +5,10 @@
 // assertion on timing.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <thread>
 
+#include "cohort/store.hpp"
 #include "launch_harness.hpp"
 
 namespace lt = launch_test;
@@ -127,4 +129,32 @@ TEST(LauncherElastic, AFailureWithoutRestartsEndsEveryNode) {
   EXPECT_TRUE(contains(ra.err, "rank 0 (local 0, pid ")) << ra.err;
   EXPECT_TRUE(contains(rb.err, "rank 0 (local 0, pid ")) << rb.err;
   EXPECT_TRUE(contains(ra.err + rb.err, "exited with code 5")) << ra.err << rb.err;
+}
+
+TEST(LauncherElastic, ALateNodeWithoutRestartsLeftIsToldTheJobFinished) {
+  int port = lt::free_port_pair();
+  ASSERT_GT(port, 0);
+  const std::string dir = lt::temp_dir();
+  // The running job's one worker waits for the test's go, so the late node surely arrives while it runs.
+  std::vector<std::string> prog = {"/bin/sh", "-c",
+                                   "touch " + dir + "/started; while [ ! -f " + dir + "/go ]; do sleep 0.1; done"};
+  lt::Proc first(node_args("1:2", port, "nolate", prog), kQuick);
+  ASSERT_TRUE(wait_file(dir + "/started"));
+  lt::Proc late(node_args("1:2", port, "nolate", prog), kQuick);
+  // Wait until the late launcher has registered for round 1, then let the job finish.
+  cohort::TcpStoreOptions so;
+  so.port = static_cast<uint16_t>(port);
+  so.timeout = std::chrono::seconds(30);
+  cohort::TcpStore store(so);
+  for (int i = 0; i < 600 && store.add("cohort/elastic/nolate/r1/count", 0) < 1; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_EQ(store.add("cohort/elastic/nolate/r1/count", 0), 1);
+  std::ofstream(dir + "/go").put('\n');
+  auto rf = first.wait(90), rl = late.wait(90);
+  EXPECT_EQ(rf.status, 0) << rf.err;
+  EXPECT_FALSE(contains(rf.err, "restarting")) << "no restarts left (--max-restarts 0): " << rf.err;
+  EXPECT_EQ(rl.status, 1) << rl.err;
+  EXPECT_TRUE(contains(rl.err, "this node waits to join round 1")) << rl.err;
+  EXPECT_TRUE(contains(rl.err, "the job finished before this launcher could join it")) << rl.err;
+  std::filesystem::remove_all(dir);
 }
