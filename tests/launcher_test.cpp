@@ -218,7 +218,7 @@ TEST(Launcher, BadFlagsFailClearly) {
   std::vector<Case> cases = {
       {{"run", "--nproc-per-node", "0", "true"}, "--nproc-per-node 0"},
       {{"run", "--nproc-per-node", "many", "true"}, "--nproc-per-node many"},
-      {{"run", "--nnodes", "1:4", "true"}, "elastic membership (MIN < MAX) is not supported yet"},
+      {{"run", "--nnodes", "1:4", "true"}, "elastic membership (MIN < MAX) needs the dynamic rendezvous"},
       {{"run", "--nnodes", "x", "true"}, "--nnodes x"},
       {{"run", "--nnodes", "2", "--node-rank", "2", "true"}, "--node-rank 2 is outside 0..1"},
       {{"run", "--standalone"}, "missing PROGRAM"},

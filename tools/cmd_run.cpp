@@ -51,6 +51,8 @@ Examples:
   cohort run --standalone --nproc-per-node auto ./my_program --flag
   cohort run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 train.py   # on host 0
   cohort run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 8 train.py   # on host 1
+  cohort run --nnodes 2:4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job7 \
+      --max-restarts 3 train.py                                                               # on every host
 
 Environment of each worker: RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE
 ROLE_RANK ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT
@@ -68,7 +70,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
 
   cmd->add_option("--nproc-per-node,--nproc_per_node", f->nproc,
                   "workers on this node: a number, or auto / cpu (one per CPU)")->capture_default_str();
-  cmd->add_option("--nnodes", f->nnodes, "number of nodes, N or MIN:MAX (MIN must equal MAX for now)")
+  cmd->add_option("--nnodes", f->nnodes,
+                  "number of nodes, N or MIN:MAX (MIN < MAX: elastic, needs --rdzv-backend c10d)")
       ->capture_default_str();
   cmd->add_option("--node-rank,--node_rank", f->node_rank, "rank of this node, 0..nnodes-1")->capture_default_str();
   cmd->add_option("--master-addr,--master_addr", f->master_addr, "MASTER_ADDR for the program (node 0's address)")
@@ -78,7 +81,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--standalone", f->standalone, "one node; pick free ports for the program and the launcher's store");
   cmd->add_option("--rdzv-endpoint,--rdzv_endpoint", f->rdzv_endpoint,
                   "HOST:PORT of the launcher's store, hosted by node 0 (default MASTER_ADDR:MASTER_PORT+1)");
-  cmd->add_option("--rdzv-backend,--rdzv_backend", f->rdzv_backend, "static or c10d (both: node 0 hosts the store)")
+  cmd->add_option("--rdzv-backend,--rdzv_backend", f->rdzv_backend,
+                  "static (node 0 hosts the store, --node-rank given) or c10d (dynamic: ranks assigned, any start "
+                  "order, MIN:MAX)")
       ->capture_default_str();
   cmd->add_option("--rdzv-id,--rdzv_id,--run-id,--run_id", f->run_id, "job id, TORCHELASTIC_RUN_ID")
       ->capture_default_str();
@@ -107,7 +112,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->callback([cmd, f, &exit_code] {
     launch::LaunchOptions o;
     o.nproc_per_node = launch::parse_nproc(f->nproc);
-    o.nnodes = launch::parse_nnodes(f->nnodes);
+    launch::NodeRange nodes = launch::parse_nnodes(f->nnodes);
+    o.nnodes = nodes.max;
+    o.min_nnodes = nodes.min;
     o.node_rank = f->node_rank;
     o.master_addr = f->master_addr;
     o.master_addr_given = cmd->count("--master-addr") > 0;

@@ -2,6 +2,11 @@
 //
 //   cohort run --nproc-per-node 2 build/fashion_mnist --epochs 10
 //   cohort run --nproc-per-node 2 build/fashion_mnist --epochs 10 --checkpoint-dir ckpt --resume
+//   cohort run --nproc-per-node 2 --max-restarts 3 build/fashion_mnist --epochs 10 --checkpoint-dir ckpt
+//
+// Under `cohort run --max-restarts K` (or torchrun), a restarted run
+// (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest valid checkpoint by
+// itself; --no-auto-resume starts it over instead.
 //
 // Rank 0 prints progress (epoch, step/total, loss, images/s, ETA) and the test
 // accuracy after each epoch; checkpoints are written every --checkpoint-every
@@ -36,11 +41,16 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "flip", "flip+shift"}));
   app.add_option("--threads", cfg.threads, "intra-op threads per rank");
   app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch)");
+  app.add_flag("--eval-at-stop", cfg.eval_at_stop,
+               "when --max-steps stops the run mid-epoch, still measure and print the test accuracy");
   app.add_option("--data-dir", cfg.data_dir, "directory with the four Fashion-MNIST .gz files");
   app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)");
   app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)");
   app.add_option("--keep", cfg.keep, "checkpoints to keep");
   app.add_flag("--resume", cfg.resume, "continue from the newest valid checkpoint in --checkpoint-dir");
+  app.add_flag("!--no-auto-resume", cfg.auto_resume,
+               "do not resume by itself after a restart (by default a restarted run, TORCHELASTIC_RESTART_COUNT > 0, "
+               "continues from the newest valid checkpoint in --checkpoint-dir)");
   app.add_option("--comm-hook", cfg.comm_hook, "gradient communication: allreduce, fp16 or bf16 (compressed)")
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16"}));
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size");
@@ -52,7 +62,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup-timing-steps", cfg.timing_skip, "steps excluded from the throughput figure");
   app.add_flag("--log-losses", cfg.log_losses, "print every step's loss on rank 0 (LOSS step=N value=X)");
   app.add_option("--fault-kill-rank", cfg.fault_rank, "fault injection: this rank kills itself (SIGKILL) ...");
-  app.add_option("--fault-at-step", cfg.fault_step, "... right after this training step");
+  app.add_option("--fault-at-step", cfg.fault_step,
+                 "... right after this training step (first attempt only: not after a restart)");
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 
 #include "cohort/cohort.hpp"
@@ -110,8 +111,23 @@ int train(const TrainConfig& cfg) {
   const int64_t total_steps = steps_per_epoch * cfg.epochs;
 
   // ---- resume ----
+  // A restart by the launcher (TORCHELASTIC_RESTART_COUNT > 0) continues from
+  // the newest valid checkpoint unless --no-auto-resume: the work since that
+  // checkpoint is all a failure costs.
+  const char* restart_env = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const int restart_count = restart_env != nullptr ? std::atoi(restart_env) : 0;
+  const bool resume = cfg.resume || (cfg.auto_resume && restart_count > 0);
+  if (resume && !cfg.resume && lead) {
+    if (cfg.ckpt_dir.empty())
+      std::printf("auto-resume: restart %d, but no --checkpoint-dir: starting from scratch\n", restart_count);
+    else
+      std::printf(
+          "auto-resume: restart %d (TORCHELASTIC_RESTART_COUNT), resuming from the newest valid checkpoint in "
+          "%s (--no-auto-resume starts over)\n",
+          restart_count, cfg.ckpt_dir.c_str());
+  }
   int64_t step = 0, start_epoch = 0, position = 0;
-  if (cfg.resume && !cfg.ckpt_dir.empty()) {
+  if (resume && !cfg.ckpt_dir.empty()) {
     // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
     int64_t chosen = -1;
     if (lead) {
@@ -217,7 +233,10 @@ int train(const TrainConfig& cfg) {
       pos += b;
       const double loss_value = loss.item<double>();
       loss_sum += loss_value;
-      if (cfg.log_losses && lead) std::printf("LOSS step=%lld value=%.7f\n", static_cast<long long>(step), loss_value);
+      if (cfg.log_losses && lead) {
+        std::printf("LOSS step=%lld value=%.7f\n", static_cast<long long>(step), loss_value);
+        std::fflush(stdout);  // a line per step as it happens (bench/fault_times.py times them)
+      }
       ++loss_n;
       auto t1 = Clock::now();
       if (step > cfg.timing_skip) {
@@ -236,7 +255,7 @@ int train(const TrainConfig& cfg) {
         std::fflush(stdout);
       }
       if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0) save(epoch, pos);
-      if (rank == cfg.fault_rank && step == cfg.fault_step) {
+      if (rank == cfg.fault_rank && step == cfg.fault_step && restart_count == 0) {
         std::fflush(stdout);
         raise(SIGKILL);
       }
@@ -247,15 +266,19 @@ int train(const TrainConfig& cfg) {
     }
     double epoch_s = secs(epoch_start, Clock::now());
     double train_loss = cohort::torch::allreduce_scalar(*pg, loss_n ? loss_sum / loss_n : 0.0) / world;
-    if (stop && pos < sampler.size()) break;
+    const bool cut_short = stop && pos < sampler.size();  // --max-steps ended the epoch early
+    if (cut_short && !cfg.eval_at_stop) break;
     double acc = evaluate(model, test_set, *pg);
     if (lead) {
+      if (cut_short)
+        std::printf("stopped at step %lld (--max-steps), part-way through the epoch\n", static_cast<long long>(step));
       std::printf("epoch %lld: test accuracy %.2f%% (train loss %.4f, %.1f s)\n", static_cast<long long>(epoch + 1), acc * 100,
                   train_loss, epoch_s);
       std::printf("RESULT ddp model=%s world=%d epoch=%lld epoch_time_s=%.2f train_loss=%.4f test_acc=%.4f\n", cfg.model.c_str(),
                   world, static_cast<long long>(epoch + 1), epoch_s, train_loss, acc);
       std::fflush(stdout);
     }
+    if (cut_short) break;
     save(epoch + 1, 0);
   }
   double slowest = cohort::torch::allreduce_scalar(*pg, timed_s, cohort::ReduceOp::Max);

@@ -16,11 +16,13 @@ struct TrainConfig {
   std::string augment = "flip";  // none, flip, flip+shift
   int threads = 1;
   int64_t max_steps = 0;
+  bool eval_at_stop = false;  // measure the test accuracy also when --max-steps stops mid-epoch
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   std::string ckpt_dir;
   int64_t ckpt_every = 0;
   int keep = 3;
   bool resume = false;
+  bool auto_resume = true;  // resume by itself when TORCHELASTIC_RESTART_COUNT > 0 (a restart by `cohort run`)
   std::string comm_hook = "allreduce";
   double bucket_cap_mb = 25.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out
@@ -30,7 +32,7 @@ struct TrainConfig {
   int timing_skip = 20;
   bool log_losses = false;     // print every step's loss (tests compare resumed runs with this)
   int fault_rank = -1;         // fault injection for tests: this rank SIGKILLs itself ...
-  int64_t fault_step = -1;     // ... right after this step
+  int64_t fault_step = -1;     // ... right after this step, on the first attempt only (restart count 0)
 };
 
 // Returns the process exit code.

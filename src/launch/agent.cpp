@@ -19,6 +19,7 @@
 #include "core/cpu_layout.hpp"
 #include "core/log.hpp"
 #include "launch/binding.hpp"
+#include "launch/elastic_agent.hpp"
 #include "launch/monitor.hpp"
 #include "launch/rendezvous.hpp"
 #include "launch/run_id.hpp"
@@ -342,6 +343,7 @@ class Agent {
 
 int run_job(const LaunchOptions& opts) {
   validate(opts);
+  if (is_elastic(opts)) return run_elastic_job(opts);
   Agent agent(opts);
   return agent.run();
 }

@@ -100,21 +100,26 @@ int parse_nproc(const std::string& text) {
   return static_cast<int>(n);
 }
 
-int parse_nnodes(const std::string& text) {
+NodeRange parse_nnodes(const std::string& text) {
   auto colon = text.find(':');
   if (colon == std::string::npos) {
     long n = parse_count(text);
     if (n < 1) throw InvalidArgument(fmt::format("--nnodes {}: expected a positive number of nodes, or MIN:MAX", text));
-    return static_cast<int>(n);
+    return {static_cast<int>(n), static_cast<int>(n)};
   }
   long lo = parse_count(text.substr(0, colon));
   long hi = parse_count(text.substr(colon + 1));
   if (lo < 1 || hi < 1 || lo > hi)
     throw InvalidArgument(fmt::format("--nnodes {}: expected N or MIN:MAX with 1 <= MIN <= MAX", text));
-  if (lo != hi)
-    throw InvalidArgument(fmt::format("--nnodes {}: elastic membership (MIN < MAX) is not supported yet; "
-                                      "give a fixed node count, e.g. --nnodes {}", text, hi));
-  return static_cast<int>(lo);
+  return {static_cast<int>(lo), static_cast<int>(hi)};
+}
+
+int min_nodes(const LaunchOptions& o) {
+  return o.min_nnodes > 0 ? o.min_nnodes : o.nnodes;
+}
+
+bool is_elastic(const LaunchOptions& o) {
+  return o.rdzv_backend == "c10d" && (o.nnodes > 1 || min_nodes(o) < o.nnodes);
 }
 
 HostPort parse_endpoint(const std::string& text, int default_port) {
@@ -159,14 +164,24 @@ void validate(const LaunchOptions& o) {
   if (o.nproc_per_node < 1)
     throw InvalidArgument(fmt::format("--nproc-per-node {}: expected at least 1 worker per node", o.nproc_per_node));
   if (o.nnodes < 1) throw InvalidArgument(fmt::format("--nnodes {}: expected at least 1 node", o.nnodes));
-  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+  if (min_nodes(o) < 1 || min_nodes(o) > o.nnodes)
+    throw InvalidArgument(fmt::format("--nnodes {}:{}: expected 1 <= MIN <= MAX", min_nodes(o), o.nnodes));
+  if (min_nodes(o) < o.nnodes && o.rdzv_backend != "c10d")
+    throw InvalidArgument(
+        fmt::format("--nnodes {}:{}: elastic membership (MIN < MAX) needs the dynamic rendezvous: "
+                    "add --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB, or give a "
+                    "fixed node count, e.g. --nnodes {}",
+                    min_nodes(o), o.nnodes, o.nnodes));
+  if (!is_elastic(o) && (o.node_rank < 0 || o.node_rank >= o.nnodes))
     throw InvalidArgument(fmt::format("--node-rank {} is outside 0..{} (--nnodes {}); give each node a distinct "
                                       "rank from 0 to nnodes-1", o.node_rank, o.nnodes - 1, o.nnodes));
   if (o.master_port < 1 || o.master_port > 65535)
     throw InvalidArgument(fmt::format("--master-port {}: expected a port in 1..65535", o.master_port));
   if (o.rdzv_backend != "static" && o.rdzv_backend != "c10d")
-    throw InvalidArgument(fmt::format("--rdzv-backend {}: cohort supports static and c10d (both mean: node 0's "
-                                      "launcher hosts the store)", o.rdzv_backend));
+    throw InvalidArgument(
+        fmt::format("--rdzv-backend {}: cohort supports static (node 0's launcher hosts the "
+                    "store, --node-rank given) and c10d (dynamic: any start order, ranks assigned)",
+                    o.rdzv_backend));
   if (o.max_restarts < 0)
     throw InvalidArgument(fmt::format("--max-restarts {}: expected 0 or more", o.max_restarts));
   if (o.standalone && o.nnodes != 1)

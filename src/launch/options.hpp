@@ -33,9 +33,13 @@ StdSpec parse_std_spec(const std::string& text, const std::string& flag);
 int parse_nproc(const std::string& text);
 int cpu_count();
 
-// --nnodes: "N" or "MIN:MAX". MIN != MAX (elastic membership) is refused with
-// an error that says so; returns N.
-int parse_nnodes(const std::string& text);
+// --nnodes: "N" (= N:N) or "MIN:MAX" with 1 <= MIN <= MAX. MIN < MAX
+// (elastic membership) needs --rdzv-backend c10d; validate() checks that.
+struct NodeRange {
+  int min = 1;
+  int max = 1;
+};
+NodeRange parse_nnodes(const std::string& text);
 
 struct HostPort {
   std::string host;
@@ -46,7 +50,8 @@ HostPort parse_endpoint(const std::string& text, int default_port);
 
 struct LaunchOptions {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  int nnodes = 1;      // --nnodes N, or MAX of MIN:MAX
+  int min_nnodes = 0;  // MIN of --nnodes MIN:MAX; 0: = nnodes
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   bool master_addr_given = false;  // --master-addr was on the command line
@@ -71,6 +76,11 @@ struct LaunchOptions {
 
 // Checks ranges and combinations; throws InvalidArgument naming the flag and the fix.
 void validate(const LaunchOptions& opts);
+
+// The dynamic rendezvous (elastic_agent.hpp) runs the job: --rdzv-backend c10d
+// with more than one node (or MIN < MAX). Otherwise the static one (agent.hpp).
+bool is_elastic(const LaunchOptions& opts);
+int min_nodes(const LaunchOptions& opts);
 
 // Where the program's own store (MASTER_ADDR:MASTER_PORT) and the launcher's
 // store (COHORT_STORE_ADDR:COHORT_STORE_PORT) live. They never share a port: a

@@ -30,7 +30,7 @@ std::unique_ptr<TcpStoreServer> host_store(const std::string& bind, int port) {
 }
 
 std::shared_ptr<Store> connect_store(const std::string& host, int port, std::chrono::milliseconds timeout,
-                                     SignalChannel& signals) {
+                                     SignalChannel& signals, std::chrono::milliseconds op_timeout) {
   auto deadline = core::Deadline::after(timeout);
   std::string last_error;
   for (;;) {
@@ -40,8 +40,9 @@ std::shared_ptr<Store> connect_store(const std::string& host, int port, std::chr
       o.port = static_cast<uint16_t>(port);
       // Every call the launcher makes is a quick look (check, set, get of a key
       // known to exist); a store that does not answer in 15 s is gone, and the
-      // monitor loop must not stall longer than that.
-      o.timeout = std::chrono::seconds(15);
+      // monitor loop must not stall longer than that (the elastic agent passes
+      // its heartbeat timeout).
+      o.timeout = op_timeout;
       o.connect_timeout = std::chrono::seconds(1);  // short tries, so stop signals are seen between them
       return std::make_shared<TcpStore>(o);
     } catch (const Error& e) {

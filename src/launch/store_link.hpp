@@ -18,9 +18,11 @@ std::unique_ptr<TcpStoreServer> host_store(const std::string& bind, int port);
 
 // Connects to host:port, retrying until `timeout` passes (node 0 may start
 // later) or a stop signal arrives (throws Interrupted). TimeoutError says what
-// to check.
+// to check. op_timeout bounds every later call (a store that does not answer
+// within it counts as gone).
 std::shared_ptr<Store> connect_store(const std::string& host, int port, std::chrono::milliseconds timeout,
-                                     SignalChannel& signals);
+                                     SignalChannel& signals,
+                                     std::chrono::milliseconds op_timeout = std::chrono::seconds(15));
 
 // A TCP port that was free on `host` a moment ago (bind to port 0, read it,
 // close). Like torchrun's --standalone, another process may take it before the

@@ -8,8 +8,8 @@
 namespace cohort::launch {
 
 EnvVars worker_env_vars(const JobEnv& job, int local_rank) {
-  const int world_size = job.nnodes * job.nproc_per_node;
-  const int rank = job.node_rank * job.nproc_per_node + local_rank;
+  const int world_size = job.world_size >= 0 ? job.world_size : job.nnodes * job.nproc_per_node;
+  const int rank = (job.rank_base >= 0 ? job.rank_base : job.node_rank * job.nproc_per_node) + local_rank;
   EnvVars v = {
       {"RANK", std::to_string(rank)},
       {"LOCAL_RANK", std::to_string(local_rank)},

@@ -25,12 +25,17 @@ struct JobEnv {
   std::string run_id;       // TORCHELASTIC_RUN_ID (the user's --rdzv-id)
   std::string cohort_run_id;  // COHORT_RUN_ID: unique per job, names /dev/shm/cohort-<id>-*
   bool set_omp_threads = false;  // OMP_NUM_THREADS=1 (see omp_threads_default_needed)
+  // Elastic rendezvous: nodes may run different numbers of workers, so the
+  // global rank of local rank 0 and the world size come from the round.
+  // -1: node_rank * nproc_per_node and nnodes * nproc_per_node.
+  int rank_base = -1;
+  int world_size = -1;
 };
 
 using EnvVars = std::vector<std::pair<std::string, std::string>>;
 
 // The variables worker `local_rank` gets, in a fixed order. Global RANK is
-// node_rank * nproc_per_node + local_rank.
+// node_rank * nproc_per_node + local_rank (rank_base + local_rank when set).
 EnvVars worker_env_vars(const JobEnv& job, int local_rank);
 
 // `base` (a NULL-terminated environ) with `vars` set over it, as "K=V" strings.
