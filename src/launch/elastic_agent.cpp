@@ -21,6 +21,8 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "launch/elastic_rendezvous.hpp"
+#include "launch/hang_report.hpp"
+#include "launch/job_secret_setup.hpp"
 #include "launch/job.hpp"
 #include "launch/liveness.hpp"
 #include "launch/monitor.hpp"
@@ -117,6 +119,7 @@ class ElasticAgent {
       : opts_(opts), job_(prepare_job(opts)), ep_(resolve_endpoints(opts)), tracker_(knob_ms(kHeartbeatTimeout)) {}
 
   int run() {
+    if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
     connect();
     if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
     if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, cohort_run_id_));
@@ -225,6 +228,8 @@ class ElasticAgent {
       AttemptResult res = run_attempt(plans, mo);
       remove_shm_segments(cohort_run_id_);
       if (res.unkillable) say("some workers survived SIGKILL; giving up on them (they may be stuck in the kernel)");
+      if (res.outcome == AttemptResult::Outcome::WorkerFailed || res.outcome == AttemptResult::Outcome::RemoteFailed)
+        if (auto v = fetch_hang_verdict(store_, ep_.store_port, r.round)) say(*v);  // once per node
 
       if (res.outcome == AttemptResult::Outcome::Interrupted) {
         say(fmt::format("received {}; stopped {} worker(s)", signal_name(res.signal), res.stopped));
