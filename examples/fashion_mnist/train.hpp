@@ -23,6 +23,7 @@ struct TrainConfig {
   bool resume = false;
   std::string comm_hook = "allreduce";
   double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out
   bool bf16_autocast = false;
   double clip_grad_norm = 0.0;
