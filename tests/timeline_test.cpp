@@ -198,3 +198,38 @@ TEST(ClockSync, TheShortestRoundTripWins) {
   EXPECT_EQ(off.error_ns, 50);
   EXPECT_THROW(cohort::core::estimate_offset({}), cohort::InvalidArgument);
 }
+
+TEST(Pictures, BenchPlotDrawsOurCurveAndThePeers) {
+  const std::string dir = lt::temp_dir();
+  {
+    std::ofstream f(dir + "/peers.csv");
+    f << "name,size_bytes,busbw_gbps\nmpi shm (median),1024,0.5\nmpi shm (median),65536,2.5\n";
+  }
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce", "--sizes",
+                    "1K,64K", "-n", "3", "-w", "1", "--plot", dir + "/bw.svg", "--plot-peers", dir + "/peers.csv"},
+                   {{"COHORT_TIMELINE", ""}}, 120);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string svg = slurp(dir + "/bw.svg");
+  EXPECT_TRUE(tags_balanced(svg)) << svg;
+  EXPECT_TRUE(contains(svg, ">cohort native</text>")) << svg;
+  EXPECT_TRUE(contains(svg, ">mpi shm (median)</text>")) << svg;
+  EXPECT_TRUE(contains(svg, ">64K</text>")) << "a size tick on the log2 axis:\n" << svg;
+  int polylines = 0;
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++polylines;
+  EXPECT_EQ(polylines, 3) << "out-of-place, in-place and the peer";
+
+  {
+    std::ofstream f(dir + "/bad.csv");
+    f << "mpi,1024,fast\n";
+  }
+  auto bad =
+      lt::run({"bench", "allreduce", "--sizes", "1K", "--plot", dir + "/x.svg", "--plot-peers", dir + "/bad.csv"},
+              {{"COHORT_TIMELINE", ""},
+               {"RANK", "0"},
+               {"WORLD_SIZE", "1"},
+               {"MASTER_ADDR", "127.0.0.1"},
+               {"MASTER_PORT", std::to_string(lt::free_port_pair())}},
+              60);
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "line 1: 'mpi,1024,fast' is not 'name,size_bytes,busbw_gbps'")) << bad.err;
+}
