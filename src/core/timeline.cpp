@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -30,11 +31,13 @@ const Knob kTimeline{"COHORT_TIMELINE", "",
 constexpr size_t kFlushEvents = 8192;
 
 struct Event {
-  char ph;  // X complete, i instant, b/e async begin/end
-  int tid;
-  uint64_t id;
-  int64_t ts_ns, dur_ns;
-  std::string name, cat, args;
+  char ph;               // X complete, i instant, b/e async begin/end
+  bool is_coll = false;  // name, args from `coll` and `group`
+  int tid = 0;
+  uint64_t id = 0;
+  int64_t ts_ns = 0, dur_ns = 0;
+  std::string name, cat, args, group;
+  CollArgs coll;
 };
 
 struct State {
@@ -46,6 +49,7 @@ struct State {
   std::map<std::string, int, std::less<>> tracks;  // name -> tid
   std::vector<Event> buf;
   std::vector<bool> named;  // tids whose thread_name is in the file
+  fmt::memory_buffer out;   // the text of one flush
   std::FILE* file = nullptr;
   bool closed = false;
   bool failed = false;
@@ -71,15 +75,30 @@ std::string us(int64_t ns) {
   return fmt::format("{}.{:03d}", ns / 1000, static_cast<int>(ns % 1000));
 }
 
-void write_event(std::FILE* f, int pid, const Event& e) {
-  std::string line = fmt::format(R"({{"ph":"{}","pid":{},"tid":{},"ts":{},"name":"{}","cat":"{}")", e.ph, pid, e.tid,
-                                 us(e.ts_ns), json_escape(e.name), json_escape(e.cat));
-  if (e.ph == 'X') line += fmt::format(R"(,"dur":{})", us(e.dur_ns));
-  if (e.ph == 'b' || e.ph == 'e') line += fmt::format(R"(,"id":"0x{:x}")", e.id);
-  if (e.ph == 'i') line += R"(,"s":"t")";
-  if (!e.args.empty()) line += fmt::format(R"(,"args":{})", e.args);
-  line += "},\n";
-  std::fputs(line.c_str(), f);
+void write_event(fmt::memory_buffer& out, int pid, const Event& e) {
+  auto it = fmt::appender(out);
+  if (e.is_coll) {
+    const CollArgs& a = e.coll;
+    fmt::format_to(it, R"({{"ph":"{}","pid":{},"tid":{},"ts":{},"name":"{}{}","cat":"{}")", e.ph, pid, e.tid,
+                   us(e.ts_ns), a.op, e.ph == 'X' ? "" : " queued", e.ph == 'X' ? "coll" : "queue");
+    if (e.ph == 'X')
+      fmt::format_to(it,
+                     R"(,"dur":{},"args":{{"op":"{}","seq":{},"bytes":{},"algo":"{}","group":"{}","rank":{},)"
+                     R"("dtype":"{}","count":{},"queued":{}{}}})",
+                     us(e.dur_ns), a.op, a.seq, a.bytes, a.algo, json_escape(e.group), a.rank, a.dtype, a.count,
+                     a.queued ? "true" : "false", a.failed ? R"(,"failed":true)" : "");
+    else
+      fmt::format_to(it, R"(,"id":"0x{:x}","args":{{"seq":{}}})", e.id, a.seq);
+    fmt::format_to(it, "}},\n");
+    return;
+  }
+  fmt::format_to(it, R"({{"ph":"{}","pid":{},"tid":{},"ts":{},"name":"{}","cat":"{}")", e.ph, pid, e.tid, us(e.ts_ns),
+                 json_escape(e.name), json_escape(e.cat));
+  if (e.ph == 'X') fmt::format_to(it, R"(,"dur":{})", us(e.dur_ns));
+  if (e.ph == 'b' || e.ph == 'e') fmt::format_to(it, R"(,"id":"0x{:x}")", e.id);
+  if (e.ph == 'i') fmt::format_to(it, R"(,"s":"t")");
+  if (!e.args.empty()) fmt::format_to(it, R"(,"args":{})", e.args);
+  fmt::format_to(it, "}},\n");
 }
 
 // Opens the file on first use; metadata (process name, clock) goes first.
@@ -142,7 +161,10 @@ void flush_locked(State& s) {
                    .c_str(),
                s.file);
   }
-  for (const auto& e : s.buf) write_event(s.file, pid, e);
+  fmt::memory_buffer& out = s.out;  // kept between flushes: no regrowth, no fresh pages
+  out.clear();
+  for (const auto& e : s.buf) write_event(out, pid, e);
+  std::fwrite(out.data(), 1, out.size(), s.file);
   s.buf.clear();
   std::fflush(s.file);
 }
@@ -152,7 +174,15 @@ void add(char ph, std::string_view track, std::string_view name, std::string_vie
   State& s = st();
   std::lock_guard<std::mutex> lk(s.mu);
   if (s.closed) return;
-  s.buf.push_back(Event{ph, tid_locked(s, track), id, ts, dur, std::string(name), std::string(cat), std::string(args)});
+  Event& e = s.buf.emplace_back();
+  e.ph = ph;
+  e.tid = tid_locked(s, track);
+  e.id = id;
+  e.ts_ns = ts;
+  e.dur_ns = dur;
+  e.name = name;
+  e.cat = cat;
+  e.args = args;
   if (s.buf.size() >= kFlushEvents && s.rank >= 0) flush_locked(s);
 }
 
@@ -187,6 +217,37 @@ void async_span(std::string_view track, std::string_view name, std::string_view 
   if (!enabled()) return;
   add('b', track, name, cat, id, start_ns, 0, args_json);
   add('e', track, name, cat, id, end_ns, 0, {});
+}
+
+int track(std::string_view name) {
+  State& s = st();
+  std::lock_guard<std::mutex> lk(s.mu);
+  return tid_locked(s, name);
+}
+
+void coll(int tid, int queue_tid, std::string_view group, const CollArgs& a, int64_t queued_ns, int64_t start_ns,
+          int64_t end_ns) {
+  if (!enabled()) return;
+  State& s = st();
+  std::lock_guard<std::mutex> lk(s.mu);
+  if (s.closed) return;
+  auto push = [&](char ph, int t, int64_t ts, int64_t dur) {
+    Event& e = s.buf.emplace_back();
+    e.ph = ph;
+    e.is_coll = true;
+    e.tid = t;
+    e.id = a.seq;
+    e.ts_ns = ts;
+    e.dur_ns = dur;
+    e.group = group;
+    e.coll = a;
+  };
+  if (queued_ns != 0) {
+    push('b', queue_tid, queued_ns, 0);
+    push('e', queue_tid, start_ns, 0);
+  }
+  push('X', tid, start_ns, end_ns - start_ns);
+  if (s.buf.size() >= kFlushEvents && s.rank >= 0) flush_locked(s);
 }
 
 void set_rank(int rank) {
@@ -235,6 +296,7 @@ void enable(const std::string& dir) {
   {
     std::lock_guard<std::mutex> lk(s.mu);
     s.dir = dir;
+    s.buf.reserve(kFlushEvents + 4);
   }
   static bool registered = false;
   if (!registered) {

@@ -46,6 +46,23 @@ void instant(std::string_view track, std::string_view name, std::string_view cat
 void async_span(std::string_view track, std::string_view name, std::string_view cat, uint64_t id, int64_t start_ns,
                 int64_t end_ns, std::string_view args_json = {});
 
+// The hot path for collectives: arguments as plain values, formatted only
+// when the buffer is written. Strings must be static (coll_name, algo_name,
+// dtype_name); `group` is copied.
+struct CollArgs {
+  const char* op = "";
+  const char* algo = "";
+  const char* dtype = "";
+  uint64_t seq = 0, bytes = 0, count = 0;
+  int rank = 0;
+  bool queued = false, failed = false;
+};
+// A track's id, made on first use (callers cache it: the lookup takes the lock).
+int track(std::string_view name);
+// The collective's run span on `tid` and, when queued_ns != 0, its queued async span on `queue_tid`.
+void coll(int tid, int queue_tid, std::string_view group, const CollArgs& a, int64_t queued_ns, int64_t start_ns,
+          int64_t end_ns);
+
 // Who this process is: the rank names the file; host and clock offset go into it.
 void set_rank(int rank);
 void set_clock(int64_t offset_to_rank0_ns, int64_t error_ns, std::string_view method, std::string_view host);

@@ -30,18 +30,26 @@ std::string hostname() {
 }  // namespace
 
 void record_op(const std::string& group_id, int rank, const OpDesc& d, int64_t start_ns, int64_t end_ns, bool failed) {
-  const char* name = collectives::coll_name(d.coll);
-  const std::string track = "group " + group_id;
+  // Track ids of the last group seen by this thread: a group runs its operations on one or two threads.
+  thread_local std::string cached_group;
+  thread_local int tid = 0, queue_tid = 0;
+  if (tid == 0 || cached_group != group_id) {
+    cached_group = group_id;
+    tid = tl::track("group " + group_id);
+    queue_tid = tl::track("group " + group_id + " queue");
+  }
   const Buffer& b = d.coll == collectives::Coll::Recv || d.coll == collectives::Coll::Broadcast ? d.recv : d.send;
-  std::string args =
-      fmt::format(R"({{"op":"{}","seq":{},"bytes":{},"algo":"{}","group":"{}","rank":{},)"
-                  R"("dtype":"{}","count":{},"queued":{}{}}})",
-                  name, d.seq, d.bytes(), d.algo ? d.algo : "direct", tl::json_escape(group_id), rank,
-                  dtype_name(b.dtype), b.count, d.queued_ns != 0 ? "true" : "false", failed ? R"(,"failed":true)" : "");
-  if (d.queued_ns != 0)
-    tl::async_span(track + " queue", fmt::format("{} #{} queued", name, d.seq), "queue", d.seq, d.queued_ns, start_ns,
-                   fmt::format(R"({{"seq":{}}})", d.seq));
-  tl::span(track, name, "coll", start_ns, end_ns, args);
+  tl::CollArgs a;
+  a.op = collectives::coll_name(d.coll);
+  a.algo = d.algo ? d.algo : "direct";
+  a.dtype = dtype_name(b.dtype).data();
+  a.seq = d.seq;
+  a.bytes = d.bytes();
+  a.count = b.count;
+  a.rank = rank;
+  a.queued = d.queued_ns != 0;
+  a.failed = failed;
+  tl::coll(tid, queue_tid, group_id, a, d.queued_ns, start_ns, end_ns);
 }
 
 void timeline_setup(Store& store, int rank, int size) {
