@@ -98,8 +98,16 @@ double overlap(const Span& a, const Span& b) {
 std::vector<RankSummary> summarize(const json& merged) {
   const json& ev = merged.is_object() ? merged.at("traceEvents") : merged;
   std::map<int, std::vector<const json*>> by_rank;
-  for (const auto& e : ev)
-    if (e.value("ph", "") == "X") by_rank[e.value("pid", 0)].push_back(&e);
+  // DDP bucket allreduces in flight (async begin/end pairs), per rank: the communication that can hide behind backward.
+  std::map<int, std::map<std::string, Span>> buckets;
+  for (const auto& e : ev) {
+    const std::string ph = e.value("ph", "");
+    if (ph == "X") by_rank[e.value("pid", 0)].push_back(&e);
+    if ((ph == "b" || ph == "e") && e.value("cat", "") == "bucket") {
+      Span& b = buckets[e.value("pid", 0)][e.value("id", "")];
+      (ph == "b" ? b.ts : b.end) = e.value("ts", 0.0);
+    }
+  }
   std::vector<RankSummary> out;
   for (auto& [rank, list] : by_rank) {
     RankSummary s;
@@ -125,6 +133,20 @@ std::vector<RankSummary> summarize(const json& merged) {
         o.bytes += e->contains("args") ? (*e)["args"].value("bytes", 0.0) : 0.0;
       }
     }
+    if (auto it = buckets.find(rank); it != buckets.end()) {
+      comm.clear();  // the reducer's view: from a bucket's launch to its completion
+      for (const auto& [id, b] : it->second)
+        if (b.end >= b.ts) comm.push_back(b);
+    }
+    // Union of the communication intervals, so that queued buckets are not counted twice.
+    std::sort(comm.begin(), comm.end(), [](const Span& a, const Span& b) { return a.ts < b.ts; });
+    std::vector<Span> merged;
+    for (const auto& c : comm)
+      if (!merged.empty() && c.ts <= merged.back().end)
+        merged.back().end = std::max(merged.back().end, c.end);
+      else
+        merged.push_back(c);
+    comm = merged;
     s.marked_steps = !steps.empty();
     if (steps.empty() && std::isfinite(first)) steps.push_back(Span{first, last});
     s.steps = static_cast<int>(steps.size());
@@ -150,7 +172,8 @@ std::string format_summary(const std::vector<RankSummary>& all) {
                      s.step_ms / n, s.compute_ms / n, s.exposed_ms / n, s.data_ms / n, s.comm_ms / n,
                      s.marked_steps ? fmt::format("{:.1f}%", s.overlap_pct) : "-");
   }
-  o += "(per step, mean over the steps; comm ms: collectives running, hidden or not)\n";
+  o += "(per step, mean over the steps; comm ms: communication in flight, hidden or not: DDP buckets from launch to "
+       "completion, else the collectives)\n";
   if (!all.empty() && !all[0].marked_steps)
     o += "no \"step\" spans in this trace (the program does not mark its steps): the whole trace counts as one step\n";
   o += "\ncollectives (whole trace):\n";

@@ -33,7 +33,8 @@ struct RankSummary {
   double data_ms = 0;      // "data" spans: waiting for the next batch
   double exposed_ms = 0;   // "comm wait" spans: waiting for gradient allreduces after backward
   double compute_ms = 0;   // the rest: step - data - exposed
-  double comm_ms = 0;      // collectives running inside the steps
+  double comm_ms = 0;      // in flight inside the steps: DDP buckets from launch to completion when the trace
+                           // has them (as StepMetrics counts), else the collectives running
   double overlap_pct = 0;  // share of comm_ms hidden behind compute: 100 * (1 - exposed / comm)
   bool marked_steps = false;
   std::map<std::string, OpStat> ops;  // by collective name, over the whole trace
