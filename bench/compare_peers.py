@@ -61,12 +61,12 @@ def main():
     mpi_coll = {"broadcast": "bcast"}.get(args.coll, args.coll)
     top = max(SIZES)
     configs = {
-        "cohort shm": lambda: parse_rows(run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
+        "cohort shm": lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
                                               "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"]), True),
         "mpi shm": lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
                                            os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll, "-b", "8",
                                            "-e", str(top), "-f", "4"]), False),
-        "cohort tcp": lambda: parse_rows(run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
+        "cohort tcp": lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
                                               "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"],
                                              {"COHORT_TRANSPORT": "tcp"}), True),
         "mpi tcp": lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np), "--mca", "btl",
@@ -133,7 +133,7 @@ def main():
                     v = med(name, s, 1)
                     if v is not None:
                         f.write(f"{name} (median),{s},{v}\n")
-        run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll, "--sizes", sizes,
+        run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll, "--sizes", sizes,
              "-n", "0", "-w", "5", "-c", "1", "--plot", args.plot, "--plot-peers", peers_csv])
         print(f"\nplot: {args.plot} (peers' medians in {peers_csv})")
 

@@ -34,9 +34,10 @@ void add_trace_command(CLI::App& app, int& exit_code) {
   });
 
   auto* sum = cmd->add_subcommand("summary", "per-rank step breakdown: compute, exposed communication, data wait");
-  static std::string in, svg_out;
+  static std::string in, svg_out, title = "Where a step spends its time, per rank";
   sum->add_option("trace", in, "merged trace (cohort trace merge) or a COHORT_TIMELINE directory")->required();
   sum->add_option("--svg", svg_out, "also draw the breakdown as an SVG bar chart");
+  sum->add_option("--title", title, "the chart's title (say which run it is)");
   sum->callback([&exit_code] {
     nlohmann::json j;
     if (std::filesystem::is_directory(in)) {
@@ -52,7 +53,7 @@ void add_trace_command(CLI::App& app, int& exit_code) {
     auto s = trace::summarize(j);
     std::fputs(trace::format_summary(s).c_str(), stdout);
     if (!svg_out.empty()) {
-      svg::write_file(svg_out, trace::summary_svg(s, "Where a step spends its time, per rank"));
+      svg::write_file(svg_out, trace::summary_svg(s, title));
       std::printf("wrote %s\n", svg_out.c_str());
     }
     exit_code = 0;

@@ -53,6 +53,7 @@ double nice_step(double max, int n) {
 
 std::string num(double v) {
   if (v == std::floor(v) && std::fabs(v) < 1e9) return fmt::format("{}", static_cast<int64_t>(v));
+  if (std::fabs(v) >= 100) return fmt::format("{:.0f}", v);
   return fmt::format("{:.3g}", v);
 }
 
@@ -156,7 +157,7 @@ std::string render(const BarChart& c) {
   if (vmax <= 0) vmax = 1;
   const int bar_h = 26, gap = 12;
   const int ph = static_cast<int>(c.bars.size()) * (bar_h + gap) + gap;
-  const int h = kTop + ph + kBottom, pw = kW - kLeft - kRight;
+  const int h = kTop + ph + kBottom + 24, pw = kW - kLeft - kRight;  // legend in a row below the axis title
   const double step = nice_step(vmax, 5), vtop = std::ceil(vmax / step) * step;
   auto px = [&](double v) { return kLeft + v / vtop * pw; };
   std::string o = header(kW, h, c.title);
@@ -167,7 +168,7 @@ std::string render(const BarChart& c) {
   for (double v = 0; v <= vtop + 1e-9; v += step)
     o += fmt::format("<text x=\"{:.1f}\" y=\"{}\">{}</text>\n", px(v), kTop + ph + 18, num(v));
   o += "</g>\n";
-  o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", kLeft + pw / 2, h - 12,
+  o += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", kLeft + pw / 2, h - 36,
                    esc(c.value_label));
   for (size_t i = 0; i < c.bars.size(); ++i) {
     const auto& b = c.bars[i];
@@ -182,12 +183,18 @@ std::string render(const BarChart& c) {
           px(at), y, px(at + s.value) - px(at), bar_h, kColors[k % std::size(kColors)], esc(s.name), num(s.value));
       at += s.value;
     }
+    std::string parts;  // the numbers, readable without hovering: "272 = 195 + 73.8 + 3.22"
+    for (const auto& s : b.segments) parts += (parts.empty() ? "" : " + ") + num(s.value);
+    o += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"11\">{}{}</text>\n", px(at) + 4, y + bar_h / 2 + 4,
+                     num(at), b.segments.size() > 1 ? " = " + parts : "");
   }
+  int lx = kLeft;
   for (size_t k = 0; k < names.size(); ++k) {
-    const int ly = kTop + 10 + static_cast<int>(k) * 20;
-    o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"14\" fill=\"{}\"/>\n", kLeft + pw + 12, ly - 7,
+    const int ly = h - 14;
+    o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"14\" height=\"14\" fill=\"{}\"/>\n", lx, ly - 11,
                      kColors[k % std::size(kColors)]);
-    o += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", kLeft + pw + 32, ly + 4, esc(names[k]));
+    o += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", lx + 20, ly, esc(names[k]));
+    lx += 20 + static_cast<int>(names[k].size()) * 7 + 24;
   }
   o += "</svg>\n";
   return o;
