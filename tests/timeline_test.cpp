@@ -233,3 +233,45 @@ TEST(Pictures, BenchPlotDrawsOurCurveAndThePeers) {
   EXPECT_NE(bad.status, 0);
   EXPECT_TRUE(contains(bad.err, "line 1: 'mpi,1024,fast' is not 'name,size_bytes,busbw_gbps'")) << bad.err;
 }
+
+TEST(Timeline, SummaryArithmeticOnAHandMadeTrace) {
+  // Two ranks, two steps each, in microseconds. Rank 0: steps of 100, data 10, comm wait 20 (bucket in flight 50).
+  // Rank 1: steps of 100, data 10, no wait, and 29% more compute than rank 0 (90 vs 70): the hint names it.
+  json ev = json::array();
+  auto x = [&](int pid, const char* name, const char* cat, double ts, double dur) {
+    ev.push_back({{"ph", "X"}, {"pid", pid}, {"tid", 1}, {"ts", ts}, {"dur", dur}, {"name", name}, {"cat", cat}});
+  };
+  for (int step = 0; step < 2; ++step) {
+    const double t = step * 100;
+    x(0, "step", "step", t, 100);
+    x(0, "data", "step", t, 10);
+    x(0, "comm wait", "ddp", t + 70, 20);
+    ev.push_back({{"ph", "b"},
+                  {"pid", 0},
+                  {"ts", t + 40},
+                  {"id", std::to_string(step)},
+                  {"name", "bucket 0 allreduce"},
+                  {"cat", "bucket"}});
+    ev.push_back({{"ph", "e"},
+                  {"pid", 0},
+                  {"ts", t + 90},
+                  {"id", std::to_string(step)},
+                  {"name", "bucket 0 allreduce"},
+                  {"cat", "bucket"}});
+    x(1, "step", "step", t, 100);
+    x(1, "data", "step", t, 10);
+  }
+  const std::string dir = lt::temp_dir();
+  {
+    std::ofstream f(dir + "/job.json");
+    f << json{{"traceEvents", ev}}.dump();
+  }
+  auto s = lt::run({"trace", "summary", dir + "/job.json"}, {}, 60);
+  ASSERT_EQ(s.status, 0) << s.err;
+  // per step: step 0.1 ms = compute 0.07 + exposed 0.02 + data 0.01; in flight 0.05 ms, 60% hidden
+  EXPECT_TRUE(contains(s.out, "    0      2      0.100       0.070         0.020      0.010      0.050    60.0%"))
+      << s.out;
+  EXPECT_TRUE(contains(s.out, "    1      2      0.100       0.090         0.000      0.010      0.000     0.0%"))
+      << s.out;
+  EXPECT_TRUE(contains(s.out, "HINT: rank 1 computes 29% longer per step than rank 0")) << s.out;
+}

@@ -176,6 +176,20 @@ std::string format_summary(const std::vector<RankSummary>& all) {
        "completion, else the collectives)\n";
   if (!all.empty() && !all[0].marked_steps)
     o += "no \"step\" spans in this trace (the program does not mark its steps): the whole trace counts as one step\n";
+  // The slowest rank holds everyone's allreduces: the others see that wait as exposed communication.
+  const RankSummary* lo = nullptr;
+  const RankSummary* hi = nullptr;
+  for (const auto& s : all) {
+    if (s.steps == 0) continue;
+    if (!lo || s.compute_ms / s.steps < lo->compute_ms / lo->steps) lo = &s;
+    if (!hi || s.compute_ms / s.steps > hi->compute_ms / hi->steps) hi = &s;
+  }
+  if (lo && hi && all[0].marked_steps && lo->compute_ms > 0 &&
+      hi->compute_ms / hi->steps > 1.1 * lo->compute_ms / lo->steps)
+    o += fmt::format(
+        "HINT: rank {} computes {:.0f}% longer per step than rank {}: the faster ranks' exposed "
+        "communication is partly waiting for it (uneven data, CPU binding, a busy core?)\n",
+        hi->rank, 100.0 * (hi->compute_ms / hi->steps / (lo->compute_ms / lo->steps) - 1), lo->rank);
   o += "\ncollectives (whole trace):\n";
   for (const auto& s : all)
     for (const auto& [name, st] : s.ops)
