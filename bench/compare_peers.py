@@ -52,18 +52,21 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--no-gloo", action="store_true")
+    ap.add_argument("--plot", metavar="FILE.svg",
+                    help="also draw busbw against size: the peers' medians go to FILE.peers.csv and one more cohort "
+                         "run draws them beside its own curve (cohort bench --plot --plot-peers)")
     args = ap.parse_args()
 
     sizes = ",".join(str(s) for s in SIZES)
     mpi_coll = {"broadcast": "bcast"}.get(args.coll, args.coll)
     top = max(SIZES)
     configs = {
-        "cohort shm": lambda: parse_rows(run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
+        "cohort shm": lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
                                               "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"]), True),
         "mpi shm": lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
                                            os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll, "-b", "8",
                                            "-e", str(top), "-f", "4"]), False),
-        "cohort tcp": lambda: parse_rows(run([args.cohort, "run", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
+        "cohort tcp": lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll,
                                               "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"],
                                              {"COHORT_TRANSPORT": "tcp"}), True),
         "mpi tcp": lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np), "--mca", "btl",
@@ -118,6 +121,21 @@ def main():
     wrong = {n: sorted({r[s][2] for r in results[n] for s in r}) for n in names}
     print(f"\n#wrong seen: {wrong}")
     print("Ratios are 'times better than the peer': time_peer / time_ours for 8 B and 1 KiB, busbw_ours / busbw_peer above.")
+
+    if args.plot:
+        peers_csv = os.path.splitext(args.plot)[0] + ".peers.csv"
+        with open(peers_csv, "w") as f:
+            f.write("name,size_bytes,busbw_gbps\n")
+            for name in names:
+                if name == "cohort shm":
+                    continue  # the plotting run below draws cohort over shm itself
+                for s in SIZES:
+                    v = med(name, s, 1)
+                    if v is not None:
+                        f.write(f"{name} (median),{s},{v}\n")
+        run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll, "--sizes", sizes,
+             "-n", "0", "-w", "5", "-c", "1", "--plot", args.plot, "--plot-peers", peers_csv])
+        print(f"\nplot: {args.plot} (peers' medians in {peers_csv})")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 // under `cohort run` (every rank runs it). Flags and columns follow
 // nccl-tests: size count type redop root time algbw busbw #wrong, out-of-place
 // then in-place; busbw factors from nccl-tests' PERFORMANCE.md.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,14 +10,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "bench_colls.hpp"
 #include "bench_memory.hpp"
 #include "commands.hpp"
 #include "core/env.hpp"
+#include "svg_plot.hpp"
 
 namespace cohort::tools {
 namespace {
@@ -28,6 +29,7 @@ struct BenchFlags {
   int iters = 20, warmup = 5, check = 1, root = 0;
   std::string dtype = "float", op = "sum";
   std::string device = "cpu";
+  std::string plot, plot_peers;  // --plot FILE.svg, --plot-peers FILE.csv
 };
 
 std::vector<size_t> size_list(const BenchFlags& f) {
@@ -47,6 +49,35 @@ std::vector<size_t> size_list(const BenchFlags& f) {
     throw InvalidArgument(fmt::format("-b {} -e {}: need two byte sizes with -b <= -e (e.g. -b 8 -e 64M)", f.min_bytes, f.max_bytes));
   if (f.factor <= 1) throw InvalidArgument(fmt::format("-f {}: the step factor must be > 1", f.factor));
   for (double s = double(*lo); s <= double(*hi) * 1.0000001; s *= f.factor) out.push_back(size_t(s));
+  return out;
+}
+
+// "name,size_bytes,busbw_gbps" lines (a header line and '#' comments are skipped), one curve per name.
+std::vector<svg::Series> read_peer_curves(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw InvalidArgument(fmt::format("--plot-peers {}: cannot read the file", path));
+  std::vector<svg::Series> out;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty() || line[0] == '#' || line.rfind("name,", 0) == 0) continue;
+    std::stringstream ss(line);
+    std::string name, size, bw;
+    std::getline(ss, name, ',');
+    std::getline(ss, size, ',');
+    std::getline(ss, bw, ',');
+    char* e1 = nullptr;
+    char* e2 = nullptr;
+    const double sz = std::strtod(size.c_str(), &e1), b = std::strtod(bw.c_str(), &e2);
+    if (name.empty() || size.empty() || bw.empty() || *e1 != '\0' || *e2 != '\0')
+      throw InvalidArgument(
+          fmt::format("--plot-peers {} line {}: '{}' is not 'name,size_bytes,busbw_gbps'", path, lineno, line));
+    auto it = std::find_if(out.begin(), out.end(), [&](const svg::Series& s) { return s.name == name; });
+    if (it == out.end()) it = out.insert(out.end(), svg::Series{name, {}, {}});
+    it->x.push_back(sz);
+    it->y.push_back(b);
+  }
   return out;
 }
 
@@ -127,6 +158,11 @@ int run_bench(const BenchFlags& f) {
     });
   };
 
+  if (!f.plot_peers.empty() && f.plot.empty())
+    throw InvalidArgument("--plot-peers adds curves to the --plot picture: add --plot FILE.svg");
+  const std::vector<svg::Series> peers =
+      f.plot_peers.empty() ? std::vector<svg::Series>{} : read_peer_curves(f.plot_peers);
+  svg::Series oop{fmt::format("cohort {}", pg->backend_name()), {}, {}}, ip{"cohort in-place", {}, {}};
   double bw_sum = 0;
   int bw_rows = 0;
   int64_t total_wrong = 0;
@@ -178,12 +214,24 @@ int run_bench(const BenchFlags& f) {
       double busbw = algbw * coll->factor(n);
       bw_sum += busbw;
       ++bw_rows;
+      (in_place ? ip : oop).x.push_back(double(bytes));
+      (in_place ? ip : oop).y.push_back(busbw);
       row += fmt::format("  {:>9.2f}  {:>7.2f}  {:>7.2f}  {:>6}", us, algbw, busbw, f.check ? std::to_string(wrong) : "N/A");
     }
     say(*pg, row + "\n");
   }
   say(*pg, fmt::format("# Out of bounds values : {} {}\n", total_wrong, total_wrong == 0 ? "OK" : "FAILED"));
   say(*pg, fmt::format("# Avg bus bandwidth    : {:.4f}\n#\n", bw_rows ? bw_sum / bw_rows : 0.0));
+  if (!f.plot.empty() && pg->rank() == 0) {
+    svg::LineChart c{fmt::format("{} busbw, {} ranks, {} {}", f.coll, n, f.dtype, coll->reduces ? f.op : std::string()),
+                     "message size (bytes)",
+                     "busbw (GB/s)",
+                     true,
+                     {oop, ip}};
+    c.series.insert(c.series.end(), peers.begin(), peers.end());
+    svg::write_file(f.plot, svg::render(c));
+    say(*pg, fmt::format("# plot: {}\n", f.plot));
+  }
   pg->shutdown();
   return total_wrong == 0 ? 0 : 1;
 }
@@ -205,6 +253,10 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("-d,--datatype", f.dtype, "float, double, half, bf16, int8, uint8, int32, int64");
   cmd->add_option("-o,--op", f.op, "sum, prod, min, max, avg");
   cmd->add_option("-r,--root", f.root, "root rank of rooted collectives");
+  cmd->add_option("--plot", f.plot, "rank 0 draws busbw against size into this SVG file");
+  cmd->add_option(
+      "--plot-peers", f.plot_peers,
+      "CSV of other curves for --plot, lines 'name,size_bytes,busbw_gbps' (bench/compare_peers.py --plot writes it)");
   cmd->add_option("--device", f.device,
                   "cpu: host buffers (native backend); cuda: GPU buffers with the nccl backend (a build with CUDA, docs/nccl.md)");
   cmd->callback([&exit_code] { exit_code = run_bench(f); });

@@ -11,5 +11,6 @@ void add_bench_command(CLI::App& app, int& exit_code);  // cmd_bench.cpp: nccl-t
 void add_env_command(CLI::App& app, int& exit_code);    // cmd_env.cpp: every COHORT_* knob
 void add_topo_command(CLI::App& app, int& exit_code);   // cmd_topo.cpp: hwloc topology and relation matrix
 void add_doctor_command(CLI::App& app, int& exit_code);  // cmd_doctor.cpp: environment, connectivity, bandwidth check
+void add_trace_command(CLI::App& app, int& exit_code);   // cmd_trace.cpp: merge and summarise timelines
 
 }  // namespace cohort::tools

@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   app.add_option("--comm-hook", cfg.comm_hook, "gradient communication: allreduce, fp16 or bf16 (compressed)")
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16"}));
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size");
+  app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)");
   app.add_flag("--grad-bucket-view,!--no-grad-bucket-view", cfg.grad_bucket_view,
                "gradients live in the DDP buckets (gradient_as_bucket_view): no copies in or out");
   app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");

@@ -2,13 +2,14 @@
 
 #include <ATen/autocast_mode.h>
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cohort/cohort.hpp"
 #include "cohort/data.hpp"
@@ -157,6 +158,7 @@ int train(const TrainConfig& cfg) {
 
   cohort::torch::DistributedDataParallelOptions dopts;
   dopts.bucket_cap_mb = cfg.bucket_cap_mb;
+  dopts.first_bucket_mb = cfg.first_bucket_mb;
   dopts.gradient_as_bucket_view = cfg.grad_bucket_view;
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
@@ -182,6 +184,8 @@ int train(const TrainConfig& cfg) {
   };
 
   // ---- train ----
+  // Step breakdown (compute / exposed communication / data wait) and the timeline's "train" track.
+  cohort::StepMetrics metrics(*pg);
   int64_t timed_steps = 0;
   double timed_s = 0;
   bool stop = false;
@@ -203,7 +207,14 @@ int train(const TrainConfig& cfg) {
     auto epoch_start = Clock::now(), last_print = epoch_start;
     double loss_sum = 0;
     int64_t loss_n = 0;
-    while (auto batch = loader.next()) {
+    for (;;) {
+      metrics.begin_step();
+      auto batch = loader.next();  // waiting for it: "data" on the timeline, data wait in the metrics
+      if (!batch) {
+        metrics.cancel_step();
+        break;
+      }
+      metrics.data_ready();
       auto t0 = Clock::now();
       const int64_t b = batch->size();
       auto x = torch::from_blob(batch->x.data(), {b, 1, 28, 28});
@@ -212,6 +223,7 @@ int train(const TrainConfig& cfg) {
       opt.zero_grad();
       ddp.pre_forward();
       torch::Tensor loss;
+      std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");
       if (cfg.bf16_autocast) {
         at::autocast::set_cpu_enabled(true);
         at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
@@ -221,14 +233,20 @@ int train(const TrainConfig& cfg) {
       } else {
         loss = torch::cross_entropy_loss(model.forward(x), y);
       }
+      forward_span.reset();
+      std::optional<cohort::timeline::Span> backward_span(std::in_place, "backward");  // includes DDP's finalize()
       if (cfg.no_allreduce) {
         auto guard = ddp.no_sync();
         loss.backward();
       } else {
         loss.backward();
       }
+      backward_span.reset();
       if (cfg.clip_grad_norm > 0) cohort::torch::clip_grad_norm(params, cfg.clip_grad_norm);
-      opt.step();
+      {
+        cohort::timeline::Span span("optimizer step");
+        opt.step();
+      }
       ++step;
       pos += b;
       const double loss_value = loss.item<double>();
@@ -238,6 +256,7 @@ int train(const TrainConfig& cfg) {
         std::fflush(stdout);  // a line per step as it happens (bench/fault_times.py times them)
       }
       ++loss_n;
+      metrics.end_step();
       auto t1 = Clock::now();
       if (step > cfg.timing_skip) {
         timed_s += secs(t0, t1);
@@ -291,6 +310,8 @@ int train(const TrainConfig& cfg) {
                 static_cast<long long>(timed_steps), ips, timed_steps ? slowest / timed_steps * 1000 : 0.0,
                 cfg.no_allreduce ? "off" : "on");
   }
+  metrics.finish();
+  if (lead) std::fputs(metrics.report().c_str(), stdout);
   pg->shutdown();
   return 0;
 }

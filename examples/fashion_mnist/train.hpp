@@ -25,6 +25,7 @@ struct TrainConfig {
   bool auto_resume = true;  // resume by itself when TORCHELASTIC_RESTART_COUNT > 0 (a restart by `cohort run`)
   std::string comm_hook = "allreduce";
   double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out
   bool bf16_autocast = false;
   double clip_grad_norm = 0.0;

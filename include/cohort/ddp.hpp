@@ -170,6 +170,8 @@ struct IterationStats {
   size_t unused_params = 0;      // parameters finalize() had to mark (find_unused_parameters)
   size_t no_sync_marks = 0;      // mark_ready() calls under no_sync() between the previous synced iteration and this one
   std::vector<BucketStats> buckets;
+  SteadyTime first_mark{};    // the first mark_ready(): backward's first gradient
+  SteadyTime wait_started{};  // finalize() began waiting for the buckets: backward is over
 };
 
 class Reducer;

@@ -14,14 +14,15 @@
 // lock serialises them, and since collectives are issued only under the lock,
 // the group sees one issuing thread at a time as it requires. A small
 // collective may run inline on the marking thread (COHORT_INLINE_BYTES).
+#include <fmt/format.h>
+
 #include <cstring>
 #include <mutex>
-
-#include <fmt/format.h>
 
 #include "cohort/ddp.hpp"
 #include "core/check.hpp"
 #include "core/log.hpp"
+#include "ddp/iteration_record.hpp"
 #include "ddp/messages.hpp"
 
 namespace cohort::ddp {
@@ -244,7 +245,7 @@ struct Reducer::Impl {
                                         "registered; pass its gradient's data pointer, or register it with set_grad()",
                                         group.rank(), p, msg::param_list(params, {p})));
     if (src != dst && param_bytes(p) > 0) std::memcpy(dst, src, param_bytes(p));
-    ++stats.marks;
+    if (stats.marks++ == 0) stats.first_mark = std::chrono::steady_clock::now();
     set_ready(p);
     launch_ready_buckets(false);
     poll_completions();
@@ -283,6 +284,7 @@ struct Reducer::Impl {
       launch_ready_buckets(true);
     }
     COHORT_ASSERT(next_launch == buckets.size(), "finalize: every bucket is complete but not every bucket launched");
+    stats.wait_started = std::chrono::steady_clock::now();
 
     for (size_t b = 0; b < buckets.size(); ++b) {
       CommFuture& f = buckets[b].future;
@@ -312,6 +314,7 @@ struct Reducer::Impl {
       }
     }
     stats.finalized = std::chrono::steady_clock::now();
+    record_iteration(stats, group);  // timeline spans and step metrics (iteration_record.hpp)
   }
 };
 

@@ -1,16 +1,17 @@
 // init_process_group: read the launcher's environment (launch_env.hpp), reach the store, build the world group.
+#include <fmt/format.h>
+
 #include <cstdlib>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "cohort/process_group.hpp"
 #include "core/cpu_layout.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/launch_env.hpp"
-#include "group/nccl/nccl_group.hpp"
 #include "group/native_group.hpp"
+#include "group/nccl/nccl_group.hpp"
+#include "group/op_timeline.hpp"
 
 namespace cohort {
 namespace {
@@ -78,6 +79,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
     }
     run_id = root->get_string("run_id");
   }
+  group::timeline_setup(*root, rank, size);  // COHORT_TIMELINE: clock offsets (no-op when off)
 
   group::GroupSetup s;
   s.rank = rank;

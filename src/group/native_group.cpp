@@ -1,14 +1,16 @@
 // NativeGroup: queue, progress thread, execution and failure handling.
 #include "group/native_group.hpp"
 
-#include <cstring>
-
 #include <fmt/format.h>
+
+#include <cstring>
 
 #include "collectives/algorithms.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "core/reduce.hpp"
+#include "core/timeline.hpp"
+#include "group/op_timeline.hpp"
 
 namespace cohort::group {
 namespace {
@@ -70,6 +72,7 @@ void NativeGroup::shutdown() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  core::timeline::flush();
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& [d, w] : queue_)
     w->complete(std::make_exception_ptr(Error(fmt::format("{} was cancelled: the group was shut down", d.describe()))));
@@ -88,6 +91,7 @@ WorkPtr NativeGroup::submit(OpDesc d) {
     run_locked(lk, d, *w);
     return w;
   }
+  if (core::timeline::enabled()) d.queued_ns = core::timeline::now_ns();
   auto w = std::make_shared<WorkImpl>(d, setup_.timeout, std::weak_ptr<WorkRunner>(weak_from_this()));
   queue_.emplace_back(std::move(d), w);
   if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
@@ -101,12 +105,14 @@ void NativeGroup::run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkIm
   lk.unlock();
   std::exception_ptr err;
   recorder_.started(d.seq);
+  const int64_t t0 = core::timeline::enabled() ? core::timeline::now_ns() : 0;
   try {
     execute(d);
   } catch (...) {
     err = std::current_exception();
   }
   recorder_.finished(d.seq, !err);
+  if (t0 != 0) record_op(setup_.group_id, setup_.rank, d, t0, core::timeline::now_ns(), err != nullptr);
   w.complete(err);
   lk.lock();
   busy_ = false;
@@ -179,6 +185,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
                            ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
                            : d.bytes();
   Algo a = c::select(c::TunerInput{d.coll, tuner_bytes, n, all_shm_});
+  d.algo = c::algo_name(a);
   COHORT_TRACE(kColl, "{} {} bytes algo {}", d.describe(), d.bytes(), c::algo_name(a));
 
   switch (d.coll) {

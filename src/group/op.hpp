@@ -22,6 +22,8 @@ struct OpDesc {
   Millis timeout{0};
   uint64_t seq = 0;  // set when queued
   std::vector<P2POp> batch;  // P2PBatch only
+  int64_t queued_ns = 0;     // timeline: when it entered the queue (0: ran inline or timeline off)
+  const char* algo = nullptr;  // timeline: the algorithm that ran it (set by the group)
 
   // Bytes this rank moves, for the inline-path threshold and messages.
   size_t bytes() const;
