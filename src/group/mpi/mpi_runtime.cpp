@@ -1,0 +1,227 @@
+// MPI's initialisation, dtype/op mapping, errors and the watchdog (mpi_runtime.hpp).
+#include "group/mpi/mpi_runtime.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "core/env.hpp"
+#include "core/log.hpp"
+#include "core/reduce.hpp"
+
+namespace cohort::group::mpi {
+namespace {
+
+const core::Knob kThreadLevel{
+    "COHORT_MPI_THREAD_LEVEL", "serialized",
+    "mpi backend: thread level cohort asks MPI_Init_thread for (single, funneled, serialized "
+    "or multiple); cohort itself needs serialized, since Work::wait may run on another thread"};
+
+struct Runtime {
+  bool we_initialized = false;
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Datatype f16 = MPI_DATATYPE_NULL, bf16 = MPI_DATATYPE_NULL;
+  MPI_Op half_ops[kNumReduceOps] = {};  // by ReduceOp, for f16 and bf16
+};
+
+Runtime& rt() {
+  static Runtime r;
+  return r;
+}
+
+// Our MPI_Op for f16 and bf16: inout[i] = in[i] (op) inout[i], reduced in f32
+// and rounded back by cohort's own kernel (core::reduce), as the native backend does.
+template <ReduceOp Op>
+void half_op(void* in, void* inout, int* len, MPI_Datatype* type) {
+  const DType t = (*type == rt().bf16) ? DType::BF16 : DType::F16;
+  core::reduce(inout, inout, in, static_cast<size_t>(*len), t, Op);
+}
+
+int parse_level(const std::string& s) {
+  if (s == "single") return MPI_THREAD_SINGLE;
+  if (s == "funneled") return MPI_THREAD_FUNNELED;
+  if (s == "serialized") return MPI_THREAD_SERIALIZED;
+  if (s == "multiple") return MPI_THREAD_MULTIPLE;
+  throw InvalidArgument(
+      fmt::format("COHORT_MPI_THREAD_LEVEL={}: unknown thread level; use single, funneled, serialized or "
+                  "multiple (default serialized)",
+                  s));
+}
+
+// Wakes every 100 ms and ends the process when the blocking call in flight has
+// been the same one for longer than its timeout.
+void watchdog_loop() {
+  using Clock = std::chrono::steady_clock;
+  uint64_t seen = 0;
+  Clock::time_point since{};
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    Watch& w = watch();
+    const uint64_t token = w.token.load(std::memory_order_acquire);
+    const auto now = Clock::now();
+    if (token == 0 || token != seen) {
+      seen = token;
+      since = now;
+      continue;
+    }
+    const int64_t limit = w.timeout_ms.load(std::memory_order_relaxed);
+    const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count();
+    if (limit <= 0 || ran < limit) continue;
+    const std::string what =
+        describe_call(w.seq.load(std::memory_order_relaxed), w.fingerprint.load(std::memory_order_relaxed),
+                      w.count.load(std::memory_order_relaxed));
+    std::fprintf(
+        stderr,
+        "cohort: rank %d: %s on the mpi backend is still in %s after %lld ms (timeout %lld ms, COHORT_TIMEOUT); "
+        "MPI cannot cancel a call, so this process exits (code 124).\n"
+        "HINT: a peer died, hangs, or called a different collective; run with COHORT_DEBUG=INFO to see each "
+        "rank's calls, or raise COHORT_TIMEOUT if the operation is just slow\n",
+        w.rank.load(std::memory_order_relaxed), what.c_str(), w.call.load(std::memory_order_relaxed),
+        static_cast<long long>(ran), static_cast<long long>(limit));
+    std::fflush(stderr);
+    std::_Exit(124);
+  }
+}
+
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+}  // namespace
+
+Watch& watch() {
+  static Watch w;
+  return w;
+}
+
+std::mutex& mpi_lock() {
+  static std::mutex m;
+  return m;
+}
+
+std::string thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE:
+      return "single";
+    case MPI_THREAD_FUNNELED:
+      return "funneled";
+    case MPI_THREAD_SERIALIZED:
+      return "serialized";
+    case MPI_THREAD_MULTIPLE:
+      return "multiple";
+  }
+  return std::to_string(level);
+}
+
+void ensure_initialized() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Runtime& r = rt();
+    int inited = 0;
+    MPI_Initialized(&inited);
+    const int want = parse_level(kThreadLevel.str());
+    if (inited) {
+      MPI_Query_thread(&r.provided);
+      COHORT_INFO(kInit, "mpi backend: MPI was initialised by the program (thread level {})",
+                  thread_level_name(r.provided));
+    } else {
+      int rc = MPI_Init_thread(nullptr, nullptr, want, &r.provided);
+      if (rc != MPI_SUCCESS)
+        throw PeerError(
+            fmt::format("backend 'mpi': MPI_Init_thread failed (code {}); HINT: start the program with mpirun "
+                        "(or as a single process), and check that the MPI it was built with is installed",
+                        rc),
+            -1);
+      r.we_initialized = true;
+      std::atexit(finalize_at_exit);
+    }
+    if (r.provided < want)
+      COHORT_WARN(kInit,
+                  "mpi backend: asked MPI for thread level {} but it provides {}; issue calls and Work::wait from the "
+                  "thread that initialised cohort only",
+                  thread_level_name(want), thread_level_name(r.provided));
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Type_contiguous(1, MPI_UINT16_T, &r.f16);
+    MPI_Type_commit(&r.f16);
+    MPI_Type_contiguous(1, MPI_UINT16_T, &r.bf16);
+    MPI_Type_commit(&r.bf16);
+    MPI_Op_create(&half_op<ReduceOp::Sum>, 1, &r.half_ops[int(ReduceOp::Sum)]);
+    MPI_Op_create(&half_op<ReduceOp::Prod>, 1, &r.half_ops[int(ReduceOp::Prod)]);
+    MPI_Op_create(&half_op<ReduceOp::Min>, 1, &r.half_ops[int(ReduceOp::Min)]);
+    MPI_Op_create(&half_op<ReduceOp::Max>, 1, &r.half_ops[int(ReduceOp::Max)]);
+    r.half_ops[int(ReduceOp::Avg)] = r.half_ops[int(ReduceOp::Sum)];
+    std::thread(watchdog_loop).detach();
+  });
+}
+
+MPI_Datatype datatype(DType t) {
+  switch (t) {
+    case DType::F32:
+      return MPI_FLOAT;
+    case DType::F64:
+      return MPI_DOUBLE;
+    case DType::F16:
+      return rt().f16;
+    case DType::BF16:
+      return rt().bf16;
+    case DType::I8:
+      return MPI_INT8_T;
+    case DType::U8:
+      return MPI_UINT8_T;
+    case DType::I32:
+      return MPI_INT32_T;
+    case DType::I64:
+      return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;  // validate() rejected unknown dtypes before
+}
+
+MPI_Op op_for(ReduceOp op, DType t) {
+  if (t == DType::F16 || t == DType::BF16) return rt().half_ops[int(op)];
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      return MPI_SUM;
+    case ReduceOp::Prod:
+      return MPI_PROD;
+    case ReduceOp::Min:
+      return MPI_MIN;
+    case ReduceOp::Max:
+      return MPI_MAX;
+  }
+  return MPI_OP_NULL;
+}
+
+void throw_mpi_error(int rc, const char* call, const OpDesc& d, int rank) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0, cls = 0;
+  MPI_Error_string(rc, text, &len);
+  MPI_Error_class(rc, &cls);
+  std::string msg = fmt::format("rank {}: {} failed in {}: {} (MPI error class {})", rank, d.describe(), call,
+                                std::string(text, len), cls);
+  switch (cls) {
+    case MPI_ERR_BUFFER:
+    case MPI_ERR_COUNT:
+    case MPI_ERR_TYPE:
+    case MPI_ERR_TAG:
+    case MPI_ERR_RANK:
+    case MPI_ERR_ROOT:
+    case MPI_ERR_OP:
+    case MPI_ERR_ARG:
+    case MPI_ERR_TRUNCATE:
+      throw InvalidArgument(msg +
+                            "; HINT: every rank must call the same collective with matching counts, dtypes and "
+                            "roots (a receive must be as large as its send)");
+    default:
+      throw PeerError(msg + "; HINT: a peer probably died or MPI lost a connection; the MPI job cannot continue", -1);
+  }
+}
+
+}  // namespace cohort::group::mpi
