@@ -1,8 +1,8 @@
 // init_process_group: read the launcher's environment (launch_env.hpp), reach the store, build the world group.
-#include <fmt/format.h>
-
 #include <cstdlib>
 #include <random>
+
+#include <fmt/format.h>
 
 #include "cohort/process_group.hpp"
 #include "core/cpu_layout.hpp"
@@ -10,25 +10,22 @@
 #include "core/log.hpp"
 #include "group/launch_env.hpp"
 #include "group/mpi/mpi_group.hpp"
-#include "group/native_group.hpp"
 #include "group/nccl/nccl_group.hpp"
+#include "group/native_group.hpp"
 
 namespace cohort {
 namespace {
 
-const core::Knob kTimeout{
-    "COHORT_TIMEOUT", "300s",
-    "deadline of every collective and of set-up (e.g. 300s, 30m): a peer that never arrives fails "
-    "the operation after this long",
-    core::KnobKind::Seconds};
-const core::Knob kTransport{"COHORT_TRANSPORT", "",
-                            "force a transport between ranks: shm (one host only) or tcp; default: "
-                            "shm between ranks on one host, tcp between hosts"};
+const core::Knob kTimeout{"COHORT_TIMEOUT", "300s",
+                          "deadline of every collective and of set-up (e.g. 300s, 30m): a peer that never arrives fails "
+                          "the operation after this long",
+                          core::KnobKind::Seconds};
+const core::Knob kTransport{"COHORT_TRANSPORT", "", "force a transport between ranks: shm (one host only) or tcp; default: "
+                                                   "shm between ranks on one host, tcp between hosts"};
 const core::Knob kBackend{"COHORT_BACKEND", "native",
                           "collective backend: native (cohort's shm + tcp), mpi (MPI's collectives, under mpirun: "
                           "docs/mpi.md) or nccl (GPU)"};
-const core::Knob kRunId{"COHORT_RUN_ID", "",
-                        "job id, set by `cohort run` (names shared-memory segments); made up when unset"};
+const core::Knob kRunId{"COHORT_RUN_ID", "", "job id, set by `cohort run` (names shared-memory segments); made up when unset"};
 std::string env_or(const char* name, const char* dflt) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? v : dflt;
@@ -48,16 +45,16 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   core::set_log_rank(rank);
   COHORT_INFO(kInit, "rank {} of {} (local rank {} of {}) from {}'s variables ({}); store host {} ({})", rank, size,
               le.local_rank ? std::to_string(*le.local_rank) : "?",
-              le.local_world_size ? std::to_string(*le.local_world_size) : "?", le.source, le.variables, le.master_addr,
-              le.master_addr_from);
+              le.local_world_size ? std::to_string(*le.local_world_size) : "?", le.source, le.variables,
+              le.master_addr, le.master_addr_from);
   if (core::log_enabled(core::LogLevel::Info, core::kInit))  // reading sysfs only when someone looks
-    COHORT_INFO(kInit, "host {}: {}",
-                le.local_world_size ? fmt::format("with {} local rank(s)", *le.local_world_size) : std::string("seen"),
+    COHORT_INFO(kInit, "host {}: {}", le.local_world_size ? fmt::format("with {} local rank(s)", *le.local_world_size)
+                                                          : std::string("seen"),
                 core::describe_host_cpus(core::read_cpu_layout(), core::current_affinity()));
 
   if (backend != "native" && backend != "nccl")
-    throw InvalidArgument(fmt::format(
-        "backend '{}' is unknown; use native, mpi or nccl (COHORT_BACKEND or InitOptions::backend)", backend));
+    throw InvalidArgument(
+        fmt::format("backend '{}' is unknown; use native, mpi or nccl (COHORT_BACKEND or InitOptions::backend)", backend));
 
   std::shared_ptr<Store> base = opts.store;
   std::string route_hint = le.master_addr;
