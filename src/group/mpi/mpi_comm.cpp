@@ -9,7 +9,12 @@
 namespace cohort::group::mpi {
 
 MpiWork::MpiWork(std::shared_ptr<CommState> comm, const OpDesc& d, Millis timeout)
-    : comm_(std::move(comm)), desc_(d), deadline_(core::Deadline::after(timeout)), timeout_(timeout) {}
+    : comm_(std::move(comm)),
+      desc_(d),
+      deadline_(core::Deadline::after(timeout)),
+      timeout_(timeout),
+      p2p_(d.coll == collectives::Coll::Send || d.coll == collectives::Coll::Recv ||
+           d.coll == collectives::Coll::P2PBatch) {}
 
 bool MpiWork::is_completed() const {
   if (done_.load(std::memory_order_acquire)) return true;
@@ -124,25 +129,43 @@ WorkPtr CommState::done(const OpDesc& d) {
   return w;
 }
 
-void CommState::drain() {
-  while (!pending.empty()) {
-    auto w = pending.front();
+void CommState::drain(bool collectives_only) {
+  for (auto it = pending.begin(); it != pending.end();) {
+    if (collectives_only && (*it)->p2p()) {
+      ++it;
+      continue;
+    }
+    auto w = *it;  // keeps it alive while driven
     w->drive(nullptr);
-    pending.pop_front();
+    it = pending.erase(it);
   }
 }
 
 bool CommState::complete_through(const MpiWork* target, const core::Deadline* poll_until) {
-  while (!target->done_.load(std::memory_order_relaxed) && !pending.empty()) {
-    auto w = pending.front();
+  for (auto it = pending.begin(); it != pending.end() && !target->done_.load(std::memory_order_relaxed);) {
+    const bool is_target = it->get() == target;
+    if (!is_target && (target->p2p() || (*it)->p2p())) {  // point-to-point: neither waits for nor holds up others
+      ++it;
+      continue;
+    }
+    auto w = *it;
     if (!w->drive(poll_until)) return false;
-    pending.pop_front();
+    it = pending.erase(it);
   }
   return true;
 }
 
 void CommState::test_pending() {
-  while (!pending.empty() && pending.front()->test_once()) pending.pop_front();
+  bool in_order = true;  // no collective before this one is still running
+  for (auto it = pending.begin(); it != pending.end();) {
+    auto w = *it;
+    if ((w->p2p() || in_order) && w->test_once()) {
+      it = pending.erase(it);
+      continue;
+    }
+    if (!w->p2p()) in_order = false;
+    ++it;
+  }
 }
 
 void CommState::shutdown() {

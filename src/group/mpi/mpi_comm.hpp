@@ -9,9 +9,11 @@
 //     ...) and returns an MpiWork; Work::wait (MPI_Waitall) or is_completed
 //     (MPI_Testall) drive it to completion. Open MPI progresses nonblocking
 //     collectives inside those calls, so the work happens in wait.
-// Works of one communicator complete in the order they were issued: waiting
-// on one first completes those issued before it, and a blocking call first
-// completes every pending one.
+// Collectives of one communicator complete in the order they were issued:
+// waiting on one first completes the collectives issued before it, and a
+// blocking collective first completes every pending one. Point-to-point
+// Works (send, recv, batch) complete on their own, as MPI's requests do, so
+// that "post a receive, then send what lets the peer answer it" works.
 //
 // Threads: every member below is touched only under mpi_lock() (one thread in
 // MPI at a time: MPI_THREAD_SERIALIZED).
@@ -62,6 +64,7 @@ class MpiWork final : public Work {
   void wait(Millis timeout) override;
   std::exception_ptr error() const override;
   std::string describe() const override { return desc_.describe(); }
+  bool p2p() const { return p2p_; }
 
   // Filled by the issuing call before the Work is handed out.
   std::vector<MPI_Request> reqs;
@@ -82,6 +85,7 @@ class MpiWork final : public Work {
   OpDesc desc_;
   core::Deadline deadline_;  // the operation's own (issue time + timeout)
   Millis timeout_;
+  bool p2p_;
   std::atomic<bool> done_{false};
   std::exception_ptr err_;  // written before done_ is set
 };
@@ -101,12 +105,14 @@ class CommState : public std::enable_shared_from_this<CommState> {
 
   // A completed Work describing d, from the pool when one is free.
   WorkPtr done(const OpDesc& d);
-  // Completes every pending Work (blocking, watchdog armed). Under mpi_lock.
-  void drain();
-  // Completes the pending Works up to and including w (in order). With
-  // poll_until, gives up at that time and returns false. Under mpi_lock.
+  // Completes every pending Work, or only the collectives (blocking,
+  // watchdog armed). Under mpi_lock.
+  void drain(bool collectives_only = false);
+  // Completes w: a collective after the collectives issued before it, a
+  // point-to-point Work alone. With poll_until, gives up at that time and
+  // returns false. Under mpi_lock.
   bool complete_through(const MpiWork* w, const core::Deadline* poll_until);
-  // Completes the leading pending Works whose requests have finished. Under mpi_lock.
+  // Completes the pending Works whose requests have finished (collectives in order). Under mpi_lock.
   void test_pending();
   // Drains, then frees the communicator. Never throws.
   void shutdown();

@@ -44,11 +44,12 @@ namespace {
 
 using collectives::Coll;
 
-const core::Knob kBlockingBytes{"COHORT_MPI_BLOCKING_BYTES", "64K",
-                                "mpi backend: operations moving at most this many bytes run as MPI's blocking call on "
-                                "the caller's thread (lowest latency); larger ones as nonblocking calls completed by "
-                                "Work::wait",
-                                core::KnobKind::Bytes};
+const core::Knob kBlockingBytes{
+    "COHORT_MPI_BLOCKING_BYTES", "64K",
+    "mpi backend: calls whose message (count x element size, the count as in `cohort bench`) "
+    "is at most this run as MPI's blocking call on the caller's thread (lowest latency); "
+    "larger ones as nonblocking calls completed by Work::wait",
+    core::KnobKind::Bytes};
 
 void* in_place_or(const void* p, bool in_place) {
   return in_place ? MPI_IN_PLACE : const_cast<void*>(p);
@@ -223,7 +224,6 @@ class MpiGroup final : public ProcessGroup {
     }
     std::lock_guard<std::mutex> g(mpi_lock());
     check_open(d);
-    c_->drain();
     d.seq = ++c_->seq;
     const Millis t = d.timeout.count() > 0 ? d.timeout : c_->timeout;
     auto w = std::make_shared<MpiWork>(c_, d, t);
@@ -266,7 +266,7 @@ class MpiGroup final : public ProcessGroup {
     OpDesc d{Coll::Barrier};
     std::lock_guard<std::mutex> g(mpi_lock());
     check_open(d);
-    c_->drain();
+    c_->drain(true);
     int rc;
     {
       Armed a(d, me_, c_->timeout, "MPI_Comm_split");
@@ -300,8 +300,16 @@ class MpiGroup final : public ProcessGroup {
     std::lock_guard<std::mutex> g(mpi_lock());
     check_open(d);
     d.seq = ++c_->seq;
-    if (d.bytes() <= blocking_max_) {
-      if (!c_->pending.empty()) c_->drain();  // in order: everything issued before completes first
+    // The path must be the same on every rank (MPI's blocking and nonblocking
+    // collectives do not match each other), so it goes by the call's count,
+    // which every rank has in common, not by the bytes this rank moves.
+    const Buffer& b =
+        d.coll == Coll::Recv || d.coll == Coll::Broadcast || d.coll == Coll::Scatter || d.coll == Coll::ReduceScatter
+            ? d.recv
+            : d.send;
+    if (d.call_count() * dtype_size(b.dtype) <= blocking_max_) {
+      // In order: the collectives issued before complete first (point-to-point calls complete on their own).
+      if (!c_->pending.empty() && !is_p2p(d)) c_->drain(true);
       int rc;
       {
         Armed a(d, me_, t, call);
@@ -322,6 +330,8 @@ class MpiGroup final : public ProcessGroup {
     c_->pending.push_back(w);
     return w;
   }
+
+  static bool is_p2p(const OpDesc& d) { return d.coll == Coll::Send || d.coll == Coll::Recv; }
 
   static std::string nonblocking_name(const char* call) {  // "MPI_Allreduce" -> "MPI_Iallreduce"
     return fmt::format("MPI_I{}{}", static_cast<char>(std::tolower(call[4])), call + 5);
