@@ -18,14 +18,14 @@ MpiWork::MpiWork(std::shared_ptr<CommState> comm, const OpDesc& d, Millis timeou
 
 bool MpiWork::is_completed() const {
   if (done_.load(std::memory_order_acquire)) return true;
-  std::lock_guard<std::mutex> g(mpi_lock());
+  std::lock_guard<MpiLock> g(mpi_lock());
   comm_->test_pending();
   return done_.load(std::memory_order_acquire);
 }
 
 void MpiWork::wait(Millis timeout) {
   if (!done_.load(std::memory_order_acquire)) {
-    std::unique_lock<std::mutex> lk(mpi_lock());
+    std::unique_lock<MpiLock> lk(mpi_lock());
     // A wait shorter than the operation's own deadline polls, so that it can
     // give up; otherwise it blocks in MPI_Waitall (MPI progresses fastest
     // there) and the watchdog enforces the operation's deadline.
@@ -106,7 +106,8 @@ bool MpiWork::drive(const core::Deadline* poll_until) {
   }
 }
 
-CommState::CommState(MPI_Comm c, Millis t, std::vector<int> wr) : comm(c), timeout(t), world_ranks(std::move(wr)) {
+CommState::CommState(MPI_Comm c, Millis t, std::vector<int> wr)
+    : comm(c), timeout(t), world_ranks(std::move(wr)), done_(new DoneWork) {  // never deleted: see done()
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
@@ -114,19 +115,6 @@ CommState::CommState(MPI_Comm c, Millis t, std::vector<int> wr) : comm(c), timeo
 
 CommState::~CommState() {
   shutdown();
-}
-
-WorkPtr CommState::done(const OpDesc& d) {
-  for (auto& w : pool_) {
-    if (!w) w = std::make_shared<DoneWork>();
-    if (w.use_count() == 1) {  // nobody else holds it (and only this thread, under mpi_lock, can hand it out)
-      w->set(d);
-      return w;
-    }
-  }
-  auto w = std::make_shared<DoneWork>();
-  w->set(d);
-  return w;
 }
 
 void CommState::drain(bool collectives_only) {

@@ -3,8 +3,11 @@
 // Two paths (docs/mpi.md):
 //   - blocking: an operation of at most COHORT_MPI_BLOCKING_BYTES runs as
 //     MPI's blocking call on the caller's thread, under the watchdog, and
-//     returns an already completed Work taken from a small pool (no
-//     allocation): what an 8-byte allreduce's latency needs.
+//     returns the communicator's completed Work: one object per communicator
+//     that lives as long as the process, handed out through a shared_ptr
+//     without a control block, so that returning and dropping it costs no
+//     allocation and no atomic reference count (what an 8-byte allreduce's
+//     latency needs). Its describe() names the latest blocking call.
 //   - nonblocking: a larger one starts MPI's nonblocking call (MPI_Iallreduce,
 //     ...) and returns an MpiWork; Work::wait (MPI_Waitall) or is_completed
 //     (MPI_Testall) drive it to completion. Open MPI progresses nonblocking
@@ -37,22 +40,27 @@ namespace cohort::group::mpi {
 
 class CommState;
 
-// A completed Work (blocking path). Pooled by CommState: reused once nobody holds it.
+// The completed Work of the blocking path (one per communicator, never freed).
 class DoneWork final : public Work {
  public:
   bool is_completed() const override { return true; }
   void wait(Millis) override {}
   std::exception_ptr error() const override { return nullptr; }
-  std::string describe() const override { return describe_call(seq_, fingerprint_, count_); }
+  std::string describe() const override { return last_.describe(); }
+  // Copies the few fields describe() needs (no batch: the blocking path has none).
   void set(const OpDesc& d) {
-    seq_ = d.seq;
-    fingerprint_ = d.fingerprint();
-    count_ = d.call_count();
+    last_.coll = d.coll;
+    last_.send = d.send;
+    last_.recv = d.recv;
+    last_.op = d.op;
+    last_.root = d.root;
+    last_.peer = d.peer;
+    last_.tag = d.tag;
+    last_.seq = d.seq;
   }
 
  private:
-  uint64_t seq_ = 0, count_ = 0;
-  uint32_t fingerprint_ = 0;
+  OpDesc last_{collectives::Coll::Barrier};
 };
 
 // The Work of a nonblocking MPI call.
@@ -103,8 +111,11 @@ class CommState : public std::enable_shared_from_this<CommState> {
   bool shut_down = false;
   std::deque<std::shared_ptr<MpiWork>> pending;
 
-  // A completed Work describing d, from the pool when one is free.
-  WorkPtr done(const OpDesc& d);
+  // The communicator's completed Work, now describing d.
+  WorkPtr done(const OpDesc& d) {
+    done_->set(d);
+    return WorkPtr(std::shared_ptr<void>(), done_);  // aliasing, no owner: no reference count
+  }
   // Completes every pending Work, or only the collectives (blocking,
   // watchdog armed). Under mpi_lock.
   void drain(bool collectives_only = false);
@@ -118,7 +129,7 @@ class CommState : public std::enable_shared_from_this<CommState> {
   void shutdown();
 
  private:
-  std::array<std::shared_ptr<DoneWork>, 4> pool_;
+  DoneWork* done_;  // immortal: Works handed out may outlive this communicator
 };
 
 }  // namespace cohort::group::mpi

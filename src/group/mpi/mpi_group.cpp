@@ -55,6 +55,12 @@ void* in_place_or(const void* p, bool in_place) {
   return in_place ? MPI_IN_PLACE : const_cast<void*>(p);
 }
 
+bool overlap(const Buffer& a, const Buffer& b) {
+  auto* a0 = static_cast<const uint8_t*>(a.data);
+  auto* b0 = static_cast<const uint8_t*>(b.data);
+  return a0 < b0 + b.count * elem_size(b.dtype) && b0 < a0 + a.count * elem_size(a.dtype);
+}
+
 uint8_t* block(void* base, size_t i, size_t bytes) {
   return static_cast<uint8_t*>(base) + i * bytes;
 }
@@ -76,9 +82,17 @@ class MpiGroup final : public ProcessGroup {
     const MPI_Datatype t = datatype(send.dtype);
     const MPI_Op op = op_for(o.op, send.dtype);
     void* sbuf = in_place_or(send.data, send.data == recv.data);
+    // The checks of validate() inline, on the latency-critical call; validate
+    // itself runs (and throws its message) only when one fails.
+    const bool ok = static_cast<uint8_t>(send.dtype) < kNumDTypes && send.dtype == recv.dtype &&
+                    send.count == recv.count && static_cast<uint8_t>(o.op) < kNumReduceOps &&
+                    (send.count == 0 || (send.data != nullptr && recv.data != nullptr)) &&
+                    (send.data == recv.data || !overlap(send, recv));
+    if (!ok) validate(d, me_, n_);
     auto finish = avg_finish(o.op, recv);
-    return issue(
-        d, "MPI_Allreduce", [&] { return MPI_Allreduce(sbuf, recv.data, count, t, op, c_->comm); },
+    return issue<true>(
+        d, send.count * elem_size(send.dtype), "MPI_Allreduce",
+        [&] { return MPI_Allreduce(sbuf, recv.data, count, t, op, c_->comm); },
         [&](MPI_Request* r) { return MPI_Iallreduce(sbuf, recv.data, count, t, op, c_->comm, r); }, finish);
   }
 
@@ -87,7 +101,8 @@ class MpiGroup final : public ProcessGroup {
     const int count = mpi_count(d, buf.count);
     const MPI_Datatype t = datatype(buf.dtype);
     return issue(
-        d, "MPI_Bcast", [&] { return MPI_Bcast(buf.data, count, t, o.root, c_->comm); },
+        d, buf.count * elem_size(buf.dtype), "MPI_Bcast",
+        [&] { return MPI_Bcast(buf.data, count, t, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Ibcast(buf.data, count, t, o.root, c_->comm, r); }, nullptr);
   }
 
@@ -101,7 +116,8 @@ class MpiGroup final : public ProcessGroup {
     void* rbuf = root ? recv.data : nullptr;
     auto finish = root ? avg_finish(o.op, recv) : nullptr;
     return issue(
-        d, "MPI_Reduce", [&] { return MPI_Reduce(sbuf, rbuf, count, t, op, o.root, c_->comm); },
+        d, send.count * elem_size(send.dtype), "MPI_Reduce",
+        [&] { return MPI_Reduce(sbuf, rbuf, count, t, op, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Ireduce(sbuf, rbuf, count, t, op, o.root, c_->comm, r); }, finish);
   }
 
@@ -112,7 +128,8 @@ class MpiGroup final : public ProcessGroup {
     const MPI_Datatype t = datatype(send.dtype);
     void* sbuf = in_place_or(send.data, send.data == block(recv.data, me_, send.bytes()) && send.count > 0);
     return issue(
-        d, "MPI_Allgather", [&] { return MPI_Allgather(sbuf, count, t, recv.data, count, t, c_->comm); },
+        d, send.count * elem_size(send.dtype), "MPI_Allgather",
+        [&] { return MPI_Allgather(sbuf, count, t, recv.data, count, t, c_->comm); },
         [&](MPI_Request* r) { return MPI_Iallgather(sbuf, count, t, recv.data, count, t, c_->comm, r); }, nullptr);
   }
 
@@ -123,12 +140,26 @@ class MpiGroup final : public ProcessGroup {
     const MPI_Datatype t = datatype(send.dtype);
     const MPI_Op op = op_for(o.op, send.dtype);
     // In place (one buffer): MPI reads all blocks from recvbuf and leaves the result in its first block.
-    void* sbuf = in_place_or(send.data, send.data == recv.data && send.count > 0);
+    const bool same = send.data == recv.data && send.count > 0;
+    void* sbuf = in_place_or(send.data, same);
+    void* rbuf = recv.data;
     auto finish = avg_finish(o.op, recv);
+    std::vector<uint8_t> tmp;
+    if (!same && recv.count > 0 && overlap(send, recv)) {
+      // recv inside send (PyTorch's in-place convention: recv = block `rank`
+      // of send): MPI may not write where it reads, so the result goes to a
+      // scratch buffer first.
+      tmp.resize(recv.bytes());
+      rbuf = tmp.data();
+      finish = [dst = recv, src = rbuf, avg = std::move(finish)] {
+        std::memcpy(dst.data, src, dst.bytes());
+        if (avg) avg();
+      };
+    }
     return issue(
-        d, "MPI_Reduce_scatter_block",
-        [&] { return MPI_Reduce_scatter_block(sbuf, recv.data, count, t, op, c_->comm); },
-        [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(sbuf, recv.data, count, t, op, c_->comm, r); }, finish);
+        d, recv.count * elem_size(recv.dtype), "MPI_Reduce_scatter_block",
+        [&] { return MPI_Reduce_scatter_block(sbuf, rbuf, count, t, op, c_->comm); },
+        [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(sbuf, rbuf, count, t, op, c_->comm, r); }, finish, &tmp);
   }
 
   WorkPtr gather(Buffer send, Buffer recv, GatherOptions o) override {
@@ -141,7 +172,8 @@ class MpiGroup final : public ProcessGroup {
     void* sbuf = in_place_or(send.data, root && send.count > 0 && send.data == block(recv.data, me_, send.bytes()));
     void* rbuf = root ? recv.data : nullptr;
     return issue(
-        d, "MPI_Gather", [&] { return MPI_Gather(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
+        d, send.count * elem_size(send.dtype), "MPI_Gather",
+        [&] { return MPI_Gather(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Igather(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, nullptr);
   }
 
@@ -155,7 +187,8 @@ class MpiGroup final : public ProcessGroup {
     void* sbuf = root ? send.data : nullptr;
     void* rbuf = in_place_or(recv.data, root && recv.count > 0 && recv.data == block(send.data, me_, recv.bytes()));
     return issue(
-        d, "MPI_Scatter", [&] { return MPI_Scatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
+        d, recv.count * elem_size(recv.dtype), "MPI_Scatter",
+        [&] { return MPI_Scatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Iscatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, nullptr);
   }
 
@@ -167,8 +200,8 @@ class MpiGroup final : public ProcessGroup {
     const MPI_Datatype t = datatype(send.dtype);
     const bool in_place = send.data == recv.data && send.count > 0;
     std::vector<uint8_t> copy;
-    return issue(
-        d, "MPI_Alltoall",
+    return issue<true>(
+        d, send.count * elem_size(send.dtype), "MPI_Alltoall",
         [&] { return MPI_Alltoall(in_place_or(send.data, in_place), k, t, recv.data, k, t, c_->comm); },
         [&](MPI_Request* r) {
           const void* src = send.data;
@@ -184,7 +217,7 @@ class MpiGroup final : public ProcessGroup {
   WorkPtr barrier(BarrierOptions o) override {
     OpDesc d{Coll::Barrier, {}, {}, ReduceOp::Sum, 0, -1, 0, o.timeout};
     return issue(
-        d, "MPI_Barrier", [&] { return MPI_Barrier(c_->comm); },
+        d, 0, "MPI_Barrier", [&] { return MPI_Barrier(c_->comm); },
         [&](MPI_Request* r) { return MPI_Ibarrier(c_->comm, r); }, nullptr);
   }
 
@@ -194,8 +227,9 @@ class MpiGroup final : public ProcessGroup {
     check_tag(d, o.tag);
     const int count = mpi_count(d, buf.count);
     const MPI_Datatype t = datatype(buf.dtype);
-    return issue(
-        d, "MPI_Send", [&] { return MPI_Send(buf.data, count, t, dst, o.tag, c_->comm); },
+    return issue<true>(
+        d, buf.count * elem_size(buf.dtype), "MPI_Send",
+        [&] { return MPI_Send(buf.data, count, t, dst, o.tag, c_->comm); },
         [&](MPI_Request* r) { return MPI_Isend(buf.data, count, t, dst, o.tag, c_->comm, r); }, nullptr);
   }
 
@@ -206,8 +240,9 @@ class MpiGroup final : public ProcessGroup {
     const int count = mpi_count(d, buf.count);
     const MPI_Datatype t = datatype(buf.dtype);
     MPI_Status st;
-    auto w = issue(
-        d, "MPI_Recv", [&] { return MPI_Recv(buf.data, count, t, src, o.tag, c_->comm, &st); },
+    auto w = issue<true>(
+        d, buf.count * elem_size(buf.dtype), "MPI_Recv",
+        [&] { return MPI_Recv(buf.data, count, t, src, o.tag, c_->comm, &st); },
         [&](MPI_Request* r) { return MPI_Irecv(buf.data, count, t, src, o.tag, c_->comm, r); }, nullptr, nullptr,
         static_cast<int64_t>(buf.bytes()), &st);
     return w;
@@ -222,7 +257,7 @@ class MpiGroup final : public ProcessGroup {
       check_tag(d, op.tag);
       mpi_count(d, op.buf.count);
     }
-    std::lock_guard<std::mutex> g(mpi_lock());
+    std::lock_guard<MpiLock> g(mpi_lock());
     check_open(d);
     d.seq = ++c_->seq;
     const Millis t = d.timeout.count() > 0 ? d.timeout : c_->timeout;
@@ -264,7 +299,7 @@ class MpiGroup final : public ProcessGroup {
     const bool member = it != ranks.end();
     MPI_Comm sub = MPI_COMM_NULL;
     OpDesc d{Coll::Barrier};
-    std::lock_guard<std::mutex> g(mpi_lock());
+    std::lock_guard<MpiLock> g(mpi_lock());
     check_open(d);
     c_->drain(true);
     int rc;
@@ -283,7 +318,7 @@ class MpiGroup final : public ProcessGroup {
 
   // Completes the pending Works (MPI cannot cancel them), then frees the communicator.
   void shutdown() override {
-    std::lock_guard<std::mutex> g(mpi_lock());
+    std::lock_guard<MpiLock> g(mpi_lock());
     c_->shutdown();
   }
 
@@ -291,23 +326,20 @@ class MpiGroup final : public ProcessGroup {
   // Runs one operation: validates it, then the blocking call (small) or the
   // nonblocking one, returning its Work. `scratch` moves into the Work;
   // recv_bytes >= 0 checks what a receive got (status: the blocking call's).
-  template <class Blocking, class Nonblocking>
-  WorkPtr issue(OpDesc& d, const char* call, Blocking&& blocking, Nonblocking&& nonblocking,
+  template <bool prevalidated = false, class Blocking, class Nonblocking>
+  WorkPtr issue(OpDesc& d, size_t call_bytes, const char* call, Blocking&& blocking, Nonblocking&& nonblocking,
                 std::function<void()> finish, std::vector<uint8_t>* scratch = nullptr, int64_t recv_bytes = -1,
                 MPI_Status* status = nullptr) {
-    if (d.coll != Coll::Send && d.coll != Coll::Recv && d.coll != Coll::Alltoall) validate(d, me_, n_);
+    if (!prevalidated) validate(d, me_, n_);
     const Millis t = d.timeout.count() > 0 ? d.timeout : c_->timeout;
-    std::lock_guard<std::mutex> g(mpi_lock());
+    std::lock_guard<MpiLock> g(mpi_lock());
     check_open(d);
     d.seq = ++c_->seq;
     // The path must be the same on every rank (MPI's blocking and nonblocking
-    // collectives do not match each other), so it goes by the call's count,
-    // which every rank has in common, not by the bytes this rank moves.
-    const Buffer& b =
-        d.coll == Coll::Recv || d.coll == Coll::Broadcast || d.coll == Coll::Scatter || d.coll == Coll::ReduceScatter
-            ? d.recv
-            : d.send;
-    if (d.call_count() * dtype_size(b.dtype) <= blocking_max_) {
+    // collectives do not match each other), so it goes by call_bytes: the
+    // call's count x element size, which every rank has in common, not the
+    // bytes this rank moves.
+    if (call_bytes <= blocking_max_) {
       // In order: the collectives issued before complete first (point-to-point calls complete on their own).
       if (!c_->pending.empty() && !is_p2p(d)) c_->drain(true);
       int rc;
@@ -393,7 +425,7 @@ class MpiGroup final : public ProcessGroup {
 
 std::shared_ptr<ProcessGroup> create_mpi_group(std::optional<int> rank, std::optional<int> world_size, Millis timeout) {
   mpi::ensure_initialized();
-  std::lock_guard<std::mutex> g(mpi::mpi_lock());
+  std::lock_guard<mpi::MpiLock> g(mpi::mpi_lock());
   int me = 0, n = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   MPI_Comm_size(MPI_COMM_WORLD, &n);

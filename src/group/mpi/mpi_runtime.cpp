@@ -2,6 +2,7 @@
 #include "group/mpi/mpi_runtime.hpp"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -25,8 +26,6 @@ const core::Knob kThreadLevel{
 struct Runtime {
   bool we_initialized = false;
   int provided = MPI_THREAD_SINGLE;
-  MPI_Datatype f16 = MPI_DATATYPE_NULL, bf16 = MPI_DATATYPE_NULL;
-  MPI_Op half_ops[kNumReduceOps] = {};  // by ReduceOp, for f16 and bf16
 };
 
 Runtime& rt() {
@@ -38,7 +37,7 @@ Runtime& rt() {
 // and rounded back by cohort's own kernel (core::reduce), as the native backend does.
 template <ReduceOp Op>
 void half_op(void* in, void* inout, int* len, MPI_Datatype* type) {
-  const DType t = (*type == rt().bf16) ? DType::BF16 : DType::F16;
+  const DType t = (*type == g_half.bf16) ? DType::BF16 : DType::F16;
   core::reduce(inout, inout, in, static_cast<size_t>(*len), t, Op);
 }
 
@@ -72,9 +71,9 @@ void watchdog_loop() {
     const int64_t limit = w.timeout_ms.load(std::memory_order_relaxed);
     const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(now - since).count();
     if (limit <= 0 || ran < limit) continue;
-    const std::string what =
-        describe_call(w.seq.load(std::memory_order_relaxed), w.fingerprint.load(std::memory_order_relaxed),
-                      w.count.load(std::memory_order_relaxed));
+    const OpDesc* op = w.op.load(std::memory_order_relaxed);
+    const std::string what = op != nullptr ? describe_call(op->seq, op->fingerprint(), op->call_count()) : "?";
+    if (w.token.load(std::memory_order_acquire) != token) continue;  // it completed meanwhile: *op may be gone
     std::fprintf(
         stderr,
         "cohort: rank %d: %s on the mpi backend is still in %s after %lld ms (timeout %lld ms, COHORT_TIMEOUT); "
@@ -96,14 +95,17 @@ void finalize_at_exit() {
 
 }  // namespace
 
-Watch& watch() {
-  static Watch w;
-  return w;
-}
-
-std::mutex& mpi_lock() {
-  static std::mutex m;
-  return m;
+void MpiLock::lock_slow() {
+  int tries = 0;
+  for (;;) {
+    if (!held_.load(std::memory_order_relaxed) && !held_.exchange(true, std::memory_order_acquire)) return;
+    if (++tries < 64) {
+      sched_yield();
+    } else {
+      const int us = tries < 1024 ? 20 : 1000;
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+    }
+  }
 }
 
 std::string thread_level_name(int level) {
@@ -148,55 +150,18 @@ void ensure_initialized() {
                   "thread that initialised cohort only",
                   thread_level_name(want), thread_level_name(r.provided));
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    MPI_Type_contiguous(1, MPI_UINT16_T, &r.f16);
-    MPI_Type_commit(&r.f16);
-    MPI_Type_contiguous(1, MPI_UINT16_T, &r.bf16);
-    MPI_Type_commit(&r.bf16);
-    MPI_Op_create(&half_op<ReduceOp::Sum>, 1, &r.half_ops[int(ReduceOp::Sum)]);
-    MPI_Op_create(&half_op<ReduceOp::Prod>, 1, &r.half_ops[int(ReduceOp::Prod)]);
-    MPI_Op_create(&half_op<ReduceOp::Min>, 1, &r.half_ops[int(ReduceOp::Min)]);
-    MPI_Op_create(&half_op<ReduceOp::Max>, 1, &r.half_ops[int(ReduceOp::Max)]);
-    r.half_ops[int(ReduceOp::Avg)] = r.half_ops[int(ReduceOp::Sum)];
+    HalfTypes& h = g_half;
+    MPI_Type_contiguous(1, MPI_UINT16_T, &h.f16);
+    MPI_Type_commit(&h.f16);
+    MPI_Type_contiguous(1, MPI_UINT16_T, &h.bf16);
+    MPI_Type_commit(&h.bf16);
+    MPI_Op_create(&half_op<ReduceOp::Sum>, 1, &h.ops[int(ReduceOp::Sum)]);
+    MPI_Op_create(&half_op<ReduceOp::Prod>, 1, &h.ops[int(ReduceOp::Prod)]);
+    MPI_Op_create(&half_op<ReduceOp::Min>, 1, &h.ops[int(ReduceOp::Min)]);
+    MPI_Op_create(&half_op<ReduceOp::Max>, 1, &h.ops[int(ReduceOp::Max)]);
+    h.ops[int(ReduceOp::Avg)] = h.ops[int(ReduceOp::Sum)];
     std::thread(watchdog_loop).detach();
   });
-}
-
-MPI_Datatype datatype(DType t) {
-  switch (t) {
-    case DType::F32:
-      return MPI_FLOAT;
-    case DType::F64:
-      return MPI_DOUBLE;
-    case DType::F16:
-      return rt().f16;
-    case DType::BF16:
-      return rt().bf16;
-    case DType::I8:
-      return MPI_INT8_T;
-    case DType::U8:
-      return MPI_UINT8_T;
-    case DType::I32:
-      return MPI_INT32_T;
-    case DType::I64:
-      return MPI_INT64_T;
-  }
-  return MPI_DATATYPE_NULL;  // validate() rejected unknown dtypes before
-}
-
-MPI_Op op_for(ReduceOp op, DType t) {
-  if (t == DType::F16 || t == DType::BF16) return rt().half_ops[int(op)];
-  switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::Avg:
-      return MPI_SUM;
-    case ReduceOp::Prod:
-      return MPI_PROD;
-    case ReduceOp::Min:
-      return MPI_MIN;
-    case ReduceOp::Max:
-      return MPI_MAX;
-  }
-  return MPI_OP_NULL;
 }
 
 void throw_mpi_error(int rc, const char* call, const OpDesc& d, int rank) {

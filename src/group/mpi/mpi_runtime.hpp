@@ -24,15 +24,82 @@ void ensure_initialized();
 
 // Held around every MPI call of the backend: MPI_THREAD_SERIALIZED allows one
 // thread in MPI at a time, and Work::wait may come from another thread than
-// the one that issued the call.
-std::mutex& mpi_lock();
+// the one that issued the call. Uncontended (the common case: one thread
+// issues and waits), lock is one atomic exchange and unlock a plain store,
+// cheaper than a mutex on the 8-byte path. A thread that finds it held (by
+// another in a long MPI_Waitall) yields, then sleeps in growing steps up to
+// 1 ms: no busy spinning.
+class MpiLock {
+ public:
+  void lock() {
+    if (!held_.exchange(true, std::memory_order_acquire)) return;
+    lock_slow();
+  }
+  void unlock() { held_.store(false, std::memory_order_release); }
+
+ private:
+  void lock_slow();
+  std::atomic<bool> held_{false};
+};
+// Inline (as the helpers below): calls between files of a shared library go
+// through the PLT, which the 8-byte path notices.
+inline MpiLock g_mpi_lock;
+inline MpiLock& mpi_lock() {
+  return g_mpi_lock;
+}
+
+// The f16/bf16 datatypes and ops, made by ensure_initialized.
+struct HalfTypes {
+  MPI_Datatype f16, bf16;
+  MPI_Op ops[kNumReduceOps];  // by ReduceOp (Avg: the Sum op)
+};
+inline HalfTypes g_half;
 
 // MPI's datatype for a cohort dtype (f16 and bf16: 16-bit types of our own).
-MPI_Datatype datatype(DType t);
+inline MPI_Datatype datatype(DType t) {
+  switch (t) {
+    case DType::F32:
+      return MPI_FLOAT;
+    case DType::F64:
+      return MPI_DOUBLE;
+    case DType::F16:
+      return g_half.f16;
+    case DType::BF16:
+      return g_half.bf16;
+    case DType::I8:
+      return MPI_INT8_T;
+    case DType::U8:
+      return MPI_UINT8_T;
+    case DType::I32:
+      return MPI_INT32_T;
+    case DType::I64:
+      return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;  // validate() rejected unknown dtypes before
+}
 // MPI's op for a reduction on dtype t: MPI_SUM, ... for the types MPI knows;
 // our own commutative MPI_Op for f16 and bf16. Avg maps to Sum (the division
 // by the group size follows: core::scale_avg).
-MPI_Op op_for(ReduceOp op, DType t);
+inline MPI_Op op_for(ReduceOp op, DType t) {
+  if (t == DType::F16 || t == DType::BF16) return g_half.ops[static_cast<int>(op)];
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      return MPI_SUM;
+    case ReduceOp::Prod:
+      return MPI_PROD;
+    case ReduceOp::Min:
+      return MPI_MIN;
+    case ReduceOp::Max:
+      return MPI_MAX;
+  }
+  return MPI_OP_NULL;
+}
+// Bytes per element (dtype_size without its range check: validated before).
+inline size_t elem_size(DType t) {
+  static constexpr uint8_t kSize[kNumDTypes] = {4, 8, 2, 2, 1, 1, 4, 8};
+  return kSize[static_cast<uint8_t>(t) & 7];
+}
 
 // Throws the cohort exception for MPI return code rc of `call` (e.g.
 // "MPI_Allreduce") while running d: InvalidArgument for MPI's argument error
@@ -51,23 +118,25 @@ inline void check(int rc, const char* call, const OpDesc& d, int rank) {
 // stay as cheap as MPI's own call.
 struct Watch {
   std::atomic<uint64_t> token{0};  // 0: nothing in flight; else a new value per call
-  std::atomic<uint64_t> seq{0}, count{0};
-  std::atomic<uint32_t> fingerprint{0};
+  // The call in flight: read by the watchdog only while token stays the same
+  // (the caller is then still blocked in MPI, so *op is alive and unchanged).
+  std::atomic<const OpDesc*> op{nullptr};
   std::atomic<int64_t> timeout_ms{0};
   std::atomic<int> rank{-1};
   std::atomic<const char*> call{""};
 };
-Watch& watch();
+inline Watch g_watch;
+inline Watch& watch() {
+  return g_watch;
+}
 inline void arm(const OpDesc& d, int rank, Millis timeout, const char* call) {
   static uint64_t next = 0;  // only changed under mpi_lock
   Watch& w = watch();
-  w.seq.store(d.seq, std::memory_order_relaxed);
-  w.count.store(d.call_count(), std::memory_order_relaxed);
-  w.fingerprint.store(d.fingerprint(), std::memory_order_relaxed);
+  w.op.store(&d, std::memory_order_relaxed);
   w.timeout_ms.store(timeout.count(), std::memory_order_relaxed);
   w.rank.store(rank, std::memory_order_relaxed);
   w.call.store(call, std::memory_order_relaxed);
-  w.token.store((++next << 8) | 1, std::memory_order_release);
+  w.token.store(++next, std::memory_order_release);
 }
 inline void disarm() {
   watch().token.store(0, std::memory_order_release);
