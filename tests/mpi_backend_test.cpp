@@ -38,7 +38,7 @@ struct MpiRun {
 };
 
 MpiRun run(std::vector<std::string> argv, std::map<std::string, std::string> env, const std::string& name,
-        int limit_s = 300) {
+           int limit_s = 300) {
   std::vector<Proc> ps{testing::spawn(argv, env, std::string(COHORT_TEST_BIN_DIR) + "/" + name)};
   EXPECT_TRUE(testing::wait_all(ps, std::chrono::seconds(limit_s))) << name << " was killed after " << limit_s << " s";
   return {ps[0].exit_code(), ps[0].out(), ps[0].err()};
@@ -90,6 +90,16 @@ TEST(MpiBackend, WatchdogEndsAHungCall) {
   EXPECT_NE(r.err.find("rank 0: allreduce #"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("still in MPI_Allreduce"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("COHORT_TIMEOUT"), std::string::npos) << r.err;
+}
+
+// Started by `cohort run` instead of mpirun, every process would be a world of
+// its own: init_process_group refuses, saying how to start it.
+TEST(MpiBackend, StartedByCohortRunIsRefused) {
+  if (!kBuilt) GTEST_SKIP() << "this build has no MPI backend";
+  MpiRun r = run({COHORT_BIN, "run", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce", "--sizes", "8"},
+                 {{"COHORT_BACKEND", "mpi"}}, "mpi_under_cohort_run", 120);
+  EXPECT_NE(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("needs its processes started by mpirun"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 
@@ -396,12 +397,7 @@ class MpiGroup final : public ProcessGroup {
   }
 
   void check_tag(const OpDesc& d, int tag) const {
-    static const int tag_ub = [] {
-      int* ub = nullptr;
-      int flag = 0;
-      MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
-      return flag && ub ? *ub : 32767;
-    }();
+    const int tag_ub = g_tag_ub;
     if (tag > tag_ub)
       throw InvalidArgument(fmt::format("rank {}: {}: tag {} is above this MPI's largest tag (MPI_TAG_UB = {})", me_,
                                         collectives::coll_name(d.coll), tag, tag_ub));
@@ -435,6 +431,15 @@ std::shared_ptr<ProcessGroup> create_mpi_group(std::optional<int> rank, std::opt
         fmt::format("backend 'mpi': the rank given ({}) is not MPI's ({}); with the mpi backend MPI "
                     "decides ranks: leave InitOptions::rank unset",
                     *rank, me));
+  // Started by `cohort run` or torchrun instead of mpirun: every process would be an MPI world of its own.
+  const char* ws = std::getenv("WORLD_SIZE");
+  if (!world_size && ws != nullptr && *ws != '\0' && std::atoi(ws) != n)
+    throw InvalidArgument(
+        fmt::format("backend 'mpi': WORLD_SIZE is {} but MPI's world has {} process(es): the mpi "
+                    "backend needs its processes started by mpirun (or srun with PMI), not by "
+                    "`cohort run` or torchrun; HINT: COHORT_BACKEND=mpi mpirun -np {} ./program, or "
+                    "use COHORT_BACKEND=native under cohort run",
+                    ws, n, ws));
   if (world_size && *world_size != n)
     throw InvalidArgument(
         fmt::format("backend 'mpi': the world size given ({}) is not MPI's ({}); start as many "

@@ -160,6 +160,10 @@ void ensure_initialized() {
     MPI_Op_create(&half_op<ReduceOp::Min>, 1, &h.ops[int(ReduceOp::Min)]);
     MPI_Op_create(&half_op<ReduceOp::Max>, 1, &h.ops[int(ReduceOp::Max)]);
     h.ops[int(ReduceOp::Avg)] = h.ops[int(ReduceOp::Sum)];
+    int* ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+    if (flag && ub != nullptr) g_tag_ub = *ub;
     std::thread(watchdog_loop).detach();
   });
 }

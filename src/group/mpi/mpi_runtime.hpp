@@ -54,6 +54,8 @@ struct HalfTypes {
   MPI_Op ops[kNumReduceOps];  // by ReduceOp (Avg: the Sum op)
 };
 inline HalfTypes g_half;
+// MPI_TAG_UB of MPI_COMM_WORLD, read by ensure_initialized.
+inline int g_tag_ub = 32767;
 
 // MPI's datatype for a cohort dtype (f16 and bf16: 16-bit types of our own).
 inline MPI_Datatype datatype(DType t) {
