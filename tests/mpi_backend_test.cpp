@@ -24,10 +24,19 @@ constexpr bool kBuilt = false;
 #endif
 
 // mpirun with what a test box needs: root (CI containers), more ranks than
-// cores, and shared memory + self only (no traffic outside this host).
+// cores, shared memory + self only (no traffic outside this host), and no
+// cross-memory-attach copies (containers often forbid process_vm_readv).
 std::vector<std::string> mpirun(int np) {
-  std::vector<std::string> a = {COHORT_MPIEXEC, "--oversubscribe", "--mca", "btl", "self,vader",
-                                "-np",          std::to_string(np)};
+  std::vector<std::string> a = {COHORT_MPIEXEC,
+                                "--oversubscribe",
+                                "--mca",
+                                "btl",
+                                "self,vader",
+                                "--mca",
+                                "btl_vader_single_copy_mechanism",
+                                "none",
+                                "-np",
+                                std::to_string(np)};
   if (geteuid() == 0) a.insert(a.begin() + 1, "--allow-run-as-root");
   return a;
 }
