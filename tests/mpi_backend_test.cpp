@@ -53,21 +53,50 @@ MpiRun run(std::vector<std::string> argv, std::map<std::string, std::string> env
   return {ps[0].exit_code(), ps[0].out(), ps[0].err()};
 }
 
-class MpiSuite : public ::testing::TestWithParam<int> {};
+// np x COHORT_MPI_BLOCKING_BYTES: the default (64K: small counts blocking,
+// large ones nonblocking), 0 (every collective nonblocking) and 1G (every one
+// blocking, on the caller's thread).
+struct SuiteParam {
+  int np;
+  std::string blocking_bytes;
+};
+
+void PrintTo(const SuiteParam& p, std::ostream* os) {
+  *os << p.np << " ranks, COHORT_MPI_BLOCKING_BYTES=" << (p.blocking_bytes.empty() ? "64K" : p.blocking_bytes);
+}
+
+class MpiSuite : public ::testing::TestWithParam<SuiteParam> {};
 
 TEST_P(MpiSuite, CollectiveChecksPass) {
   if (!kBuilt) GTEST_SKIP() << "this build has no MPI backend";
-  const int np = GetParam();
+  const auto& [np, blocking] = GetParam();
   auto argv = mpirun(np);
   argv.push_back(COHORT_MPI_WORKER);
-  MpiRun r = run(argv, {{"COHORT_TIMEOUT", "120s"}}, "mpi_suite_np" + std::to_string(np));
+  std::map<std::string, std::string> env{{"COHORT_TIMEOUT", "120s"}};
+  if (!blocking.empty()) env["COHORT_MPI_BLOCKING_BYTES"] = blocking;
+  MpiRun r = run(argv, env, "mpi_suite_np" + std::to_string(np) + "_" + blocking);
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[  PASSED  ]"), std::string::npos) << r.out << r.err;
   EXPECT_EQ(r.out.find("[  FAILED  ]"), std::string::npos) << r.out << r.err;
 }
 
-INSTANTIATE_TEST_SUITE_P(Np, MpiSuite, ::testing::Values(1, 2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& i) { return "np" + std::to_string(i.param); });
+INSTANTIATE_TEST_SUITE_P(Np, MpiSuite,
+                         ::testing::Values(SuiteParam{1, ""}, SuiteParam{2, ""}, SuiteParam{3, ""}, SuiteParam{4, ""},
+                                           SuiteParam{3, "0"}, SuiteParam{2, "1G"}),
+                         [](const ::testing::TestParamInfo<SuiteParam>& i) {
+                           return "np" + std::to_string(i.param.np) +
+                                  (i.param.blocking_bytes.empty() ? "" : "_blocking_bytes_" + i.param.blocking_bytes);
+                         });
+
+// A thread level MPI does not know is refused before MPI starts, naming the knob.
+TEST(MpiBackend, BadThreadLevelIsNamed) {
+  if (!kBuilt) GTEST_SKIP() << "this build has no MPI backend";
+  auto argv = mpirun(1);
+  argv.push_back(COHORT_MPI_WORKER);
+  MpiRun r = run(argv, {{"COHORT_MPI_THREAD_LEVEL", "sometimes"}}, "mpi_bad_thread_level", 120);
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("COHORT_MPI_THREAD_LEVEL=sometimes: unknown thread level"), std::string::npos) << r.err;
+}
 
 // `cohort bench -c 1` of every collective on the mpi backend: zero wrong values.
 TEST(MpiBackend, BenchEveryCollectiveChecks) {
