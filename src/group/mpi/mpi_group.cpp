@@ -66,6 +66,22 @@ uint8_t* block(void* base, size_t i, size_t bytes) {
   return static_cast<uint8_t*>(base) + i * bytes;
 }
 
+// What runs after a call succeeded, on the ranks that got a result: the copy
+// out of a scratch buffer, then Avg's division by the group size. A plain
+// struct (no std::function) so that the blocking path stays allocation-free.
+struct Finish {
+  Buffer avg{};  // divide this by n (n == 0: no division)
+  int n = 0;
+  const void* copy_from = nullptr;  // copy this into copy_to first (nullptr: no copy)
+  Buffer copy_to{};
+
+  bool any() const { return n != 0 || copy_from != nullptr; }
+  void operator()() const {
+    if (copy_from != nullptr) std::memcpy(copy_to.data, copy_from, copy_to.bytes());
+    if (n != 0) core::scale_avg(avg.data, avg.count, avg.dtype, n);
+  }
+};
+
 class MpiGroup final : public ProcessGroup {
  public:
   explicit MpiGroup(std::shared_ptr<CommState> c)
@@ -90,7 +106,7 @@ class MpiGroup final : public ProcessGroup {
                     (send.count == 0 || (send.data != nullptr && recv.data != nullptr)) &&
                     (send.data == recv.data || !overlap(send, recv));
     if (!ok) validate(d, me_, n_);
-    auto finish = avg_finish(o.op, recv);
+    const Finish finish = avg_finish(o.op, recv);
     return issue<true>(
         d, send.count * elem_size(send.dtype), "MPI_Allreduce",
         [&] { return MPI_Allreduce(sbuf, recv.data, count, t, op, c_->comm); },
@@ -104,7 +120,7 @@ class MpiGroup final : public ProcessGroup {
     return issue(
         d, buf.count * elem_size(buf.dtype), "MPI_Bcast",
         [&] { return MPI_Bcast(buf.data, count, t, o.root, c_->comm); },
-        [&](MPI_Request* r) { return MPI_Ibcast(buf.data, count, t, o.root, c_->comm, r); }, nullptr);
+        [&](MPI_Request* r) { return MPI_Ibcast(buf.data, count, t, o.root, c_->comm, r); }, Finish{});
   }
 
   WorkPtr reduce(Buffer send, Buffer recv, ReduceOptions o) override {
@@ -115,7 +131,7 @@ class MpiGroup final : public ProcessGroup {
     const MPI_Op op = op_for(o.op, send.dtype);
     void* sbuf = in_place_or(send.data, root && send.data == recv.data);
     void* rbuf = root ? recv.data : nullptr;
-    auto finish = root ? avg_finish(o.op, recv) : nullptr;
+    const Finish finish = root ? avg_finish(o.op, recv) : Finish{};
     return issue(
         d, send.count * elem_size(send.dtype), "MPI_Reduce",
         [&] { return MPI_Reduce(sbuf, rbuf, count, t, op, o.root, c_->comm); },
@@ -131,7 +147,7 @@ class MpiGroup final : public ProcessGroup {
     return issue(
         d, send.count * elem_size(send.dtype), "MPI_Allgather",
         [&] { return MPI_Allgather(sbuf, count, t, recv.data, count, t, c_->comm); },
-        [&](MPI_Request* r) { return MPI_Iallgather(sbuf, count, t, recv.data, count, t, c_->comm, r); }, nullptr);
+        [&](MPI_Request* r) { return MPI_Iallgather(sbuf, count, t, recv.data, count, t, c_->comm, r); }, Finish{});
   }
 
   WorkPtr reduce_scatter(Buffer send, Buffer recv, ReduceScatterOptions o) override {
@@ -144,7 +160,7 @@ class MpiGroup final : public ProcessGroup {
     const bool same = send.data == recv.data && send.count > 0;
     void* sbuf = in_place_or(send.data, same);
     void* rbuf = recv.data;
-    auto finish = avg_finish(o.op, recv);
+    Finish finish = avg_finish(o.op, recv);
     std::vector<uint8_t> tmp;
     if (!same && recv.count > 0 && overlap(send, recv)) {
       // recv inside send (PyTorch's in-place convention: recv = block `rank`
@@ -152,10 +168,8 @@ class MpiGroup final : public ProcessGroup {
       // scratch buffer first.
       tmp.resize(recv.bytes());
       rbuf = tmp.data();
-      finish = [dst = recv, src = rbuf, avg = std::move(finish)] {
-        std::memcpy(dst.data, src, dst.bytes());
-        if (avg) avg();
-      };
+      finish.copy_from = rbuf;
+      finish.copy_to = recv;
     }
     return issue(
         d, recv.count * elem_size(recv.dtype), "MPI_Reduce_scatter_block",
@@ -175,7 +189,7 @@ class MpiGroup final : public ProcessGroup {
     return issue(
         d, send.count * elem_size(send.dtype), "MPI_Gather",
         [&] { return MPI_Gather(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
-        [&](MPI_Request* r) { return MPI_Igather(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, nullptr);
+        [&](MPI_Request* r) { return MPI_Igather(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, Finish{});
   }
 
   WorkPtr scatter(Buffer send, Buffer recv, ScatterOptions o) override {
@@ -190,7 +204,7 @@ class MpiGroup final : public ProcessGroup {
     return issue(
         d, recv.count * elem_size(recv.dtype), "MPI_Scatter",
         [&] { return MPI_Scatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
-        [&](MPI_Request* r) { return MPI_Iscatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, nullptr);
+        [&](MPI_Request* r) { return MPI_Iscatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, Finish{});
   }
 
   WorkPtr alltoall(Buffer send, Buffer recv, AlltoallOptions o) override {
@@ -212,14 +226,14 @@ class MpiGroup final : public ProcessGroup {
           }
           return MPI_Ialltoall(src, k, t, recv.data, k, t, c_->comm, r);
         },
-        nullptr, &copy);
+        Finish{}, &copy);
   }
 
   WorkPtr barrier(BarrierOptions o) override {
     OpDesc d{Coll::Barrier, {}, {}, ReduceOp::Sum, 0, -1, 0, o.timeout};
     return issue(
         d, 0, "MPI_Barrier", [&] { return MPI_Barrier(c_->comm); },
-        [&](MPI_Request* r) { return MPI_Ibarrier(c_->comm, r); }, nullptr);
+        [&](MPI_Request* r) { return MPI_Ibarrier(c_->comm, r); }, Finish{});
   }
 
   WorkPtr send(Buffer buf, int dst, SendRecvOptions o) override {
@@ -231,7 +245,7 @@ class MpiGroup final : public ProcessGroup {
     return issue<true>(
         d, buf.count * elem_size(buf.dtype), "MPI_Send",
         [&] { return MPI_Send(buf.data, count, t, dst, o.tag, c_->comm); },
-        [&](MPI_Request* r) { return MPI_Isend(buf.data, count, t, dst, o.tag, c_->comm, r); }, nullptr);
+        [&](MPI_Request* r) { return MPI_Isend(buf.data, count, t, dst, o.tag, c_->comm, r); }, Finish{});
   }
 
   WorkPtr recv(Buffer buf, int src, SendRecvOptions o) override {
@@ -244,7 +258,7 @@ class MpiGroup final : public ProcessGroup {
     auto w = issue<true>(
         d, buf.count * elem_size(buf.dtype), "MPI_Recv",
         [&] { return MPI_Recv(buf.data, count, t, src, o.tag, c_->comm, &st); },
-        [&](MPI_Request* r) { return MPI_Irecv(buf.data, count, t, src, o.tag, c_->comm, r); }, nullptr, nullptr,
+        [&](MPI_Request* r) { return MPI_Irecv(buf.data, count, t, src, o.tag, c_->comm, r); }, Finish{}, nullptr,
         static_cast<int64_t>(buf.bytes()), &st);
     return w;
   }
@@ -329,7 +343,7 @@ class MpiGroup final : public ProcessGroup {
   // recv_bytes >= 0 checks what a receive got (status: the blocking call's).
   template <bool prevalidated = false, class Blocking, class Nonblocking>
   WorkPtr issue(OpDesc& d, size_t call_bytes, const char* call, Blocking&& blocking, Nonblocking&& nonblocking,
-                std::function<void()> finish, std::vector<uint8_t>* scratch = nullptr, int64_t recv_bytes = -1,
+                const Finish& finish, std::vector<uint8_t>* scratch = nullptr, int64_t recv_bytes = -1,
                 MPI_Status* status = nullptr) {
     if (!prevalidated) validate(d, me_, n_);
     const Millis t = d.timeout.count() > 0 ? d.timeout : c_->timeout;
@@ -350,7 +364,7 @@ class MpiGroup final : public ProcessGroup {
       }
       check(rc, call, d, me_);
       if (status != nullptr && recv_bytes >= 0) check_received(d, *status, recv_bytes);
-      if (finish) finish();
+      finish();
       return c_->done(d);
     }
     auto w = std::make_shared<MpiWork>(c_, d, t);
@@ -358,7 +372,7 @@ class MpiGroup final : public ProcessGroup {
     w->recv_counts.assign(1, recv_bytes);
     if (int rc = nonblocking(&w->reqs[0]); rc != MPI_SUCCESS)
       throw_mpi_error(rc, nonblocking_name(call).c_str(), d, me_);
-    w->finish = std::move(finish);
+    if (finish.any()) w->finish = [finish] { finish(); };
     if (scratch != nullptr) w->scratch = std::move(*scratch);
     c_->pending.push_back(w);
     return w;
@@ -370,10 +384,9 @@ class MpiGroup final : public ProcessGroup {
     return fmt::format("MPI_I{}{}", static_cast<char>(std::tolower(call[4])), call + 5);
   }
 
-  std::function<void()> avg_finish(ReduceOp op, Buffer recv) const {
-    if (op != ReduceOp::Avg) return nullptr;
-    const int n = n_;
-    return [recv, n] { core::scale_avg(recv.data, recv.count, recv.dtype, n); };
+  Finish avg_finish(ReduceOp op, Buffer recv) const {
+    if (op != ReduceOp::Avg) return {};
+    return Finish{recv, n_};
   }
 
   void check_received(const OpDesc& d, MPI_Status& st, int64_t want) const {
