@@ -78,8 +78,14 @@ def main():
         configs["cohort mpi"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
                                                         args.cohort, "bench", args.coll, "--sizes", sizes, "-n", "0", "-w", "5",
                                                         "-c", "1"], {"COHORT_BACKEND": "mpi"}), True)
+        # MPI_THREAD_SINGLE, as the C benchmark's MPI_Init: Open MPI itself is ~0.1 us slower per small call
+        # at any level above single (docs/mpi.md, Threads).
+        configs["cohort mpi single"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                                               str(args.np), args.cohort, "bench", args.coll, "--sizes", sizes,
+                                                               "-n", "0", "-w", "5", "-c", "1"],
+                                                              {"COHORT_BACKEND": "mpi", "COHORT_MPI_THREAD_LEVEL": "single"}), True)
     if args.only_mpi:
-        configs = {k: v for k, v in configs.items() if k in ("mpi shm", "cohort mpi")}
+        configs = {k: v for k, v in configs.items() if k in ("mpi shm", "cohort mpi", "cohort mpi single")}
         args.no_gloo = True
     if not args.no_gloo:
         configs["gloo tcp"] = lambda: parse_rows(run(["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee",
@@ -109,7 +115,7 @@ def main():
     if not args.no_gloo:
         pairs += [("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp")]
     if "cohort mpi" in configs:
-        pairs.append(("cohort mpi", "mpi shm"))
+        pairs += [("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
     pairs = [(a, b) for a, b in pairs if a in configs and b in configs]
     print("| size | " + " | ".join(names) + "".join(f" | {a} / {b}" for a, b in pairs) + " |")
     print("|---" * (len(names) + len(pairs) + 1) + "|")
