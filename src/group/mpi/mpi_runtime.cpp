@@ -18,10 +18,10 @@
 namespace cohort::group::mpi {
 namespace {
 
-const core::Knob kThreadLevel{
-    "COHORT_MPI_THREAD_LEVEL", "serialized",
-    "mpi backend: thread level cohort asks MPI_Init_thread for (single, funneled, serialized "
-    "or multiple); cohort itself needs serialized, since Work::wait may run on another thread"};
+const core::Knob kThreadLevel{"COHORT_MPI_THREAD_LEVEL", "serialized",
+                              "mpi backend: thread level asked of MPI_Init_thread (single, funneled, serialized or "
+                              "multiple); serialized lets Work::wait run on another thread; single saves Open MPI's "
+                              "own locking (about 0.1 us per small call) when one thread issues and waits"};
 
 struct Runtime {
   bool we_initialized = false;
