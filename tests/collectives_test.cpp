@@ -16,7 +16,9 @@ struct Param {
   int world;
 };
 
-void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << " x " << p.world << " ranks"; }
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.transport << " x " << p.world << " ranks";
+}
 
 // "tcp_striped": TCP with 3 sockets per pair and striping from 1 KiB up, so
 // that messages really are cut over several sockets.
@@ -85,8 +87,9 @@ std::vector<Param> params() {
   return p;
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Collectives, ::testing::ValuesIn(params()),
-                         [](const ::testing::TestParamInfo<Param>& i) { return i.param.transport + "_np" + std::to_string(i.param.world); });
+INSTANTIATE_TEST_SUITE_P(All, Collectives, ::testing::ValuesIn(params()), [](const ::testing::TestParamInfo<Param>& i) {
+  return i.param.transport + "_np" + std::to_string(i.param.world);
+});
 
 }  // namespace
 }  // namespace cohort
