@@ -55,6 +55,9 @@ def main():
     ap.add_argument("--plot", metavar="FILE.svg",
                     help="also draw busbw against size: the peers' medians go to FILE.peers.csv and one more cohort "
                          "run draws them beside its own curve (cohort bench --plot --plot-peers)")
+    ap.add_argument("--with-mpi-backend", action="store_true",
+                    help="also run cohort's mpi backend (COHORT_BACKEND=mpi under mpirun) next to Open MPI's own figures")
+    ap.add_argument("--only-mpi", action="store_true", help="run only Open MPI shm and cohort's mpi backend (implies --with-mpi-backend)")
     args = ap.parse_args()
 
     sizes = ",".join(str(s) for s in SIZES)
@@ -73,6 +76,20 @@ def main():
                                            "tcp,self", os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll, "-b", "8",
                                            "-e", str(top), "-f", "4"]), False),
     }
+    if args.with_mpi_backend or args.only_mpi:
+        # The same engine as "mpi shm", called through cohort's ProcessGroup: the difference is our call path.
+        configs["cohort mpi"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
+                                                        args.cohort, "bench", args.coll, "--sizes", sizes, "-n", "0", "-w", "5",
+                                                        "-c", "1"], {"COHORT_BACKEND": "mpi"}), True)
+        # MPI_THREAD_SINGLE, as the C benchmark's MPI_Init: Open MPI itself is ~0.1 us slower per small call
+        # at any level above single (docs/mpi.md, Threads).
+        configs["cohort mpi single"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                                               str(args.np), args.cohort, "bench", args.coll, "--sizes", sizes,
+                                                               "-n", "0", "-w", "5", "-c", "1"],
+                                                              {"COHORT_BACKEND": "mpi", "COHORT_MPI_THREAD_LEVEL": "single"}), True)
+    if args.only_mpi:
+        configs = {k: v for k, v in configs.items() if k in ("mpi shm", "cohort mpi", "cohort mpi single")}
+        args.no_gloo = True
     if not args.no_gloo:
         configs["gloo tcp"] = lambda: parse_rows(run(["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee",
                                                       "9:0", "--nnodes", "1", "--nproc_per_node", str(args.np), "--master_addr",
@@ -97,9 +114,14 @@ def main():
 
     print(f"## {args.coll}, {args.np} ranks, float32 sum, median of {args.reps} interleaved runs\n")
     names = list(configs)
-    print("| size | " + " | ".join(names) + " | cohort shm / mpi shm | cohort tcp / mpi tcp" +
-          ("" if args.no_gloo else " | cohort tcp / gloo | cohort shm / gloo") + " |")
-    print("|---" * (len(names) + (2 if args.no_gloo else 4) + 1) + "|")
+    pairs = [("cohort shm", "mpi shm"), ("cohort tcp", "mpi tcp")]
+    if not args.no_gloo:
+        pairs += [("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp")]
+    if "cohort mpi" in configs:
+        pairs += [("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
+    pairs = [(a, b) for a, b in pairs if a in configs and b in configs]
+    print("| size | " + " | ".join(names) + "".join(f" | {a} / {b}" for a, b in pairs) + " |")
+    print("|---" * (len(names) + len(pairs) + 1) + "|")
     for s in SIZES:
         small = s <= 1024
         idx = 0 if small else 1  # time for latency-bound sizes, busbw otherwise
@@ -114,9 +136,7 @@ def main():
         label = f"{s} B" if s < 1024 else (f"{s >> 10} KiB" if s < (1 << 20) else f"{s >> 20} MiB")
         unit = "us" if small else "GB/s"
         cells = [fmt(vals[n], unit) for n in names]
-        extra = [ratio("cohort shm", "mpi shm"), ratio("cohort tcp", "mpi tcp")]
-        if not args.no_gloo:
-            extra += [ratio("cohort tcp", "gloo tcp"), ratio("cohort shm", "gloo tcp")]
+        extra = [ratio(a, b) for a, b in pairs]
         print(f"| {label} ({unit}) | " + " | ".join(cells + extra) + " |")
     wrong = {n: sorted({r[s][2] for r in results[n] for s in r}) for n in names}
     print(f"\n#wrong seen: {wrong}")

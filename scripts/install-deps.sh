@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Installs the Debian packages cohort needs, only those that are missing.
 # Idempotent and quiet when everything is present.
-#   scripts/install-deps.sh          build + test dependencies
+#   scripts/install-deps.sh          build + test dependencies (Open MPI included: the mpi backend)
 #   scripts/install-deps.sh --peers  also the peer systems used by bench/compare_peers.sh
 set -euo pipefail
 
 pkgs=(cmake make g++ pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev
       libgtest-dev libgmock-dev libhwloc-dev zlib1g-dev iproute2 procps
       libtorch-dev libopenblas0-pthread dataset-fashion-mnist
-      clang libclang-rt-dev)  # clang + libFuzzer: fuzz/ (the fuzz_* ctests skip without them)
+      clang libclang-rt-dev   # clang + libFuzzer: fuzz/ (the fuzz_* ctests skip without them)
+      openmpi-bin libopenmpi-dev)   # the mpi backend and its tests (docs/mpi.md)
 if [[ "${1:-}" == "--peers" ]]; then
-  pkgs+=(openmpi-bin libopenmpi-dev python3-torch python3-numpy)
+  pkgs+=(python3-torch python3-numpy)
 fi
 
 missing=()

@@ -2,75 +2,23 @@
 // threads, closed-form expected values (DESIGN.md habit 7).
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <cstring>
-
-#include "core/element.hpp"
+#include "collective_checks.hpp"
 #include "test_util.hpp"
 
 namespace cohort {
 namespace {
 
 using testing::run_ranks;
-
-const DType kAllTypes[] = {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64};
-const ReduceOp kAllOps[] = {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg};
-
-bool is_int(DType t) { return t == DType::I8 || t == DType::U8 || t == DType::I32 || t == DType::I64; }
-
-// Input of rank r at element i for op: small integers, exact in every dtype.
-double input(int r, size_t i, ReduceOp op, int n) {
-  if (op == ReduceOp::Prod) return static_cast<size_t>(r) == i % n ? 2.0 : 1.0;
-  return static_cast<double>((r + 1) * static_cast<int>(i % 3 + 1));
-}
-
-double expected(size_t i, ReduceOp op, int n, DType t) {
-  double k = static_cast<double>(i % 3 + 1);
-  switch (op) {
-    case ReduceOp::Sum: return k * n * (n + 1) / 2;
-    case ReduceOp::Prod: return n == 1 && i % n != 0 ? 1.0 : 2.0;
-    case ReduceOp::Min: return k;
-    case ReduceOp::Max: return k * n;
-    case ReduceOp::Avg: {
-      double s = k * n * (n + 1) / 2;
-      return is_int(t) ? std::floor(s / n) : s / n;
-    }
-  }
-  return 0;
-}
-
-void store_value(void* p, size_t i, DType t, double v) { core::store_element(p, i, t, v); }
-double load_value(const void* p, size_t i, DType t) { return core::load_element(p, i, t); }
-
-struct Vec {
-  std::vector<uint8_t> bytes;
-  DType t;
-  size_t count;
-  Vec(size_t n, DType dt) : bytes(n * dtype_size(dt) + 1), t(dt), count(n) {}
-  Buffer buf() { return Buffer{bytes.data(), count, t}; }
-  void set(size_t i, double v) { store_value(bytes.data(), i, t, v); }
-  double get(size_t i) const { return load_value(bytes.data(), i, t); }
-};
-
-// Reports the first few wrong elements (with rank) instead of thousands of lines.
-#define EXPECT_ELEMS(count, actual_expr, expected_expr, what)                                                  \
-  do {                                                                                                        \
-    int wrong_ = 0;                                                                                           \
-    for (size_t i = 0; i < (count) && wrong_ < 3; ++i) {                                                      \
-      double a_ = (actual_expr), e_ = (expected_expr);                                                        \
-      if (a_ != e_) {                                                                                         \
-        ++wrong_;                                                                                             \
-        ADD_FAILURE() << what << " rank " << pg.rank() << " element " << i << ": got " << a_ << ", expected " << e_; \
-      }                                                                                                       \
-    }                                                                                                         \
-  } while (0)
+using namespace checks;
 
 struct Param {
   std::string transport;
   int world;
 };
 
-void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << " x " << p.world << " ranks"; }
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.transport << " x " << p.world << " ranks";
+}
 
 // "tcp_striped": TCP with 3 sockets per pair and striping from 1 KiB up, so
 // that messages really are cut over several sockets.
@@ -88,159 +36,47 @@ class Collectives : public ::testing::TestWithParam<Param> {
   }
 };
 
-std::vector<size_t> counts_for(int n) {
-  // 0, 1, odd, not divisible by n, and one above the recursive-doubling threshold.
-  return {0, 1, 7, static_cast<size_t>(3 * n + 1), 40000};
-}
-
 TEST_P(Collectives, AllreduceEveryDtypeAndOp) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    for (DType t : kAllTypes)
-      for (ReduceOp op : kAllOps)
-        for (size_t count : counts_for(n)) {
-          for (int inplace = 0; inplace < 2; ++inplace) {
-            Vec in(count, t), out(count, t);
-            for (size_t i = 0; i < count; ++i) in.set(i, input(pg.rank(), i, op, n));
-            Vec& dst = inplace ? in : out;
-            pg.allreduce(in.buf(), dst.buf(), {.op = op})->wait();
-            EXPECT_ELEMS(count, dst.get(i), expected(i, op, n, t),
-                         "allreduce " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
-                                      << (inplace ? " in-place" : ""));
-          }
-        }
-  });
+  run_ranks(n, transport, check_allreduce_every_dtype_and_op);
 }
 
 TEST_P(Collectives, AllreduceLargeF32) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
-  const size_t count = (16u << 20) / 4 + 5;  // > 16 MiB, not divisible by n
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    Vec in(count, DType::F32), out(count, DType::F32);
-    for (size_t i = 0; i < count; ++i) in.set(i, input(pg.rank(), i, ReduceOp::Sum, n));
-    pg.allreduce(in.buf(), out.buf())->wait();
-    EXPECT_ELEMS(count, out.get(i), expected(i, ReduceOp::Sum, n, DType::F32), "large allreduce");
-  });
+  run_ranks(n, transport, check_allreduce_large_f32);
 }
 
 TEST_P(Collectives, BroadcastReduceEveryRoot) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    for (size_t count : {size_t(0), size_t(1), size_t(3 * n + 1), size_t(300000)})
-      for (int root = 0; root < n; ++root) {
-        Vec b(count, DType::I32);
-        for (size_t i = 0; i < count; ++i) b.set(i, pg.rank() == root ? double(root * 1000 + i % 1000) : -1);
-        pg.broadcast(b.buf(), {.root = root})->wait();
-        EXPECT_ELEMS(count, b.get(i), double(root * 1000 + i % 1000), "broadcast root " << root << " count " << count);
-
-        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max}) {
-          Vec in(count, DType::F32), out(count, DType::F32);
-          for (size_t i = 0; i < count; ++i) in.set(i, input(pg.rank(), i, op, n));
-          pg.reduce(in.buf(), out.buf(), {.op = op, .root = root})->wait();
-          if (pg.rank() == root)
-            EXPECT_ELEMS(count, out.get(i), expected(i, op, n, DType::F32), "reduce root " << root << " count " << count);
-        }
-      }
-  });
+  run_ranks(n, transport, check_broadcast_reduce_every_root);
 }
 
 TEST_P(Collectives, AllgatherReduceScatter) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    for (size_t per : {size_t(0), size_t(1), size_t(5), size_t(70000)}) {
-      Vec in(per, DType::F64), out(per * n, DType::F64);
-      for (size_t i = 0; i < per; ++i) in.set(i, pg.rank() * 1e6 + i);
-      pg.allgather(in.buf(), out.buf())->wait();
-      EXPECT_ELEMS(per * n, out.get(i), double((i / per) * 1e6 + i % per), "allgather per " << per);
-
-      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Min, ReduceOp::Avg}) {
-        Vec rin(per * n, DType::F32), rout(per, DType::F32);
-        for (size_t i = 0; i < per * n; ++i) rin.set(i, input(pg.rank(), i, op, n));
-        pg.reduce_scatter(rin.buf(), rout.buf(), {.op = op})->wait();
-        EXPECT_ELEMS(per, rout.get(i), expected(pg.rank() * per + i, op, n, DType::F32),
-                     "reduce_scatter " << reduce_op_name(op) << " per " << per);
-      }
-    }
-  });
+  run_ranks(n, transport, check_allgather_reduce_scatter);
 }
 
 TEST_P(Collectives, GatherScatterAlltoall) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    const int me = pg.rank();
-    for (size_t per : {size_t(0), size_t(1), size_t(9), size_t(50000)}) {
-      for (int root = 0; root < n; ++root) {
-        Vec in(per, DType::U8), out(me == root ? per * n : 0, DType::U8);
-        for (size_t i = 0; i < per; ++i) in.set(i, (me * 31 + i) % 251);
-        pg.gather(in.buf(), out.buf(), {.root = root})->wait();
-        if (me == root) EXPECT_ELEMS(per * n, out.get(i), double(((i / per) * 31 + i % per) % 251), "gather per " << per);
-
-        Vec sin(me == root ? per * n : 0, DType::I64), sout(per, DType::I64);
-        for (size_t i = 0; i < sin.count; ++i) sin.set(i, double(i * 3 + root));
-        pg.scatter(sin.buf(), sout.buf(), {.root = root})->wait();
-        EXPECT_ELEMS(per, sout.get(i), double((me * per + i) * 3 + root), "scatter per " << per);
-      }
-      for (int inplace = 0; inplace < 2; ++inplace) {
-        Vec a(per * n, DType::I32), b(per * n, DType::I32);
-        // block j of rank r holds r * 1000 + j * 10 + element index
-        for (size_t i = 0; i < per * n; ++i) a.set(i, double(me * 1000 + (i / per) * 10 + i % per));
-        Vec& dst = inplace ? a : b;
-        pg.alltoall(a.buf(), dst.buf())->wait();
-        // block i of the result came from rank i: i * 1000 + me * 10 + element
-        EXPECT_ELEMS(per * n, dst.get(i), double((i / per) * 1000 + me * 10 + i % per), "alltoall per " << per);
-      }
-    }
-    for (int k = 0; k < 5; ++k) pg.barrier()->wait();
-  });
+  run_ranks(n, transport, check_gather_scatter_alltoall);
 }
 
 TEST_P(Collectives, SendRecvRing) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
   if (n == 1) GTEST_SKIP() << "needs a peer";
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    const int me = pg.rank(), right = (me + 1) % n, left = (me - 1 + n) % n;
-    for (size_t count : {size_t(0), size_t(1), size_t(100000)}) {
-      std::vector<int32_t> out(count), in(count, -1);
-      for (size_t i = 0; i < count; ++i) out[i] = static_cast<int32_t>(me * 7 + i);
-      // Even ranks send first, odd ranks receive first (sends are synchronous past the buffering).
-      if (me % 2 == 0) {
-        auto w = pg.send(buffer(out), right, {.tag = 3});
-        auto r = pg.recv(buffer(in), left, {.tag = 3});
-        w->wait();
-        r->wait();
-      } else {
-        auto r = pg.recv(buffer(in), left, {.tag = 3});
-        auto w = pg.send(buffer(out), right, {.tag = 3});
-        r->wait();
-        w->wait();
-      }
-      for (size_t i = 0; i < count; ++i) ASSERT_EQ(in[i], static_cast<int32_t>(left * 7 + i));
-    }
-  });
+  run_ranks(n, transport, check_send_recv_ring);
 }
 
 TEST_P(Collectives, ManyAsyncOpsCompleteInOrder) {
   auto [transport_name, n] = GetParam();
   const std::string transport = transport_name == "tcp_striped" ? "tcp" : transport_name;
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    std::vector<std::vector<float>> bufs(20, std::vector<float>(100000));
-    std::vector<WorkPtr> works;
-    for (size_t k = 0; k < bufs.size(); ++k) {
-      std::fill(bufs[k].begin(), bufs[k].end(), float(pg.rank() + k));
-      works.push_back(pg.allreduce(buffer(bufs[k])));
-    }
-    for (size_t k = 0; k < bufs.size(); ++k) {
-      works[k]->wait();
-      EXPECT_TRUE(works[k]->is_completed());
-      EXPECT_EQ(bufs[k][99999], float(n * (n - 1) / 2 + n * k));
-    }
-  });
+  run_ranks(n, transport, check_many_async_ops_complete_in_order);
 }
 
 std::vector<Param> params() {
@@ -251,8 +87,9 @@ std::vector<Param> params() {
   return p;
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Collectives, ::testing::ValuesIn(params()),
-                         [](const ::testing::TestParamInfo<Param>& i) { return i.param.transport + "_np" + std::to_string(i.param.world); });
+INSTANTIATE_TEST_SUITE_P(All, Collectives, ::testing::ValuesIn(params()), [](const ::testing::TestParamInfo<Param>& i) {
+  return i.param.transport + "_np" + std::to_string(i.param.world);
+});
 
 }  // namespace
 }  // namespace cohort

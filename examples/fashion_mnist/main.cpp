@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Fashion-MNIST training with cohort's DistributedDataParallel; run it under `cohort run`"};
   app.add_option("--model", cfg.model, "cnn (225 k parameters) or mlp (10 M, communication-bound)")->check(CLI::IsMember({"cnn", "mlp"}));
   app.add_option("--epochs", cfg.epochs, "epochs to train");
+  app.add_option("--train-limit", cfg.train_limit, "train on the first N images only (0: all; short runs in tests)");
   app.add_option("--batch-size", cfg.batch_size, "per-rank batch size");
   app.add_option("--lr", cfg.base_lr, "learning rate for one rank; scaled linearly with the world size");
   app.add_option("--momentum", cfg.momentum, "SGD momentum");

@@ -107,7 +107,8 @@ int train(const TrainConfig& cfg) {
   so.num_replicas = world;
   so.rank = rank;
   so.seed = cfg.seed;
-  cohort::data::DistributedSampler sampler(train_set.size(), so);
+  const int64_t train_n = cfg.train_limit > 0 ? std::min(cfg.train_limit, train_set.size()) : train_set.size();
+  cohort::data::DistributedSampler sampler(train_n, so);
   const int64_t steps_per_epoch = (sampler.size() + cfg.batch_size - 1) / cfg.batch_size;
   const int64_t total_steps = steps_per_epoch * cfg.epochs;
 

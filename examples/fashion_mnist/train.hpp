@@ -7,6 +7,7 @@
 struct TrainConfig {
   std::string model = "cnn";
   int epochs = 2;
+  int64_t train_limit = 0;  // use only the first N training images (0: all 60000)
   int batch_size = 64;
   double base_lr = 0.03;
   double momentum = 0.9;

@@ -9,6 +9,7 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/launch_env.hpp"
+#include "group/mpi/mpi_group.hpp"
 #include "group/native_group.hpp"
 #include "group/nccl/nccl_group.hpp"
 #include "group/op_timeline.hpp"
@@ -22,7 +23,9 @@ const core::Knob kTimeout{"COHORT_TIMEOUT", "300s",
                           core::KnobKind::Seconds};
 const core::Knob kTransport{"COHORT_TRANSPORT", "", "force a transport between ranks: shm (one host only) or tcp; default: "
                                                    "shm between ranks on one host, tcp between hosts"};
-const core::Knob kBackend{"COHORT_BACKEND", "native", "collective backend: native (cohort's shm + tcp)"};
+const core::Knob kBackend{"COHORT_BACKEND", "native",
+                          "collective backend: native (cohort's shm + tcp), mpi (MPI's collectives, under mpirun: "
+                          "docs/mpi.md) or nccl (GPU)"};
 const core::Knob kRunId{"COHORT_RUN_ID", "", "job id, set by `cohort run` (names shared-memory segments); made up when unset"};
 std::string env_or(const char* name, const char* dflt) {
   const char* v = std::getenv(name);
@@ -32,6 +35,10 @@ std::string env_or(const char* name, const char* dflt) {
 }  // namespace
 
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
+  std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
+  Millis timeout = opts.timeout.count() > 0 ? opts.timeout : Millis(static_cast<int64_t>(kTimeout.seconds() * 1000));
+  // MPI knows rank and size itself and needs no store (group/mpi/, docs/mpi.md).
+  if (backend == "mpi") return group::create_mpi_group(opts.rank, opts.world_size, timeout);
   // torchrun's, cohort run's, Open MPI's, PMI's or Slurm's variables (group/launch_env.hpp).
   const group::LaunchEnv le = group::read_launch_env(group::process_env(), opts.rank, opts.world_size);
   const int rank = le.rank;
@@ -46,11 +53,10 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
                                                           : std::string("seen"),
                 core::describe_host_cpus(core::read_cpu_layout(), core::current_affinity()));
 
-  std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
   if (backend != "native" && backend != "nccl")
-    throw InvalidArgument(fmt::format("backend '{}' is not available in this build; use native (COHORT_BACKEND=native)", backend));
+    throw InvalidArgument(
+        fmt::format("backend '{}' is unknown; use native, mpi or nccl (COHORT_BACKEND or InitOptions::backend)", backend));
 
-  Millis timeout = opts.timeout.count() > 0 ? opts.timeout : Millis(static_cast<int64_t>(kTimeout.seconds() * 1000));
   std::shared_ptr<Store> base = opts.store;
   std::string route_hint = le.master_addr;
   if (!base) {
