@@ -24,10 +24,9 @@
 //     MPI's nonblocking call instead, completed by Work::wait (mpi_comm.hpp);
 //   - point-to-point calls, new_group and shutdown: on the caller, after the
 //     progress thread's queue is empty; large sends and receives nonblocking.
-// Avg is
-// MPI_SUM followed by a division by the group size on the ranks that get the
-// result (core::scale_avg, as the native backend). f16 and bf16 reduce
-// through our own MPI_Op (mpi_runtime.hpp).
+// Avg is MPI_SUM followed by a division by the group size on the ranks that
+// get the result (core::scale_avg, as the native backend). f16 and bf16
+// reduce through our own MPI_Op (mpi_runtime.hpp).
 #include "group/mpi/mpi_group.hpp"
 
 #include <fmt/format.h>
