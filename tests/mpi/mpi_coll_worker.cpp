@@ -133,6 +133,25 @@ TEST(MpiCollectives, ShortWaitOnQueuedWorkTimesOut) {
   for (auto& b : v) EXPECT_EQ(b.back(), float(pg.size()));
 }
 
+// Works nobody waits on: a group's shutdown completes its queued calls first,
+// and a later small call on another group queues behind them.
+TEST(MpiCollectives, ShutdownCompletesUnwaitedWork) {
+  ProcessGroup& pg = world();
+  const int n = pg.size();
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r) all[r] = r;
+  auto sub = pg.new_group(all);
+  ASSERT_NE(sub, nullptr);
+  std::vector<std::vector<int32_t>> v(3, std::vector<int32_t>(100000, 2));  // 400 KB each
+  std::vector<int32_t> w(100000, 3);
+  for (auto& b : v) (void)sub->allreduce(buffer(b));
+  (void)pg.allreduce(buffer(w));
+  sub->shutdown();
+  for (auto& b : v) EXPECT_EQ(b.back(), 2 * n);
+  pg.barrier()->wait();
+  EXPECT_EQ(w.back(), 3 * n);
+}
+
 // Everyone sends to the right and receives from the left in one batch, small
 // (blocking path) and large (a Work completed by wait).
 TEST(MpiCollectives, BatchIsendIrecvRing) {
