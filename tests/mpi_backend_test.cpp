@@ -53,28 +53,32 @@ MpiRun run(std::vector<std::string> argv, std::map<std::string, std::string> env
   return {ps[0].exit_code(), ps[0].out(), ps[0].err()};
 }
 
-// np x COHORT_MPI_BLOCKING_BYTES: the default (64K: small counts blocking,
-// large ones nonblocking), 0 (every collective nonblocking) and 1G (every one
-// blocking, on the caller's thread).
+// np x COHORT_MPI_BLOCKING_BYTES x COHORT_MPI_ASYNC: the default (64K: small
+// counts blocking on the caller, large ones on the progress thread), 0 (every
+// collective on the progress thread) and 1G (every one on the caller's
+// thread); async "nonblocking": large ones as MPI's nonblocking calls.
 struct SuiteParam {
   int np;
   std::string blocking_bytes;
+  std::string async = "";
 };
 
 void PrintTo(const SuiteParam& p, std::ostream* os) {
-  *os << p.np << " ranks, COHORT_MPI_BLOCKING_BYTES=" << (p.blocking_bytes.empty() ? "64K" : p.blocking_bytes);
+  *os << p.np << " ranks, COHORT_MPI_BLOCKING_BYTES=" << (p.blocking_bytes.empty() ? "64K" : p.blocking_bytes)
+      << ", COHORT_MPI_ASYNC=" << (p.async.empty() ? "thread" : p.async);
 }
 
 class MpiSuite : public ::testing::TestWithParam<SuiteParam> {};
 
 TEST_P(MpiSuite, CollectiveChecksPass) {
   if (!kBuilt) GTEST_SKIP() << "this build has no MPI backend";
-  const auto& [np, blocking] = GetParam();
+  const auto& [np, blocking, async] = GetParam();
   auto argv = mpirun(np);
   argv.push_back(COHORT_MPI_WORKER);
   std::map<std::string, std::string> env{{"COHORT_TIMEOUT", "120s"}};
   if (!blocking.empty()) env["COHORT_MPI_BLOCKING_BYTES"] = blocking;
-  MpiRun r = run(argv, env, "mpi_suite_np" + std::to_string(np) + "_" + blocking);
+  if (!async.empty()) env["COHORT_MPI_ASYNC"] = async;
+  MpiRun r = run(argv, env, "mpi_suite_np" + std::to_string(np) + "_" + blocking + "_" + async);
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("[  PASSED  ]"), std::string::npos) << r.out << r.err;
   EXPECT_EQ(r.out.find("[  FAILED  ]"), std::string::npos) << r.out << r.err;
@@ -82,10 +86,12 @@ TEST_P(MpiSuite, CollectiveChecksPass) {
 
 INSTANTIATE_TEST_SUITE_P(Np, MpiSuite,
                          ::testing::Values(SuiteParam{1, ""}, SuiteParam{2, ""}, SuiteParam{3, ""}, SuiteParam{4, ""},
-                                           SuiteParam{3, "0"}, SuiteParam{2, "1G"}),
+                                           SuiteParam{3, "0"}, SuiteParam{2, "1G"}, SuiteParam{2, "", "nonblocking"},
+                                           SuiteParam{3, "0", "nonblocking"}),
                          [](const ::testing::TestParamInfo<SuiteParam>& i) {
                            return "np" + std::to_string(i.param.np) +
-                                  (i.param.blocking_bytes.empty() ? "" : "_blocking_bytes_" + i.param.blocking_bytes);
+                                  (i.param.blocking_bytes.empty() ? "" : "_blocking_bytes_" + i.param.blocking_bytes) +
+                                  (i.param.async.empty() ? "" : "_async_" + i.param.async);
                          });
 
 // A thread level MPI does not know is refused before MPI starts, naming the knob.

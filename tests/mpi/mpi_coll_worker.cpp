@@ -58,6 +58,100 @@ TEST(MpiCollectives, ManyAsyncOpsCompleteInOrder) {
   check_many_async_ops_complete_in_order(world());
 }
 
+// Large (progress thread) and small (caller's thread when the queue is empty)
+// allreduces, broadcasts and barriers issued interleaved before any wait: the
+// small ones queue behind the large ones, so every rank's MPI calls stay in
+// the same order, and each result is right whatever order they are waited in.
+TEST(MpiCollectives, InterleavedLargeAndSmallAsyncKeepOrder) {
+  ProcessGroup& pg = world();
+  const int n = pg.size(), me = pg.rank();
+  const float sum_ranks = float(n * (n - 1) / 2);
+  constexpr int kRounds = 6;
+  std::vector<std::vector<float>> big(kRounds, std::vector<float>(300000));  // 1.2 MB: above 64K
+  std::vector<std::vector<float>> small(kRounds, std::vector<float>(3));
+  std::vector<std::vector<int32_t>> bc(kRounds, std::vector<int32_t>(5));
+  std::vector<WorkPtr> works;
+  for (int k = 0; k < kRounds; ++k) {
+    std::fill(big[k].begin(), big[k].end(), float(me + k));
+    std::fill(small[k].begin(), small[k].end(), float(me * 2 + k));
+    std::fill(bc[k].begin(), bc[k].end(), me == k % n ? 100 + k : -1);
+    works.push_back(pg.allreduce(buffer(big[k])));
+    works.push_back(pg.allreduce(buffer(small[k]), {.op = ReduceOp::Max}));
+    works.push_back(pg.broadcast(buffer(bc[k]), {.root = k % n}));
+    if (k % 2 == 1) works.push_back(pg.barrier());
+  }
+  for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait();  // the last first
+  for (int k = 0; k < kRounds; ++k) {
+    EXPECT_EQ(big[k].front(), sum_ranks + float(n * k)) << k;
+    EXPECT_EQ(big[k].back(), sum_ranks + float(n * k)) << k;
+    EXPECT_EQ(small[k][2], float((n - 1) * 2 + k)) << k;
+    EXPECT_EQ(bc[k][4], 100 + k) << k;
+  }
+  for (auto& w : works) EXPECT_TRUE(w->is_completed());
+  // A small call right after large ones, then a point-to-point one: both wait their turn.
+  auto w1 = pg.allreduce(buffer(big[0]));
+  std::vector<float> one{1.0f};
+  pg.allreduce(buffer(one))->wait();
+  EXPECT_EQ(one[0], float(n));
+  EXPECT_TRUE(w1->is_completed());  // issued before: finished before the small one
+}
+
+// Work::test (is_completed) polled without wait: the progress thread completes the work on its own.
+TEST(MpiCollectives, IsCompletedPollsToCompletion) {
+  ProcessGroup& pg = world();
+  const int n = pg.size();
+  std::vector<double> v(500000, 1.0);  // 4 MB
+  auto w = pg.allreduce(buffer(v), {.op = ReduceOp::Avg});
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  int polls = 0;
+  while (!w->is_completed() && std::chrono::steady_clock::now() < until) {
+    ++polls;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  ASSERT_TRUE(w->is_completed()) << "after " << polls << " polls";
+  EXPECT_EQ(w->error(), nullptr);
+  EXPECT_EQ(v.front(), 1.0);
+  EXPECT_EQ(v.back(), 1.0);
+  w->wait();  // completed: returns at once
+  (void)n;
+}
+
+// A wait shorter than the operation's own timeout on a Work still queued or
+// running throws TimeoutError naming it; the Work can be waited on again.
+TEST(MpiCollectives, ShortWaitOnQueuedWorkTimesOut) {
+  ProcessGroup& pg = world();
+  std::vector<std::vector<float>> v(4, std::vector<float>(2000000, 1.0f));  // 8 MB each
+  std::vector<WorkPtr> ws;
+  for (auto& b : v) ws.push_back(pg.allreduce(buffer(b)));
+  // The last of four 8 MB allreduces is rarely done within a millisecond; if it is, nothing to check.
+  try {
+    ws.back()->wait(Millis(1));
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("allreduce"), std::string::npos) << e.what();
+  }
+  for (auto& w : ws) w->wait();
+  for (auto& b : v) EXPECT_EQ(b.back(), float(pg.size()));
+}
+
+// Works nobody waits on: a group's shutdown completes its queued calls first,
+// and a later small call on another group queues behind them.
+TEST(MpiCollectives, ShutdownCompletesUnwaitedWork) {
+  ProcessGroup& pg = world();
+  const int n = pg.size();
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r) all[r] = r;
+  auto sub = pg.new_group(all);
+  ASSERT_NE(sub, nullptr);
+  std::vector<std::vector<int32_t>> v(3, std::vector<int32_t>(100000, 2));  // 400 KB each
+  std::vector<int32_t> w(100000, 3);
+  for (auto& b : v) (void)sub->allreduce(buffer(b));
+  (void)pg.allreduce(buffer(w));
+  sub->shutdown();
+  for (auto& b : v) EXPECT_EQ(b.back(), 2 * n);
+  pg.barrier()->wait();
+  EXPECT_EQ(w.back(), 3 * n);
+}
+
 // Everyone sends to the right and receives from the left in one batch, small
 // (blocking path) and large (a Work completed by wait).
 TEST(MpiCollectives, BatchIsendIrecvRing) {

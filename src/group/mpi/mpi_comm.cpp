@@ -5,6 +5,7 @@
 #include <sched.h>
 
 #include "core/log.hpp"
+#include "group/mpi/mpi_progress.hpp"
 
 namespace cohort::group::mpi {
 
@@ -18,6 +19,8 @@ MpiWork::MpiWork(std::shared_ptr<CommState> comm, const OpDesc& d, Millis timeou
 
 bool MpiWork::is_completed() const {
   if (done_.load(std::memory_order_acquire)) return true;
+  // The progress thread's blocking call holds MPI (and progresses this request meanwhile): ask again later.
+  if (Progress::get().busy()) return false;
   std::lock_guard<MpiLock> g(mpi_lock());
   comm_->test_pending();
   return done_.load(std::memory_order_acquire);
@@ -25,6 +28,10 @@ bool MpiWork::is_completed() const {
 
 void MpiWork::wait(Millis timeout) {
   if (!done_.load(std::memory_order_acquire)) {
+    // The operations queued before run first: blocking in MPI_Waitall here
+    // would keep the progress thread out of MPI, and a peer may answer this
+    // request only after its own copy of a queued collective.
+    Progress::get().wait_idle();
     std::unique_lock<MpiLock> lk(mpi_lock());
     // A wait shorter than the operation's own deadline polls, so that it can
     // give up; otherwise it blocks in MPI_Waitall (MPI progresses fastest
@@ -157,8 +164,7 @@ void CommState::test_pending() {
 }
 
 void CommState::shutdown() {
-  if (shut_down) return;
-  shut_down = true;
+  if (shut_down.exchange(true)) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;  // MPI_Finalize (at exit) freed every communicator already

@@ -19,7 +19,10 @@
 // that "post a receive, then send what lets the peer answer it" works.
 //
 // Threads: every member below is touched only under mpi_lock() (one thread in
-// MPI at a time: MPI_THREAD_SERIALIZED).
+// MPI at a time: MPI_THREAD_SERIALIZED), but seq and shut_down (atomics). With
+// COHORT_MPI_ASYNC=thread (the default) large collectives do not make
+// MpiWorks: they run blocking on the progress thread (mpi_progress.hpp) and
+// return a ThreadWork; only point-to-point calls use the nonblocking path.
 #pragma once
 
 #include <mpi.h>
@@ -107,8 +110,8 @@ class CommState : public std::enable_shared_from_this<CommState> {
   int rank = 0, size = 1;
   Millis timeout;
   std::vector<int> world_ranks;
-  uint64_t seq = 0;
-  bool shut_down = false;
+  std::atomic<uint64_t> seq{0};        // numbers the operations (also issued without mpi_lock: queued ones)
+  std::atomic<bool> shut_down{false};  // read without mpi_lock by queued operations
   std::deque<std::shared_ptr<MpiWork>> pending;
 
   // The communicator's completed Work, now describing d.

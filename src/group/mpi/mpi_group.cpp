@@ -15,11 +15,18 @@
 //   batch           MPI_Isend / MPI_Irecv for each, then MPI_Waitall
 //   new_group       MPI_Comm_split (non-members pass MPI_UNDEFINED)
 //
-// The blocking call runs when the operation moves at most
-// COHORT_MPI_BLOCKING_BYTES, the nonblocking one above (mpi_comm.hpp). Avg is
-// MPI_SUM followed by a division by the group size on the ranks that get the
-// result (core::scale_avg, as the native backend). f16 and bf16 reduce
-// through our own MPI_Op (mpi_runtime.hpp).
+// Where each call runs (docs/mpi.md):
+//   - a collective of at most COHORT_MPI_BLOCKING_BYTES: MPI's blocking call on
+//     the caller's thread (lowest latency), unless the progress thread is busy;
+//   - a larger one, or any collective issued while the progress thread is busy:
+//     MPI's blocking call on the progress thread (mpi_progress.hpp), in issue
+//     order, returning a ThreadWork at once. With COHORT_MPI_ASYNC=nonblocking:
+//     MPI's nonblocking call instead, completed by Work::wait (mpi_comm.hpp);
+//   - point-to-point calls, new_group and shutdown: on the caller, after the
+//     progress thread's queue is empty; large sends and receives nonblocking.
+// Avg is MPI_SUM followed by a division by the group size on the ranks that
+// get the result (core::scale_avg, as the native backend). f16 and bf16
+// reduce through our own MPI_Op (mpi_runtime.hpp).
 #include "group/mpi/mpi_group.hpp"
 
 #include <fmt/format.h>
@@ -33,6 +40,7 @@
 #include "core/log.hpp"
 #include "core/reduce.hpp"
 #include "group/mpi/mpi_comm.hpp"
+#include "group/mpi/mpi_progress.hpp"
 
 namespace cohort::group {
 
@@ -49,8 +57,34 @@ const core::Knob kBlockingBytes{
     "COHORT_MPI_BLOCKING_BYTES", "64K",
     "mpi backend: calls whose message (count x element size, the count as in `cohort bench`) "
     "is at most this run as MPI's blocking call on the caller's thread (lowest latency); "
-    "larger ones as nonblocking calls completed by Work::wait",
+    "larger ones on the progress thread, or as nonblocking calls (COHORT_MPI_ASYNC)",
     core::KnobKind::Bytes};
+
+const core::Knob kAsync{"COHORT_MPI_ASYNC", "thread",
+                        "mpi backend: how calls above COHORT_MPI_BLOCKING_BYTES run: thread (MPI's blocking call on "
+                        "the backend's progress thread, in issue order: Open MPI's fastest algorithms) or "
+                        "nonblocking (MPI_Iallreduce, ... completed in Work::wait; no thread, but Open MPI's "
+                        "libnbc is 25-30% slower for 1-16 MiB)"};
+
+// True: the progress thread (COHORT_MPI_ASYNC=thread, and MPI allows calls from
+// another thread). Throws InvalidArgument naming the knob on an unknown value.
+bool use_progress_thread() {
+  const std::string v = kAsync.str();
+  if (v != "thread" && v != "nonblocking")
+    throw InvalidArgument(
+        fmt::format("COHORT_MPI_ASYNC={}: unknown mode; use thread or nonblocking (default thread)", v));
+  if (v == "nonblocking") return false;
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  if (provided < MPI_THREAD_SERIALIZED) {
+    COHORT_WARN(kInit,
+                "mpi backend: MPI's thread level is {}, below serialized: large calls run as nonblocking MPI calls "
+                "(COHORT_MPI_ASYNC=nonblocking), not on a progress thread",
+                thread_level_name(provided));
+    return false;
+  }
+  return true;
+}
 
 void* in_place_or(const void* p, bool in_place) {
   return in_place ? MPI_IN_PLACE : const_cast<void*>(p);
@@ -84,8 +118,10 @@ struct Finish {
 
 class MpiGroup final : public ProcessGroup {
  public:
-  explicit MpiGroup(std::shared_ptr<CommState> c)
-      : c_(std::move(c)), blocking_max_(kBlockingBytes.bytes()), n_(c_->size), me_(c_->rank) {}
+  MpiGroup(std::shared_ptr<CommState> c, bool thread)
+      : c_(std::move(c)), blocking_max_(kBlockingBytes.bytes()), thread_(thread), n_(c_->size), me_(c_->rank) {
+    Progress::get().attach();
+  }
   ~MpiGroup() override { shutdown(); }
 
   int rank() const override { return me_; }
@@ -109,7 +145,7 @@ class MpiGroup final : public ProcessGroup {
     const Finish finish = avg_finish(o.op, recv);
     return issue<true>(
         d, send.count * elem_size(send.dtype), "MPI_Allreduce",
-        [&] { return MPI_Allreduce(sbuf, recv.data, count, t, op, c_->comm); },
+        [=, this] { return MPI_Allreduce(sbuf, recv.data, count, t, op, c_->comm); },
         [&](MPI_Request* r) { return MPI_Iallreduce(sbuf, recv.data, count, t, op, c_->comm, r); }, finish);
   }
 
@@ -119,7 +155,7 @@ class MpiGroup final : public ProcessGroup {
     const MPI_Datatype t = datatype(buf.dtype);
     return issue(
         d, buf.count * elem_size(buf.dtype), "MPI_Bcast",
-        [&] { return MPI_Bcast(buf.data, count, t, o.root, c_->comm); },
+        [=, this] { return MPI_Bcast(buf.data, count, t, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Ibcast(buf.data, count, t, o.root, c_->comm, r); }, Finish{});
   }
 
@@ -134,7 +170,7 @@ class MpiGroup final : public ProcessGroup {
     const Finish finish = root ? avg_finish(o.op, recv) : Finish{};
     return issue(
         d, send.count * elem_size(send.dtype), "MPI_Reduce",
-        [&] { return MPI_Reduce(sbuf, rbuf, count, t, op, o.root, c_->comm); },
+        [=, this] { return MPI_Reduce(sbuf, rbuf, count, t, op, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Ireduce(sbuf, rbuf, count, t, op, o.root, c_->comm, r); }, finish);
   }
 
@@ -146,7 +182,7 @@ class MpiGroup final : public ProcessGroup {
     void* sbuf = in_place_or(send.data, send.data == block(recv.data, me_, send.bytes()) && send.count > 0);
     return issue(
         d, send.count * elem_size(send.dtype), "MPI_Allgather",
-        [&] { return MPI_Allgather(sbuf, count, t, recv.data, count, t, c_->comm); },
+        [=, this] { return MPI_Allgather(sbuf, count, t, recv.data, count, t, c_->comm); },
         [&](MPI_Request* r) { return MPI_Iallgather(sbuf, count, t, recv.data, count, t, c_->comm, r); }, Finish{});
   }
 
@@ -173,7 +209,7 @@ class MpiGroup final : public ProcessGroup {
     }
     return issue(
         d, recv.count * elem_size(recv.dtype), "MPI_Reduce_scatter_block",
-        [&] { return MPI_Reduce_scatter_block(sbuf, rbuf, count, t, op, c_->comm); },
+        [=, this] { return MPI_Reduce_scatter_block(sbuf, rbuf, count, t, op, c_->comm); },
         [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(sbuf, rbuf, count, t, op, c_->comm, r); }, finish, &tmp);
   }
 
@@ -188,7 +224,7 @@ class MpiGroup final : public ProcessGroup {
     void* rbuf = root ? recv.data : nullptr;
     return issue(
         d, send.count * elem_size(send.dtype), "MPI_Gather",
-        [&] { return MPI_Gather(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
+        [=, this] { return MPI_Gather(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Igather(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, Finish{});
   }
 
@@ -203,7 +239,7 @@ class MpiGroup final : public ProcessGroup {
     void* rbuf = in_place_or(recv.data, root && recv.count > 0 && recv.data == block(send.data, me_, recv.bytes()));
     return issue(
         d, recv.count * elem_size(recv.dtype), "MPI_Scatter",
-        [&] { return MPI_Scatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
+        [=, this] { return MPI_Scatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm); },
         [&](MPI_Request* r) { return MPI_Iscatter(sbuf, count, t, rbuf, count, t, o.root, c_->comm, r); }, Finish{});
   }
 
@@ -217,7 +253,7 @@ class MpiGroup final : public ProcessGroup {
     std::vector<uint8_t> copy;
     return issue<true>(
         d, send.count * elem_size(send.dtype), "MPI_Alltoall",
-        [&] { return MPI_Alltoall(in_place_or(send.data, in_place), k, t, recv.data, k, t, c_->comm); },
+        [=, this] { return MPI_Alltoall(in_place_or(send.data, in_place), k, t, recv.data, k, t, c_->comm); },
         [&](MPI_Request* r) {
           const void* src = send.data;
           if (in_place) {  // the nonblocking call reads from a copy, which the Work keeps until it completes
@@ -232,7 +268,7 @@ class MpiGroup final : public ProcessGroup {
   WorkPtr barrier(BarrierOptions o) override {
     OpDesc d{Coll::Barrier, {}, {}, ReduceOp::Sum, 0, -1, 0, o.timeout};
     return issue(
-        d, 0, "MPI_Barrier", [&] { return MPI_Barrier(c_->comm); },
+        d, 0, "MPI_Barrier", [=, this] { return MPI_Barrier(c_->comm); },
         [&](MPI_Request* r) { return MPI_Ibarrier(c_->comm, r); }, Finish{});
   }
 
@@ -242,7 +278,7 @@ class MpiGroup final : public ProcessGroup {
     check_tag(d, o.tag);
     const int count = mpi_count(d, buf.count);
     const MPI_Datatype t = datatype(buf.dtype);
-    return issue<true>(
+    return issue<true, false>(
         d, buf.count * elem_size(buf.dtype), "MPI_Send",
         [&] { return MPI_Send(buf.data, count, t, dst, o.tag, c_->comm); },
         [&](MPI_Request* r) { return MPI_Isend(buf.data, count, t, dst, o.tag, c_->comm, r); }, Finish{});
@@ -255,7 +291,7 @@ class MpiGroup final : public ProcessGroup {
     const int count = mpi_count(d, buf.count);
     const MPI_Datatype t = datatype(buf.dtype);
     MPI_Status st;
-    auto w = issue<true>(
+    auto w = issue<true, false>(
         d, buf.count * elem_size(buf.dtype), "MPI_Recv",
         [&] { return MPI_Recv(buf.data, count, t, src, o.tag, c_->comm, &st); },
         [&](MPI_Request* r) { return MPI_Irecv(buf.data, count, t, src, o.tag, c_->comm, r); }, Finish{}, nullptr,
@@ -272,6 +308,7 @@ class MpiGroup final : public ProcessGroup {
       check_tag(d, op.tag);
       mpi_count(d, op.buf.count);
     }
+    Progress::get().wait_idle();
     std::lock_guard<MpiLock> g(mpi_lock());
     check_open(d);
     d.seq = ++c_->seq;
@@ -314,6 +351,7 @@ class MpiGroup final : public ProcessGroup {
     const bool member = it != ranks.end();
     MPI_Comm sub = MPI_COMM_NULL;
     OpDesc d{Coll::Barrier};
+    Progress::get().wait_idle();
     std::lock_guard<MpiLock> g(mpi_lock());
     check_open(d);
     c_->drain(true);
@@ -328,25 +366,45 @@ class MpiGroup final : public ProcessGroup {
     if (!member) return nullptr;
     std::vector<int> world;
     for (int r : ranks) world.push_back(c_->world_ranks[r]);
-    return std::make_shared<MpiGroup>(std::make_shared<CommState>(sub, c_->timeout, std::move(world)));
+    return std::make_shared<MpiGroup>(std::make_shared<CommState>(sub, c_->timeout, std::move(world)), thread_);
   }
 
-  // Completes the pending Works (MPI cannot cancel them), then frees the communicator.
+  // Completes the queued and pending Works (MPI cannot cancel them), then
+  // frees the communicator; the last group's shutdown joins the progress thread.
   void shutdown() override {
-    std::lock_guard<MpiLock> g(mpi_lock());
-    c_->shutdown();
+    if (detached_) return;
+    detached_ = true;
+    Progress& p = Progress::get();
+    p.wait_idle();
+    {
+      std::lock_guard<MpiLock> g(mpi_lock());
+      c_->shutdown();
+    }
+    p.detach();
   }
 
  private:
   // Runs one operation: validates it, then the blocking call (small) or the
   // nonblocking one, returning its Work. `scratch` moves into the Work;
   // recv_bytes >= 0 checks what a receive got (status: the blocking call's).
-  template <bool prevalidated = false, class Blocking, class Nonblocking>
+  // `queueable`: a collective, which may run on the progress thread (its
+  // `blocking` must then capture by value); false: point-to-point, which runs
+  // here after the queue is empty.
+  template <bool prevalidated = false, bool queueable = true, class Blocking, class Nonblocking>
   WorkPtr issue(OpDesc& d, size_t call_bytes, const char* call, Blocking&& blocking, Nonblocking&& nonblocking,
                 const Finish& finish, std::vector<uint8_t>* scratch = nullptr, int64_t recv_bytes = -1,
                 MPI_Status* status = nullptr) {
     if (!prevalidated) validate(d, me_, n_);
     const Millis t = d.timeout.count() > 0 ? d.timeout : c_->timeout;
+    if (thread_) {
+      Progress& p = Progress::get();
+      if constexpr (queueable) {
+        // Behind what is queued even when small: every rank's MPI calls stay in issue order.
+        if (call_bytes > blocking_max_ || p.busy()) return queue(d, t, call, blocking, finish, scratch);
+      } else {
+        p.wait_idle();
+      }
+    }
     std::lock_guard<MpiLock> g(mpi_lock());
     check_open(d);
     d.seq = ++c_->seq;
@@ -375,6 +433,36 @@ class MpiGroup final : public ProcessGroup {
     if (finish.any()) w->finish = [finish] { finish(); };
     if (scratch != nullptr) w->scratch = std::move(*scratch);
     c_->pending.push_back(w);
+    return w;
+  }
+
+  // Queues the blocking call on the progress thread and returns its Work,
+  // which completes (with the call's error, if any) when the call returned and
+  // `finish` ran. The task owns `scratch` until then.
+  template <class Blocking>
+  WorkPtr queue(OpDesc& d, Millis t, const char* call, const Blocking& blocking, const Finish& finish,
+                std::vector<uint8_t>* scratch) {
+    check_open(d);
+    d.seq = ++c_->seq;
+    auto w = std::make_shared<ThreadWork>(d, me_, t);
+    std::vector<uint8_t> keep;
+    if (scratch != nullptr) keep = std::move(*scratch);
+    Progress::get().submit([w, blocking, finish, keep = std::move(keep), call, me = me_]() {
+      std::exception_ptr err;
+      try {
+        std::lock_guard<MpiLock> g(mpi_lock());
+        int rc;
+        {
+          Armed a(w->desc(), me, w->timeout(), call);
+          rc = blocking();
+        }
+        check(rc, call, w->desc(), me);
+        finish();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      w->complete(err);
+    });
     return w;
   }
 
@@ -426,6 +514,8 @@ class MpiGroup final : public ProcessGroup {
 
   std::shared_ptr<CommState> c_;
   size_t blocking_max_;
+  bool thread_;  // large collectives on the progress thread (else nonblocking MPI calls)
+  bool detached_ = false;
   int n_, me_;
 };
 
@@ -471,9 +561,11 @@ std::shared_ptr<ProcessGroup> create_mpi_group(std::optional<int> rank, std::opt
   MPI_Get_library_version(version, &len);
   std::string lib(version, strnlen(version, sizeof(version)));
   if (auto nl = lib.find_first_of(",\n"); nl != std::string::npos) lib.resize(nl);
-  COHORT_INFO(kInit, "rank {} of {}: mpi backend on {}; blocking calls up to {} bytes", me, n, lib,
-              mpi::kBlockingBytes.bytes());
-  return std::make_shared<mpi::MpiGroup>(std::make_shared<mpi::CommState>(comm, timeout, std::move(world)));
+  const bool thread = mpi::use_progress_thread();
+  COHORT_INFO(kInit, "rank {} of {}: mpi backend on {}; blocking calls up to {} bytes on the caller, larger ones {}",
+              me, n, lib, mpi::kBlockingBytes.bytes(),
+              thread ? "blocking on the progress thread" : "as nonblocking MPI calls");
+  return std::make_shared<mpi::MpiGroup>(std::make_shared<mpi::CommState>(comm, timeout, std::move(world)), thread);
 }
 
 }  // namespace cohort::group
