@@ -59,6 +59,9 @@ def main():
                     help="also run cohort's mpi backend (COHORT_BACKEND=mpi under mpirun) next to Open MPI's own figures")
     ap.add_argument("--only-mpi", action="store_true", help="run only Open MPI shm and cohort's mpi backend (implies --with-mpi-backend)")
     args = ap.parse_args()
+    if not os.access(os.path.join(HERE, "peers/bin/mpi_allreduce"), os.X_OK):
+        sys.exit("compare_peers: bench/peers/bin/mpi_allreduce is not built; run bench/compare_peers.sh (it installs the "
+                 "peers and builds it) with the same arguments")
 
     sizes = ",".join(str(s) for s in SIZES)
     mpi_coll = {"broadcast": "bcast"}.get(args.coll, args.coll)

@@ -47,11 +47,21 @@ def peer(model, world, steps, sync):
     return run(cmd + ([] if sync else ["--no-allreduce"]))
 
 
+def ensure_peer():
+    """The peer needs Debian's python3-torch; install it as bench/compare_peers.sh does, or say how."""
+    if subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0:
+        return
+    sys.stderr.write("ddp_scaling: PyTorch (python3-torch) is missing; installing the peers with scripts/install-deps.sh --peers\n")
+    if subprocess.run([f"{ROOT}/scripts/install-deps.sh", "--peers"]).returncode != 0:
+        sys.exit("ddp_scaling: could not install python3-torch; run scripts/install-deps.sh --peers as root")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models", default="cnn,mlp")
     args = ap.parse_args()
+    ensure_peer()
     steps = {"cnn": 300, "mlp": 120}
     configs = [(w, s) for w, s in [(1, True), (2, True), (2, False)]]
     res = {}
