@@ -69,8 +69,16 @@ def main():
         for model in args.models.split(","):
             for w, s in configs:
                 for who, fn in (("cohort", ours), ("pytorch", peer)):
-                    print(f"# rep {rep + 1}/{args.reps} {who} {model} world {w} sync {s}", file=sys.stderr, flush=True)
-                    res.setdefault((who, model, w, s), []).append(fn(model, w, steps[model], s))
+                    v = fn(model, w, steps[model], s)
+                    print(f"# rep {rep + 1}/{args.reps} {who} {model} world {w} sync {s}: {v} img/s", file=sys.stderr,
+                          flush=True)
+                    res.setdefault((who, model, w, s), []).append(v)
+
+    print("## every run, images/s (the spread between runs is part of the result)\n")
+    for (who, model, w, s), vals in sorted(res.items()):
+        shown = ", ".join("-" if v is None else f"{v:.0f}" for v in vals)
+        print(f"- {model} {who} world {w}{'' if s else ' no sync'}: {shown}")
+    print()
 
     def med(k):
         v = [x for x in res.get(k, []) if x is not None]

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "cohort/types.hpp"
 
@@ -22,7 +23,29 @@ void scale_avg(void* buf, size_t count, DType dtype, int n);
 
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);
-float bf16_to_float(uint16_t b);
-uint16_t float_to_bf16(float f);
+
+// bf16 is the top half of an f32: widening is a shift, narrowing rounds to
+// nearest even (NaN stays a quiet NaN). Inline and branch-free so that the
+// loops over arrays below and in reduce() vectorise.
+inline float bf16_to_float(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (x >> 16) | 0x40u;
+  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+// Whole arrays, as the compression comm hooks need them (`half` is F16 or
+// BF16): dst[i] = to_half(src[i]), and dst[i] = from_half(src[i]) / divisor.
+// f16 uses the CPU's F16C conversions where it has them (the same round to
+// nearest even; a NaN stays a NaN but may keep more of its payload).
+void floats_to_half(const float* src, uint16_t* dst, size_t count, DType half);
+void half_to_floats(const uint16_t* src, float* dst, size_t count, DType half, float divisor);
 
 }  // namespace cohort::core

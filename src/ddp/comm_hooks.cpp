@@ -56,10 +56,10 @@ CommHook compress_hook(DType half, const char* hook_name) {
     Half* scratch = static_cast<Half*>(bucket.scratch(buf.count * sizeof(Half)));
     const Buffer wire{scratch, buf.count, half};
     switch (buf.dtype) {
-      case DType::F32: {
+      case DType::F32: {  // the common case: whole-array conversions that vectorise
         auto* g = static_cast<float*>(buf.data);
-        compress(g, scratch, buf.count, to_half);
-        return {group.allreduce(wire, sum), [=] { decompress(scratch, g, wire.count, from_half, divisor); }};
+        core::floats_to_half(g, scratch, buf.count, half);
+        return {group.allreduce(wire, sum), [=] { core::half_to_floats(scratch, g, wire.count, half, divisor); }};
       }
       case DType::F64: {
         auto* g = static_cast<double*>(buf.data);
