@@ -41,8 +41,9 @@ TEST_P(KillMid, OthersFailFastNamingTheDeadRank) {
     EXPECT_NE(err.find("ERROR:"), std::string::npos) << err;
     EXPECT_NE(err.find("rank 1"), std::string::npos) << "rank " << r << " does not name the dead rank: " << err;
     EXPECT_NE(err.find("allreduce #"), std::string::npos) << err;
-    // Detection is bounded by the liveness checks, not by the 120 s timeout.
-    EXPECT_LT(ps[r].exit_time_s, 30.0) << err;
+    // Detection is bounded by the liveness checks, not by the 120 s timeout: the
+    // issue's promise is within 10 s of the death (measured: 0.02-0.11 s).
+    EXPECT_LT(ps[r].exit_time_s - ps[1].exit_time_s, 10.0) << err;
   }
 }
 
