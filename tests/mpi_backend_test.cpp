@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mpi/mpirun_args.hpp"
 #include "proc_util.hpp"
 
 namespace cohort {
@@ -23,23 +24,7 @@ constexpr bool kBuilt = false;
 #define COHORT_MPIEXEC ""
 #endif
 
-// mpirun with what a test box needs: root (CI containers), more ranks than
-// cores, shared memory + self only (no traffic outside this host), and no
-// cross-memory-attach copies (containers often forbid process_vm_readv).
-std::vector<std::string> mpirun(int np) {
-  std::vector<std::string> a = {COHORT_MPIEXEC,
-                                "--oversubscribe",
-                                "--mca",
-                                "btl",
-                                "self,vader",
-                                "--mca",
-                                "btl_vader_single_copy_mechanism",
-                                "none",
-                                "-np",
-                                std::to_string(np)};
-  if (geteuid() == 0) a.insert(a.begin() + 1, "--allow-run-as-root");
-  return a;
-}
+std::vector<std::string> mpirun(int np) { return testing::mpirun_args(COHORT_MPIEXEC, np); }
 
 struct MpiRun {
   int code;

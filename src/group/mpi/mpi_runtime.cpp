@@ -87,6 +87,18 @@ void watchdog_loop() {
   }
 }
 
+// MPI deletes MPI_COMM_SELF's attributes first thing in MPI_Finalize, whoever
+// calls it: the place to free our f16/bf16 types and ops (MPICH warns about
+// leaked handles otherwise).
+int free_half_types(MPI_Comm, int, void*, void*) {
+  HalfTypes& h = g_half;
+  MPI_Type_free(&h.f16);
+  MPI_Type_free(&h.bf16);
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max}) MPI_Op_free(&h.ops[int(op)]);
+  h.ops[int(ReduceOp::Avg)] = MPI_OP_NULL;  // was Sum's
+  return MPI_SUCCESS;
+}
+
 void finalize_at_exit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -160,6 +172,9 @@ void ensure_initialized() {
     MPI_Op_create(&half_op<ReduceOp::Min>, 1, &h.ops[int(ReduceOp::Min)]);
     MPI_Op_create(&half_op<ReduceOp::Max>, 1, &h.ops[int(ReduceOp::Max)]);
     h.ops[int(ReduceOp::Avg)] = h.ops[int(ReduceOp::Sum)];
+    int free_key = MPI_KEYVAL_INVALID;
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, free_half_types, &free_key, nullptr);
+    MPI_Comm_set_attr(MPI_COMM_SELF, free_key, nullptr);
     int* ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
