@@ -141,3 +141,37 @@ TEST(ElasticRestart, LauncherKilledWhileCheckpointingLeavesTheLastCheckpointLoad
 }
 
 }  // namespace
+
+namespace {
+
+// The issue's demand in full: the demo itself (10 epochs of the CNN recipe, 2
+// ranks, a checkpoint per epoch) with one of its ranks killed at a random step
+// restarts once and still reaches the demo's accuracy target, 91.6 % (an
+// uninterrupted run: 91.80 %). About 2 minutes on 2 cores.
+TEST(ElasticRestart, TheTenEpochDemoWithAKilledRankReachesItsAccuracyTarget) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  std::random_device rd;
+  const int kill_step = 100 + static_cast<int>(rd() % 4400);  // of 4690 steps
+  const int victim = static_cast<int>(rd() % 2);
+  SCOPED_TRACE("rank " + std::to_string(victim) + " killed after step " + std::to_string(kill_step));
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", COHORT_FASHION_MNIST_BIN,
+                    "--epochs", "10", "--checkpoint-dir", base + "/ckpt", "--fault-kill-rank", std::to_string(victim),
+                    "--fault-at-step", std::to_string(kill_step)},
+                   env, 1200);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("restarting the workers (restart 1 of 1)"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("auto-resume: restart 1"), std::string::npos) << r.out;
+  std::smatch m;
+  const std::regex final_epoch(R"(RESULT ddp model=cnn world=2 epoch=10 \S+ \S+ test_acc=([0-9.]+))");
+  ASSERT_TRUE(std::regex_search(r.out, m, final_epoch)) << r.out;
+  const double acc = std::stod(m[1]);
+  std::printf("10 epochs, rank %d killed at step %d, one restart: test accuracy %.2f%%\n", victim, kill_step,
+              100 * acc);
+  EXPECT_GE(acc, 0.916) << r.out;
+  fs::remove_all(base);
+}
+
+}  // namespace
