@@ -6,20 +6,7 @@
 #   scripts/ci-mpich-build.sh [build-dir]     (default: build-mpich)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs=(mpich libmpich-dev)
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [[ ${#missing[@]} -gt 0 ]]; then
-  SUDO=""
-  [[ $(id -u) -ne 0 ]] && SUDO=sudo
-  echo "ci-mpich-build: installing ${missing[*]}"
-  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"; } >/dev/null; then
-    echo "ci-mpich-build: could not install ${missing[*]} (apt-get failed)" >&2
-    exit 1
-  fi
-fi
+scripts/install-deps.sh --mpich
 dir=${1:-build-mpich}
 jobs=${JOBS:-2}
 echo "ci-mpich-build: $(/usr/bin/mpiexec.mpich --version | grep -m1 Version | tr -s ' '); building in $dir"

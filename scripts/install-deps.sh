@@ -3,6 +3,7 @@
 # Idempotent and quiet when everything is present.
 #   scripts/install-deps.sh          build + test dependencies (Open MPI included: the mpi backend)
 #   scripts/install-deps.sh --peers  also the peer systems used by bench/compare_peers.sh
+#   scripts/install-deps.sh --mpich  also MPICH (beside Open MPI, which stays the default): scripts/ci-mpich-build.sh
 set -euo pipefail
 
 pkgs=(cmake make g++ pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev
@@ -10,9 +11,13 @@ pkgs=(cmake make g++ pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev
       libtorch-dev libopenblas0-pthread dataset-fashion-mnist
       clang libclang-rt-dev   # clang + libFuzzer: fuzz/ (the fuzz_* ctests skip without them)
       openmpi-bin libopenmpi-dev)   # the mpi backend and its tests (docs/mpi.md)
-if [[ "${1:-}" == "--peers" ]]; then
-  pkgs+=(python3-torch python3-numpy)
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --peers) pkgs+=(python3-torch python3-numpy) ;;
+    --mpich) pkgs+=(mpich libmpich-dev) ;;
+    *) echo "install-deps: unknown option $arg (use --peers and/or --mpich)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${pkgs[@]}"; do

@@ -24,6 +24,7 @@
 #include "launch/rendezvous.hpp"
 #include "launch/run_id.hpp"
 #include "launch/hang_report.hpp"
+#include "launch/job.hpp"
 #include "launch/job_secret_setup.hpp"
 #include "launch/store_link.hpp"
 #include "launch/worker_env.hpp"
@@ -50,25 +51,13 @@ std::chrono::milliseconds knob_ms(const core::Knob& k) {
 
 void say(const std::string& line) { std::fprintf(stderr, "cohort run: %s\n", line.c_str()); }
 
-std::string this_host() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
-  return buf;
-}
-
 // Everything fixed for the job before its first attempt.
 struct Job {
   const LaunchOptions& opts;
   Endpoints ep;
   std::string run_id;         // TORCHELASTIC_RUN_ID
   std::string cohort_run_id;  // COHORT_RUN_ID
-  std::string exe;            // resolved argv[0]
-  std::vector<std::string> argv;
-  std::string log_root;       // empty: no log files
-  std::string host;
-  bool set_omp = false;
-  BindMode bind_mode = BindMode::None;
-  BindPlan bind;              // CPUs of each local rank (--bind)
+  JobSetup setup;             // program, log directory, host, CPU binding: as the elastic agent's (job.hpp)
 };
 
 // The workers of one attempt; exe / argv: the program's, or `cohort doctor` for --preflight.
@@ -87,7 +76,7 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::str
   env.max_restarts = job.opts.max_restarts;
   env.run_id = job.run_id;
   env.cohort_run_id = job.cohort_run_id;
-  env.set_omp_threads = job.set_omp;
+  env.set_omp_threads = job.setup.set_omp;
   std::vector<WorkerPlan> plans;
   for (int lr = 0; lr < job.opts.nproc_per_node; ++lr) {
     WorkerPlan p;
@@ -95,10 +84,10 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::str
     p.global_rank = job.opts.node_rank * job.opts.nproc_per_node + lr;
     p.spawn.path = exe;
     p.spawn.argv = argv;
-    if (!job.bind.cpus.empty()) p.spawn.cpus = job.bind.cpus[static_cast<size_t>(lr)];
+    if (!job.setup.bind.cpus.empty()) p.spawn.cpus = job.setup.bind.cpus[static_cast<size_t>(lr)];
     p.spawn.env = merge_environment(environ, worker_env_vars(env, lr));
     p.route = route_streams(job.opts, lr);
-    if (!job.log_root.empty()) p.log_dir = worker_log_dir(job.log_root, job.cohort_run_id, attempt, lr);
+    if (!job.setup.log_root.empty()) p.log_dir = worker_log_dir(job.setup.log_root, job.cohort_run_id, attempt, lr);
     plans.push_back(std::move(p));
   }
   return plans;
@@ -106,40 +95,15 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::str
 
 // "rank 1 (local 1, pid 4242) exited with code 3", plus the node with several.
 std::string describe_failure(const Job& job, const WorkerExit& e) {
-  std::string where = job.opts.nnodes > 1 ? fmt::format(" on node {} ({})", job.opts.node_rank, job.host) : "";
+  std::string where = job.opts.nnodes > 1 ? fmt::format(" on node {} ({})", job.opts.node_rank, job.setup.host) : "";
   return fmt::format("rank {} (local {}, pid {}){} {}", e.global_rank, e.local_rank, e.pid, where, describe_exit(e));
-}
-
-std::string make_log_root(const LaunchOptions& opts) {
-  if (!opts.log_dir.empty()) return opts.log_dir;
-  bool any_file = false;
-  for (int lr = 0; lr < opts.nproc_per_node; ++lr) {
-    StreamRoute r = route_streams(opts, lr);
-    any_file = any_file || r.file_out || r.file_err;
-  }
-  if (!any_file) return "";
-  std::string tmpl = (std::filesystem::temp_directory_path() / "cohort_logs_XXXXXX").string();
-  if (mkdtemp(tmpl.data()) == nullptr)
-    throw IoError(fmt::format("cannot create a log directory {}: {}; pass --log-dir DIR", tmpl, std::strerror(errno)));
-  return tmpl;
 }
 
 Job prepare(const LaunchOptions& opts) {
   Job job{opts, resolve_endpoints(opts)};
   job.run_id = opts.standalone && opts.run_id == "none" ? random_hex(32) : opts.run_id;
   job.cohort_run_id = make_cohort_run_id(job.run_id);
-  const char* python = std::getenv("PYTHON_EXEC");
-  job.argv = worker_argv(opts, python != nullptr && *python != '\0' ? python : "python3");
-  const char* path = std::getenv("PATH");
-  job.exe = resolve_program(job.argv[0], path != nullptr ? path : "/usr/bin:/bin");
-  if (job.argv[0] != opts.command[0] && !opts.module && !std::filesystem::exists(opts.command[0]))
-    throw InvalidArgument(fmt::format("script {} does not exist; check the path (or pass --no-python to run a "
-                                      "program of that name directly)", opts.command[0]));
-  job.host = this_host();
-  job.set_omp = omp_threads_default_needed(std::getenv("OMP_NUM_THREADS"), opts.nproc_per_node);
-  job.log_root = make_log_root(opts);
-  job.bind_mode = parse_bind(opts.bind);
-  job.bind = plan_binding(job.bind_mode, opts.nproc_per_node, core::read_cpu_layout(), core::current_affinity());
+  job.setup = prepare_job(opts);
   return job;
 }
 
@@ -150,10 +114,10 @@ class Agent {
   int run() {
     if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
     start_stores();
-    if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
-    if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, job_.cohort_run_id));
-    COHORT_INFO(kLaunch, "{}", describe_binding(job_.bind_mode, job_.bind));
-    if (job_.bind.oversubscribed)
+    if (job_.setup.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
+    if (!job_.setup.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.setup.log_root, job_.cohort_run_id));
+    COHORT_INFO(kLaunch, "{}", describe_binding(job_.setup.bind_mode, job_.setup.bind));
+    if (job_.setup.bind.oversubscribed)
       COHORT_WARN(kLaunch, "--bind core with {} local ranks on {} usable core(s): ranks share cores; --bind none lets "
                            "the scheduler balance them",
                   opts_.nproc_per_node, core::read_cpu_layout().cores.size());
@@ -162,11 +126,11 @@ class Agent {
       code = attempts();
     } catch (const Interrupted& e) {
       say(fmt::format("received {} while waiting for the other nodes; stopping", signal_name(e.signal())));
-      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.setup.host,
                                 signal_name(e.signal())));
       code = 128 + e.signal();
     } catch (const std::exception& e) {
-      if (joined_) publish_final(fmt::format("the launcher of node {} ({}) failed: {}", opts_.node_rank, job_.host,
+      if (joined_) publish_final(fmt::format("the launcher of node {} ({}) failed: {}", opts_.node_rank, job_.setup.host,
                                              e.what()));
       finish_up();
       throw;
@@ -192,7 +156,7 @@ class Agent {
     r.node_rank = opts_.node_rank;
     r.nproc_per_node = opts_.nproc_per_node;
     r.max_restarts = opts_.max_restarts;
-    r.host = job_.host;
+    r.host = job_.setup.host;
     r.join_timeout = knob_ms(kRdzvTimeout);
     r.finish_timeout = knob_ms(kRdzvFinishTimeout);
     r.leave_timeout = knob_ms(kTermTimeout) + std::chrono::seconds(30);
@@ -209,7 +173,7 @@ class Agent {
       }
       if (attempt == 0 && opts_.preflight)
         if (int code = preflight(attempt); code >= 0) return code;
-      std::vector<WorkerPlan> plans = plan_attempt(job_, attempt, job_.exe, job_.argv);
+      std::vector<WorkerPlan> plans = plan_attempt(job_, attempt, job_.setup.exe, job_.setup.argv);
       bool no_restart = false;  // the store is gone, or a launcher left the job
       MonitorOptions mo = monitor_options(attempt, no_restart);
       AttemptResult r = run_attempt(plans, mo);
@@ -220,7 +184,7 @@ class Agent {
 
       if (r.outcome == AttemptResult::Outcome::Interrupted) {
         say(fmt::format("received {}; stopped {} worker(s)", signal_name(r.signal), r.stopped));
-        publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+        publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.setup.host,
                                   signal_name(r.signal)));
         return 128 + r.signal;
       }
@@ -298,7 +262,7 @@ class Agent {
     remove_shm_segments(job_.cohort_run_id);
     if (r.outcome == AttemptResult::Outcome::Interrupted) {
       say(fmt::format("received {} during the pre-flight check; stopped {} worker(s)", signal_name(r.signal), r.stopped));
-      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.host,
+      publish_final(fmt::format("the launcher of node {} ({}) was stopped by {}", opts_.node_rank, job_.setup.host,
                                 signal_name(r.signal)));
       return 128 + r.signal;
     }
@@ -308,7 +272,7 @@ class Agent {
     }
     say(fmt::format("pre-flight check failed (the doctor's verdict is {}); refusing to start {}",
                     opts_.node_rank == 0 ? "above" : "in node 0's output, from rank 0", opts_.command[0]));
-    publish_final(fmt::format("the pre-flight check failed on node {} ({})", opts_.node_rank, job_.host));
+    publish_final(fmt::format("the pre-flight check failed on node {} ({})", opts_.node_rank, job_.setup.host));
     return 1;
   }
 

@@ -196,14 +196,11 @@ Round ElasticRendezvous::join(long agent, int min_round, const std::function<std
 }
 
 void ElasticRendezvous::publish_failure(int round, const RemoteFailure& f) {
-  store_.compare_set(round_key(round, "failed"), {}, to_bytes((f.final ? "F " : "R ") + f.what));
+  publish_failure_at(store_, round_key(round, "failed"), f);
 }
 
 std::optional<RemoteFailure> ElasticRendezvous::failure(int round) {
-  std::string k = round_key(round, "failed");
-  if (!store_.check({k})) return std::nullopt;
-  std::string v = store_.get_string(k);
-  return RemoteFailure{v.size() >= 2 ? v.substr(2) : v, v.rfind("F ", 0) == 0};
+  return read_failure_at(store_, round_key(round, "failed"));
 }
 
 int64_t ElasticRendezvous::waiting(int round) {

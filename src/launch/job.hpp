@@ -1,6 +1,6 @@
-// What the elastic agent (elastic_agent.hpp) fixes for a job before its first
-// round, and the plan of one round's workers on this node. Mirrors the static
-// agent's preparation (agent.cpp) without touching it.
+// What a launcher fixes for a job before its first round (prepare_job: both the
+// static agent, agent.cpp, and the elastic one, elastic_agent.hpp), and the
+// plan of one elastic round's workers on this node.
 #pragma once
 
 #include <string>

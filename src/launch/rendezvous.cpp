@@ -103,15 +103,22 @@ std::vector<NodeInfo> StaticRendezvous::join(int attempt, std::string& cohort_ru
   return nodes;
 }
 
+void publish_failure_at(Store& store, const std::string& key, const RemoteFailure& f) {
+  store.compare_set(key, {}, to_bytes((f.final ? "F " : "R ") + f.what));
+}
+
+std::optional<RemoteFailure> read_failure_at(Store& store, const std::string& key) {
+  if (!store.check({key})) return std::nullopt;
+  std::string v = store.get_string(key);
+  return RemoteFailure{v.size() >= 2 ? v.substr(2) : v, v.rfind("F ", 0) == 0};
+}
+
 void StaticRendezvous::publish_failure(int attempt, const RemoteFailure& failure) {
-  store_.compare_set(attempt_key(attempt, "failed"), {}, to_bytes((failure.final ? "F " : "R ") + failure.what));
+  publish_failure_at(store_, attempt_key(attempt, "failed"), failure);
 }
 
 std::optional<RemoteFailure> StaticRendezvous::failure(int attempt) {
-  std::string k = attempt_key(attempt, "failed");
-  if (!store_.check({k})) return std::nullopt;
-  std::string v = store_.get_string(k);
-  return RemoteFailure{v.size() >= 2 ? v.substr(2) : v, v.rfind("F ", 0) == 0};
+  return read_failure_at(store_, attempt_key(attempt, "failed"));
 }
 
 std::optional<RemoteFailure> StaticRendezvous::finish(int attempt) {

@@ -55,6 +55,11 @@ struct RemoteFailure {
   bool final = false;  // a launcher left the job: restarting cannot help
 };
 
+// A round's failure in the store, shared by the static and the elastic
+// rendezvous: the first publisher wins ("F what" when final, "R what" else).
+void publish_failure_at(Store& store, const std::string& key, const RemoteFailure& f);
+std::optional<RemoteFailure> read_failure_at(Store& store, const std::string& key);
+
 struct RendezvousOptions {
   std::string run_id = "none";  // TORCHELASTIC_RUN_ID: namespaces the keys
   int nnodes = 1;
