@@ -84,6 +84,12 @@ def main():
         configs["cohort mpi"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
                                                         args.cohort, "bench", args.coll, "--sizes", sizes, "-n", "0", "-w", "5",
                                                         "-c", "1"], {"COHORT_BACKEND": "mpi"}), True)
+        # The C benchmark at cohort's default thread level (MPI_THREAD_SERIALIZED; Open MPI's MPI_Init reads
+        # OMPI_MPI_THREAD_LEVEL, 2 = serialized): the same engine in the same mode, so the ratio is our call path.
+        configs["mpi shm serialized"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                                                str(args.np), "-x", "OMPI_MPI_THREAD_LEVEL=2",
+                                                                os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll,
+                                                                "-b", "8", "-e", str(top), "-f", "4"]), False)
         # MPI_THREAD_SINGLE, as the C benchmark's MPI_Init: Open MPI itself is ~0.1 us slower per small call
         # at any level above single (docs/mpi.md, Threads).
         configs["cohort mpi single"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
@@ -91,7 +97,7 @@ def main():
                                                                "-n", "0", "-w", "5", "-c", "1"],
                                                               {"COHORT_BACKEND": "mpi", "COHORT_MPI_THREAD_LEVEL": "single"}), True)
     if args.only_mpi:
-        configs = {k: v for k, v in configs.items() if k in ("mpi shm", "cohort mpi", "cohort mpi single")}
+        configs = {k: v for k, v in configs.items() if k in ("mpi shm", "mpi shm serialized", "cohort mpi", "cohort mpi single")}
         args.no_gloo = True
     if not args.no_gloo:
         configs["gloo tcp"] = lambda: parse_rows(run(["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee",
@@ -121,7 +127,7 @@ def main():
     if not args.no_gloo:
         pairs += [("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp")]
     if "cohort mpi" in configs:
-        pairs += [("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
+        pairs += [("cohort mpi", "mpi shm serialized"), ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
     pairs = [(a, b) for a, b in pairs if a in configs and b in configs]
     print("| size | " + " | ".join(names) + "".join(f" | {a} / {b}" for a, b in pairs) + " |")
     print("|---" * (len(names) + len(pairs) + 1) + "|")
@@ -144,6 +150,10 @@ def main():
     wrong = {n: sorted({r[s][2] for r in results[n] for s in r}) for n in names}
     print(f"\n#wrong seen: {wrong}")
     print("Ratios are 'times better than the peer': time_peer / time_ours for 8 B and 1 KiB, busbw_ours / busbw_peer above.")
+    # The small sizes swing between runs on a shared host: each run's figure, to judge what "within noise" is.
+    for s in (s for s in SIZES if s <= 1024):
+        runs = "; ".join(f"{n} " + " ".join(f"{r[s][0]:.2f}" for r in results[n] if s in r) for n in names)
+        print(f"Each run at {s} B (us): {runs}")
 
     if args.plot:
         peers_csv = os.path.splitext(args.plot)[0] + ".peers.csv"
