@@ -33,7 +33,10 @@ TEST_P(BenchCheck, ZeroWrong) {
   // Sizes cross the recursive-doubling / ring and binomial / pipeline thresholds.
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", std::to_string(c.world), COHORT_BIN, "bench", c.coll, "--sizes",
                     "0,8,100,4K,300K,2M", "-n", "2", "-w", "1", "-c", "1", "-d", c.dtype, "-o", c.op},
-                   {{"COHORT_TRANSPORT", c.transport}, {"COHORT_TIMEOUT", "60s"}}, 240);
+                   {{"COHORT_TRANSPORT", c.transport == "shm_single_copy" ? "shm" : c.transport},
+                    {"COHORT_SINGLE_COPY_BYTES", c.transport == "shm_single_copy" ? "1" : ""},
+                    {"COHORT_TIMEOUT", "60s"}},
+                   240);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_TRUE(contains(r.out, "# Out of bounds values : 0 OK")) << r.out << r.err;
   EXPECT_FALSE(contains(r.err, "ERROR")) << r.err;
@@ -54,6 +57,10 @@ std::vector<Case> cases() {
         if (dt == "float" && op == "sum") continue;  // above
         v.push_back({coll, coll == "allreduce" ? 8 : 3, "shm", dt, op});
       }
+  // Every allreduce by single copy, in real processes (other sizes than 8 ranks' blocks).
+  for (int n : {2, 3, 5}) v.push_back({"allreduce", n, "shm_single_copy"});
+  for (std::string dt : {"half", "int8", "double"})
+    for (std::string op : {"avg", "max"}) v.push_back({"allreduce", 3, "shm_single_copy", dt, op});
   return v;
 }
 

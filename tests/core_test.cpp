@@ -185,6 +185,20 @@ TEST(Tuner, SmallAllreduceIsLatencyOptimalLargeIsRing) {
   EXPECT_EQ(choose({Coll::Broadcast, 8, 8, true}), Algo::Binomial);
 }
 
+TEST(Tuner, SingleCopyFromItsThresholdWhenTheGroupHasIt) {
+  using namespace collectives;
+  EXPECT_EQ(choose({Coll::Allreduce, 1 << 20, 2, true, true}), Algo::SingleCopy);
+  EXPECT_EQ(choose({Coll::Allreduce, (1 << 20) - 4, 2, true, true}), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Allreduce, 8, 4, true, true}), Algo::RecursiveDoubling);
+  EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 2, true, false}), Algo::Ring);  // the kernel said no
+  Thresholds off;
+  off.allreduce_single_copy_min = 0;
+  EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 2, true, true}, off), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Broadcast, 64 << 20, 8, true, true}), Algo::Pipeline);  // allreduce only
+  EXPECT_EQ(override_from_env(Coll::Allreduce, "allreduce=single_copy"), Algo::SingleCopy);
+  EXPECT_THROW(override_from_env(Coll::Broadcast, "broadcast=single_copy"), InvalidArgument);
+}
+
 TEST(Tuner, EnvOverride) {
   using namespace collectives;
   EXPECT_EQ(override_from_env(Coll::Allreduce, "ring"), Algo::Ring);

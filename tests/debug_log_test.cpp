@@ -12,7 +12,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 // One allreduce of 1000 bytes (recursive doubling) and one of 1 MiB (ring).
 lt::Result job(std::map<std::string, std::string> env, std::vector<std::string> bytes = {"1000"}) {
-  for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO"})
+  for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO", "COHORT_SINGLE_COPY_BYTES"})
     env.emplace(k, "");  // unset unless the test sets it: the caller's shell must not change the output
   return lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("coll_worker"), "allreduce-loop",
                   bytes.at(0), "1"},
@@ -58,9 +58,33 @@ TEST(DebugLog, TraceNamesEachCollectiveItsAlgorithmAndBytes) {
   EXPECT_TRUE(contains(small.err, "[rank1]: cohort[rank 1] TRACE COLL: allreduce #0 (f32 x 250, sum) 1000 bytes algo "
                                   "recursive_doubling"))
       << small.err;
-  auto big = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}}, {"1048576"});
+  auto big = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}}, {"262144"});
   ASSERT_EQ(big.status, 0) << big.err;
-  EXPECT_TRUE(contains(big.err, "TRACE COLL: allreduce #0 (f32 x 262144, sum) 1048576 bytes algo ring")) << big.err;
+  EXPECT_TRUE(contains(big.err, "TRACE COLL: allreduce #0 (f32 x 65536, sum) 262144 bytes algo ring")) << big.err;
+}
+
+// From COHORT_SINGLE_COPY_BYTES (1 MiB) up, when the kernel lets the ranks
+// read each other's memory: single copy, and INFO says whether it is on.
+TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
+  auto r = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL,NET,TUNING"}}, {"1048576"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  if (contains(r.err, "single copy (process_vm_readv) off: "))
+    GTEST_SKIP() << "this kernel or container forbids process_vm_readv between the ranks:\n" << r.err;
+  EXPECT_TRUE(contains(r.err, "single copy (process_vm_readv) on")) << r.err;
+  EXPECT_TRUE(contains(r.err, "recursive_doubling up to 16 KiB, ring above, single_copy from 1024 KiB")) << r.err;
+  EXPECT_TRUE(contains(r.err, "TRACE COLL: allreduce #0 (f32 x 262144, sum) 1048576 bytes algo single_copy")) << r.err;
+
+  auto off = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}, {"COHORT_SINGLE_COPY_BYTES", "0"}},
+                 {"1048576"});
+  ASSERT_EQ(off.status, 0) << off.err;
+  EXPECT_TRUE(contains(off.err, "1048576 bytes algo ring")) << off.err;
+
+  // Forced where it cannot run: over TCP the error names the reason and the knob.
+  auto tcp = job({{"COHORT_TRANSPORT", "tcp"}, {"COHORT_ALGO", "allreduce=single_copy"}}, {"1048576"});
+  EXPECT_NE(tcp.status, 0);
+  EXPECT_TRUE(contains(tcp.err, "COHORT_ALGO asks for single_copy, but this group cannot use it: some peers are over tcp "
+                                "(on other hosts, or COHORT_TRANSPORT=tcp)"))
+      << tcp.err;
 }
 
 TEST(DebugLog, WarnIsTheDefaultAndQuiet) {

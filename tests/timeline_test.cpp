@@ -35,6 +35,7 @@ bool contains(const std::string& text, const std::string& part) {
 lt::Result job(const std::string& dir, std::map<std::string, std::string> env = {}) {
   env["COHORT_TIMELINE"] = dir;
   for (const char* k : {"COHORT_DEBUG", "COHORT_TRANSPORT", "COHORT_ALGO", "COHORT_INLINE_BYTES"}) env.emplace(k, "");
+  env.emplace("COHORT_SINGLE_COPY_BYTES", "0");  // the ring, whatever the kernel allows
   env.emplace("COHORT_TIMELINE_CLOCK", "");
   return lt::run(
       {"run", "--standalone", "--nproc-per-node", "2", lt::prog("coll_worker"), "allreduce-loop", "1048576", "3"},

@@ -15,6 +15,9 @@ namespace cohort::collectives {
 
 // allreduce
 void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div = 0);
+// Every peer over shm with single copy (ShmTransport::single_copy): one copy per byte.
+void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
+                           int avg_div = 0);
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
 
 // broadcast

@@ -41,6 +41,14 @@ class Comm {
   // Any set of messages at once; fills in the key of each.
   void run(std::vector<transport::SendOp>& sends, std::vector<transport::RecvOp>& recvs);
 
+  // Single copy: `bytes` of peer's memory at address `remote` into `local`, or
+  // back (Connection::read_remote / write_remote; only when the group's shm
+  // transport allows it).
+  void read_peer(int peer, uint64_t remote, void* local, size_t bytes) { conns_[peer]->read_remote(remote, local, bytes); }
+  void write_peer(int peer, uint64_t remote, const void* local, size_t bytes) {
+    conns_[peer]->write_remote(remote, local, bytes);
+  }
+
   // A scratch buffer of at least `bytes`, reused across operations (not zeroed).
   uint8_t* scratch(size_t bytes);
 

@@ -13,12 +13,17 @@ namespace {
 
 const core::Knob kAlgo{"COHORT_ALGO", "",
                        "force algorithms: one name for every collective that has it (ring, recursive_doubling, binomial, "
-                       "pipeline, direct), or a list like allreduce=ring,broadcast=binomial"};
+                       "pipeline, direct, single_copy), or a list like allreduce=ring,broadcast=binomial"};
+const core::Knob kSingleCopyBytes{
+    "COHORT_SINGLE_COPY_BYTES", "1M",
+    "allreduces of at least this many bytes use single copy (process_vm_readv/writev between ranks of one host, "
+    "one copy per byte) when every peer is on this host and the kernel allows it; 0: never",
+    core::KnobKind::Bytes};
 
 // Which algorithms can run which collective.
 bool supports(Coll c, Algo a) {
   switch (c) {
-    case Coll::Allreduce: return a == Algo::Ring || a == Algo::RecursiveDoubling;
+    case Coll::Allreduce: return a == Algo::Ring || a == Algo::RecursiveDoubling || a == Algo::SingleCopy;
     case Coll::Broadcast: return a == Algo::Binomial || a == Algo::Pipeline;
     case Coll::Reduce: return a == Algo::Binomial;
     case Coll::Allgather: return a == Algo::Ring || a == Algo::Direct;
@@ -42,6 +47,7 @@ std::optional<Algo> parse_algo(const std::string& s) {
   if (s == "direct") return Algo::Direct;
   if (s == "linear") return Algo::Linear;
   if (s == "dissemination") return Algo::Dissemination;
+  if (s == "single_copy") return Algo::SingleCopy;
   return std::nullopt;
 }
 
@@ -74,6 +80,7 @@ const char* algo_name(Algo a) {
     case Algo::Direct: return "direct";
     case Algo::Linear: return "linear";
     case Algo::Dissemination: return "dissemination";
+    case Algo::SingleCopy: return "single_copy";
   }
   return "?";
 }
@@ -81,6 +88,8 @@ const char* algo_name(Algo a) {
 Algo choose(const TunerInput& in, const Thresholds& t) {
   switch (in.coll) {
     case Coll::Allreduce:
+      if (in.single_copy && t.allreduce_single_copy_min > 0 && in.bytes >= t.allreduce_single_copy_min)
+        return Algo::SingleCopy;
       return in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp) ? Algo::RecursiveDoubling
                                                                                           : Algo::Ring;
     case Coll::Broadcast:
@@ -115,7 +124,7 @@ std::optional<Algo> override_from_env(Coll c, const std::string& spec) {
     auto a = parse_algo(name);
     if (!a)
       throw InvalidArgument(fmt::format("COHORT_ALGO: unknown algorithm '{}'; use ring, recursive_doubling, binomial, "
-                                        "pipeline or direct",
+                                        "pipeline, direct or single_copy",
                                         name));
     if (!coll.empty()) {
       if (coll != coll_name(c)) continue;
@@ -133,12 +142,22 @@ namespace {
 std::string kib(size_t b) { return b % 1024 == 0 ? fmt::format("{} KiB", b / 1024) : fmt::format("{} B", b); }
 }  // namespace
 
-std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm) {
+Thresholds thresholds_from_env() {
+  Thresholds t;
+  t.allreduce_single_copy_min = kSingleCopyBytes.bytes();
+  return t;
+}
+
+std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy) {
   const size_t rd = all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp;
+  const std::string above =
+      single_copy && t.allreduce_single_copy_min > 0
+          ? fmt::format("ring above, single_copy from {}", kib(t.allreduce_single_copy_min))
+          : std::string("ring above");
   std::string s = fmt::format(
-      "tuner thresholds for {} ranks ({}): allreduce recursive_doubling up to {}, ring above; broadcast binomial up "
+      "tuner thresholds for {} ranks ({}): allreduce recursive_doubling up to {}, {}; broadcast binomial up "
       "to {}{}, pipeline above; allgather {}; reduce_scatter ring; reduce binomial",
-      nranks, all_shm ? "all peers over shm" : "some peers over tcp", kib(rd), kib(t.broadcast_binomial_max),
+      nranks, all_shm ? "all peers over shm" : "some peers over tcp", kib(rd), above, kib(t.broadcast_binomial_max),
       nranks <= 2 ? " (always with 2 ranks)" : "",
       nranks <= 8 ? fmt::format("direct up to {} per rank, ring above", kib(t.allgather_direct_max))
                   : std::string("ring (more than 8 ranks)"));
@@ -147,10 +166,10 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm) {
   return s;
 }
 
-Algo select(const TunerInput& in) {
+Algo select(const TunerInput& in, const Thresholds& t) {
   static const std::string spec = kAlgo.str();
   if (auto a = override_from_env(in.coll, spec)) return *a;
-  return choose(in);
+  return choose(in, t);
 }
 
 }  // namespace cohort::collectives

@@ -13,7 +13,7 @@ namespace cohort::collectives {
 enum class Coll { Allreduce, Broadcast, Reduce, Allgather, ReduceScatter, Gather, Scatter, Alltoall, Barrier, Send, Recv, P2PBatch };
 const char* coll_name(Coll c);
 
-enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination };
+enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination, SingleCopy };
 const char* algo_name(Algo a);
 
 struct TunerInput {
@@ -21,6 +21,7 @@ struct TunerInput {
   size_t bytes;    // per-rank buffer bytes (allreduce, broadcast, reduce); per-rank block (allgather, ...)
   int nranks;
   bool all_shm;    // every peer is on this host over shared memory
+  bool single_copy = false;  // ... and ranks may access each other's memory (ShmTransport::single_copy)
 };
 
 struct Thresholds {
@@ -28,7 +29,12 @@ struct Thresholds {
   size_t allreduce_rd_max_tcp = 64 * 1024;
   size_t broadcast_binomial_max = 256 * 1024;
   size_t allgather_direct_max = 32 * 1024;   // per-rank block, and only for nranks <= 8
+  size_t allreduce_single_copy_min = 1 << 20; // single copy from here up, when the group has it (0: never)
 };
+
+// The defaults with COHORT_SINGLE_COPY_BYTES applied (read at every call: a
+// group reads it once, when it is made).
+Thresholds thresholds_from_env();
 
 // The default choice.
 Algo choose(const TunerInput& in, const Thresholds& t = Thresholds{});
@@ -41,9 +47,9 @@ std::optional<Algo> override_from_env(Coll c, const std::string& spec);
 // The thresholds as the INFO log prints them at group set-up, with what the
 // tuner will pick for a group of `nranks` and any COHORT_ALGO override:
 // "tuner: allreduce recursive_doubling up to 16 KiB (this group: all shm), ring above; ...".
-std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm);
+std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy = false);
 
 // The override (if any) or the default; what the group calls.
-Algo select(const TunerInput& in);
+Algo select(const TunerInput& in, const Thresholds& t = Thresholds{});
 
 }  // namespace cohort::collectives

@@ -80,6 +80,10 @@ void NativeGroup::connect() {
     tcp_local_addr_ = tcp->local_address();
   }
   all_shm_ = remote.empty();
+  if (!all_shm_) single_copy_why_ = "some peers are over tcp (on other hosts, or COHORT_TRANSPORT=tcp)";
+  else if (!shm_) single_copy_why_ = "no peer over shared memory";
+  else if (!shm_->single_copy()) single_copy_why_ = shm_->single_copy_unavailable_reason();
+  single_copy_ = single_copy_why_.empty();
   engine_ = std::make_unique<transport::Engine>(shm_.get());
   std::vector<transport::Connection*> raw(n, nullptr);
   for (int r = 0; r < n; ++r) raw[r] = conns_[r].get();
@@ -88,7 +92,7 @@ void NativeGroup::connect() {
               local.empty() ? 0 : local.size() - 1, remote.size());
   if (core::log_enabled(core::LogLevel::Info, core::kInit)) log_peers(hosts, remote);
   COHORT_INFO(kTuning, "group {}: {}", setup_.group_id,
-              collectives::describe_thresholds(collectives::Thresholds{}, n, all_shm_));
+              collectives::describe_thresholds(thresholds_, n, all_shm_, single_copy_));
 }
 
 // One INFO line per peer: the transport chosen for it and why, so that "why is

@@ -47,7 +47,8 @@ std::string mismatch_message(const transport::MessageMismatch& m) {
 NativeGroup::NativeGroup(GroupSetup setup)
     : setup_(std::move(setup)),
       inline_max_(kInlineBytes.bytes()),
-      pipeline_segment_(std::max<size_t>(4096, kPipelineSeg.bytes())) {
+      pipeline_segment_(std::max<size_t>(4096, kPipelineSeg.bytes())),
+      thresholds_(collectives::thresholds_from_env()) {
   p2p_sent_.assign(setup_.size, 0);
   p2p_recvd_.assign(setup_.size, 0);
 }
@@ -184,7 +185,11 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
                            ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
                            : d.bytes();
-  Algo a = c::select(c::TunerInput{d.coll, tuner_bytes, n, all_shm_});
+  Algo a = c::select(c::TunerInput{d.coll, tuner_bytes, n, all_shm_, single_copy_}, thresholds_);
+  if (a == Algo::SingleCopy && !single_copy_ && n > 1)
+    throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "
+                                      "COHORT_ALGO or name another allreduce algorithm",
+                                      single_copy_why_));
   d.algo = c::algo_name(a);
   COHORT_TRACE(kColl, "{} {} bytes algo {}", d.describe(), d.bytes(), c::algo_name(a));
 
@@ -192,6 +197,8 @@ void NativeGroup::run_algorithm(OpDesc& d) {
     case Coll::Allreduce:
       if (a == Algo::Ring) {
         c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+      } else if (a == Algo::SingleCopy) {
+        c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
       } else {
         c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
         if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);

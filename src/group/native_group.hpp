@@ -96,8 +96,11 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   std::unique_ptr<transport::Engine> engine_;
   std::unique_ptr<collectives::Comm> comm_;
   bool all_shm_ = true;
+  bool single_copy_ = false;            // all_shm_ and the shm transport allows single copy
+  std::string single_copy_why_;         // why not, when it does not
   size_t inline_max_ = 0;
   size_t pipeline_segment_ = 0;
+  collectives::Thresholds thresholds_;  // the tuner's, with the knobs applied at construction
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -2,9 +2,21 @@
 
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "core/reduce.hpp"
 
 namespace cohort::transport {
+
+void Connection::read_remote(uint64_t, void*, size_t) {
+  throw InvalidArgument(fmt::format("{}: this connection cannot access the peer's memory (single copy needs a "
+                                    "shared-memory peer and process_vm_readv)",
+                                    describe()));
+}
+
+void Connection::write_remote(uint64_t remote, const void*, size_t bytes) {
+  read_remote(remote, nullptr, bytes);  // the same error
+}
 
 const char* kind_name(Kind k) { return k == Kind::Shm ? "shm" : "tcp"; }
 

@@ -123,6 +123,16 @@ class Connection {
   // A short description of the peer for error messages: "rank 3 (pid 123, shm)".
   virtual std::string describe() const = 0;
 
+  // Single copy: copies `bytes` bytes at address `remote` of the peer's process
+  // into `local` (read), or `local` to `remote` (write), without the peer's
+  // help (shm peers when the kernel allows process_vm_readv/writev;
+  // ShmTransport::single_copy()). The peer must keep that memory alive, and
+  // leave it alone, until it is told the access is over. Throws PeerError if
+  // the peer is gone or the memory is not accessible; InvalidArgument on a
+  // connection that cannot do it.
+  virtual void read_remote(uint64_t remote, void* local, size_t bytes);
+  virtual void write_remote(uint64_t remote, const void* local, size_t bytes);
+
  protected:
   explicit Connection(int peer) : peer_(peer) {}
   int peer_;

@@ -2,6 +2,7 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -117,6 +118,13 @@ class ShmConnection final : public Connection {
     }
   }
 
+  void read_remote(uint64_t remote, void* local, size_t bytes) override {
+    access_remote(remote, static_cast<uint8_t*>(local), bytes, false);
+  }
+  void write_remote(uint64_t remote, const void* local, size_t bytes) override {
+    access_remote(remote, static_cast<uint8_t*>(const_cast<void*>(local)), bytes, true);
+  }
+
   std::string describe() const override {
     return fmt::format("rank {} (pid {}, shm)", peer_, them_->pid.load(std::memory_order_relaxed));
   }
@@ -145,6 +153,31 @@ class ShmConnection final : public Connection {
                     describe(), s.seq, s.tag, s.count, s.msg_bytes, s.offset, op.key.seq, op.key.tag, op.key.count, op.bytes,
                     op.done),
         peer_, got, s.msg_bytes, op.key, op.bytes);
+  }
+
+  // process_vm_readv / writev until every byte moved (they may move less).
+  void access_remote(uint64_t remote, uint8_t* local, size_t bytes, bool write) {
+    if (!t_->single_copy) {
+      if (write) Connection::write_remote(remote, local, bytes);
+      Connection::read_remote(remote, local, bytes);
+    }
+    const int pid = them_->pid.load(std::memory_order_relaxed);
+    while (bytes > 0) {
+      iovec l{local, bytes}, r{reinterpret_cast<void*>(remote), bytes};
+      ssize_t got = write ? process_vm_writev(pid, &l, 1, &r, 1, 0) : process_vm_readv(pid, &l, 1, &r, 1, 0);
+      if (got <= 0) {
+        const int e = got < 0 ? errno : EFAULT;
+        check_alive();  // a dead or aborted peer says so first
+        if (e == ESRCH) throw PeerError(fmt::format("{} died (its process no longer exists)", describe()), peer_);
+        throw PeerError(fmt::format("cannot {} {} bytes of {}'s memory at {:#x}: {}; HINT: a buffer freed or resized "
+                                    "while its collective was still running?",
+                                    write ? "write" : "read", bytes, describe(), remote, std::strerror(e)),
+                        peer_);
+      }
+      local += got;
+      remote += static_cast<uint64_t>(got);
+      bytes -= static_cast<size_t>(got);
+    }
   }
 
   ShmTransport::Impl* t_;

@@ -13,7 +13,7 @@
 namespace cohort::transport::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553544f4843ull;  // "COHTSEG1"
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 inline constexpr size_t kInlineBytes = 8;
 
 struct alignas(64) SegHeader {
@@ -28,6 +28,13 @@ struct alignas(64) SegHeader {
 
 struct alignas(64) RankCtl {
   std::atomic<int32_t> pid;
+  // Single copy (shm_transport.cpp, probe_single_copy): the address of a word
+  // holding kMagic in this process, for peers to read with process_vm_readv;
+  // then a bit per local rank whose word this rank could read, and 1 in
+  // `probed` once that mask is final.
+  std::atomic<uint64_t> probe_addr;
+  std::atomic<uint64_t> readable;
+  std::atomic<uint32_t> probed;
   alignas(64) std::atomic<uint32_t> doorbell;  // futex word: bumped by peers that want us awake
   alignas(64) std::atomic<uint32_t> sleeping;  // 1 while this rank may be asleep on doorbell
 };
@@ -71,6 +78,8 @@ struct ShmTransport::Impl {
   uint8_t* base = nullptr;
   size_t mapped = 0;
   int my_local = 0;
+  bool single_copy = false;        // every local rank can read every other's memory
+  std::string single_copy_why;     // why not, for the log and for COHORT_ALGO=single_copy
 
   shm::SegHeader* header() const { return reinterpret_cast<shm::SegHeader*>(base); }
   shm::RankCtl* rank_ctl(size_t local) const {
@@ -78,6 +87,7 @@ struct ShmTransport::Impl {
   }
   uint8_t* fifo(size_t from, size_t to) const { return base + layout.fifo_offset(from, to); }
   int local_of(int group_rank) const;
+  void probe_single_copy(Store& store, core::Deadline deadline);
 };
 
 }  // namespace cohort::transport

@@ -4,12 +4,15 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -28,6 +31,78 @@ const core::Knob kNumSlots{"COHORT_SHM_NSLOTS", "8", "slots per shared-memory FI
                            core::KnobKind::Int};
 
 std::string errno_str(int e) { return std::strerror(e); }
+
+// What peers read to find out whether process_vm_readv works on this process.
+constexpr uint64_t kProbeMagic = 0x59504f4333454c47ull;
+volatile uint64_t g_probe_word = kProbeMagic;
+
+// Reads the probe word of `pid` at `addr`, then writes the same value back:
+// "" when both worked, else why not.
+std::string probe_read(int pid, uint64_t addr) {
+  uint64_t got = 0;
+  iovec local{&got, sizeof got}, remote{reinterpret_cast<void*>(addr), sizeof got};
+  ssize_t r = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+  if (r == static_cast<ssize_t>(sizeof got) && got == kProbeMagic) r = process_vm_writev(pid, &local, 1, &remote, 1, 0);
+  if (r < 0) {
+    int e = errno;
+    if (e == EPERM)
+      return fmt::format("process_vm_readv of pid {} was refused (EPERM): /proc/sys/kernel/yama/ptrace_scope is {} or a "
+                         "seccomp profile forbids it",
+                         pid, [] {
+                           FILE* f = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+                           int v = -1;
+                           if (f != nullptr) {
+                             if (std::fscanf(f, "%d", &v) != 1) v = -1;
+                             std::fclose(f);
+                           }
+                           return v < 0 ? std::string("unknown") : std::to_string(v);
+                         }());
+    return fmt::format("process_vm_readv of pid {} failed: {}", pid, errno_str(e));
+  }
+  if (r != static_cast<ssize_t>(sizeof got) || got != kProbeMagic)
+    return fmt::format("process_vm_readv of pid {} read the wrong bytes", pid);
+  return "";
+}
+
+}  // namespace
+
+// After every local rank has published its pid and probe address: read every
+// peer's probe word, publish the mask of those that worked, wait until every
+// rank has, and switch single copy on only if every pair worked both ways.
+void ShmTransport::Impl::probe_single_copy(Store& store, core::Deadline deadline) {
+  const size_t n = layout.nlocal;
+  std::string why;
+  uint64_t mask = 0;
+  if (n > 64) why = fmt::format("{} local ranks (single copy is probed for at most 64)", n);
+  for (size_t i = 0; i < n && n <= 64; ++i) {
+    auto* rc = rank_ctl(i);
+    if (static_cast<int>(i) == my_local) {
+      mask |= uint64_t{1} << i;
+      continue;
+    }
+    std::string e = probe_read(rc->pid.load(std::memory_order_acquire), rc->probe_addr.load(std::memory_order_acquire));
+    if (e.empty()) mask |= uint64_t{1} << i;
+    else if (why.empty()) why = fmt::format("local rank {} cannot read local rank {}: {}", my_local, i, e);
+  }
+  auto* me = rank_ctl(my_local);
+  me->readable.store(mask, std::memory_order_relaxed);
+  me->probed.store(1, std::memory_order_release);
+  const std::string key = fmt::format("shm/{}/probed/{}", opts.name, my_local);
+  store.set_string(key, "1");
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < n; ++i) keys.push_back(fmt::format("shm/{}/probed/{}", opts.name, i));
+  store.wait(keys, Millis(std::max(1, deadline.remaining_ms())));
+  const uint64_t all = n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  for (size_t i = 0; i < n && why.empty(); ++i) {
+    auto* rc = rank_ctl(i);
+    if (rc->probed.load(std::memory_order_acquire) != 1 || (rc->readable.load(std::memory_order_relaxed) & all) != all)
+      why = fmt::format("local rank {} cannot read the memory of every other local rank (its log says why)", i);
+  }
+  single_copy = why.empty();
+  single_copy_why = why;
+}
+
+namespace {
 
 }  // namespace
 
@@ -105,6 +180,11 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
           "({}x{} B, {} ranks); HINT: set COHORT_SHM_SLOT_BYTES / COHORT_SHM_NSLOTS the same on every rank",
           path, h->nslots, h->slot_bytes, h->nlocal, nslots, slot, opts.local_ranks.size()));
   }
+  // Yama's ptrace_scope 1 lets a process read only its descendants, unless it
+  // names its reader: allow the other ranks of this job (same user) to read
+  // ours, for single copy. EINVAL without Yama: nothing to allow.
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  impl->rank_ctl(impl->my_local)->probe_addr.store(reinterpret_cast<uint64_t>(const_cast<uint64_t*>(&g_probe_word)));
   impl->rank_ctl(impl->my_local)->pid.store(getpid());
 
   // Once every local rank has mapped the segment, nobody needs its name: unlink
@@ -115,9 +195,19 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
   for (size_t i = 0; i < opts.local_ranks.size(); ++i) keys.push_back(fmt::format("shm/{}/attached/{}", opts.name, i));
   store.wait(keys, Millis(std::max(1, deadline.remaining_ms())));
   if (leader) shm_unlink(path.c_str());
-  COHORT_INFO(kNet, "shm segment {}: {} local ranks, {} slots x {} B per pair, {:.1f} MiB", path,
-              opts.local_ranks.size(), nslots, slot, total / 1048576.0);
+  impl->probe_single_copy(store, deadline);
+  COHORT_INFO(kNet, "shm segment {}: {} local ranks, {} slots x {} B per pair, {:.1f} MiB; single copy (process_vm_readv) {}",
+              path, opts.local_ranks.size(), nslots, slot, total / 1048576.0,
+              impl->single_copy ? std::string("on") : "off: " + impl->single_copy_why);
   return std::unique_ptr<ShmTransport>(new ShmTransport(std::move(impl)));
+}
+
+bool ShmTransport::single_copy() const {
+  return impl_->single_copy;
+}
+
+const std::string& ShmTransport::single_copy_unavailable_reason() const {
+  return impl_->single_copy_why;
 }
 
 uint32_t ShmTransport::prepare_sleep() {

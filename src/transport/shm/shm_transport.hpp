@@ -16,6 +16,13 @@
 // Lifetime: the lowest local rank creates /dev/shm/cohort-<run>-<group>-<leader>;
 // once every local rank has mapped it, it is unlinked, so a crash leaves nothing
 // behind (the launcher also removes /dev/shm/cohort-<run>-* at exit).
+//
+// Single copy: besides the FIFOs, a rank may read a peer's memory directly
+// with process_vm_readv (Linux cross-memory attach), one copy instead of two
+// through a slot, and without the peer's thread taking part. Large allreduces
+// use it (collectives/allreduce_single_copy.cpp). Every rank allows it with
+// prctl(PR_SET_PTRACER_ANY) where Yama asks for that, and open() probes every
+// pair; if any pair fails, no rank uses it and the log says why.
 #pragma once
 
 #include <memory>
@@ -46,6 +53,14 @@ class ShmTransport : public Waiter {
 
   // A connection to another local rank (group rank).
   std::unique_ptr<Connection> connect(int peer_rank);
+
+  // True when every local rank can read every other local rank's memory with
+  // process_vm_readv (probed once at open: Yama's ptrace_scope, seccomp or a
+  // container can forbid it); the same answer on every local rank.
+  // Connection::read_remote then works on every connection of this transport.
+  bool single_copy() const;
+  // Why single copy is off ("" when it is on).
+  const std::string& single_copy_unavailable_reason() const;
 
   uint32_t prepare_sleep() override;
   void sleep(uint32_t token, int timeout_us) override;
