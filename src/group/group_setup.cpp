@@ -64,6 +64,7 @@ void NativeGroup::connect() {
     so.name = fmt::format("cohort-{}-g{}-r{}", setup_.run_id, setup_.group_id, setup_.world_ranks[local.front()]);
     so.local_ranks = local;
     so.my_rank = me;
+    so.single_copy = thresholds_.allreduce_single_copy_min > 0;
     shm_ = transport::ShmTransport::open(so, store, deadline);
     for (int r : local)
       if (r != me) conns_[r] = shm_->connect(r);

@@ -46,7 +46,7 @@ std::string probe_read(int pid, uint64_t addr) {
   if (r < 0) {
     int e = errno;
     if (e == EPERM)
-      return fmt::format("process_vm_readv of pid {} was refused (EPERM): /proc/sys/kernel/yama/ptrace_scope is {} or a "
+      return fmt::format("process_vm_readv/writev of pid {} was refused (EPERM): /proc/sys/kernel/yama/ptrace_scope is {} or a "
                          "seccomp profile forbids it",
                          pid, [] {
                            FILE* f = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
@@ -57,7 +57,7 @@ std::string probe_read(int pid, uint64_t addr) {
                            }
                            return v < 0 ? std::string("unknown") : std::to_string(v);
                          }());
-    return fmt::format("process_vm_readv of pid {} failed: {}", pid, errno_str(e));
+    return fmt::format("process_vm_readv/writev of pid {} failed: {}", pid, errno_str(e));
   }
   if (r != static_cast<ssize_t>(sizeof got) || got != kProbeMagic)
     return fmt::format("process_vm_readv of pid {} read the wrong bytes", pid);
@@ -73,8 +73,9 @@ void ShmTransport::Impl::probe_single_copy(Store& store, core::Deadline deadline
   const size_t n = layout.nlocal;
   std::string why;
   uint64_t mask = 0;
-  if (n > 64) why = fmt::format("{} local ranks (single copy is probed for at most 64)", n);
-  for (size_t i = 0; i < n && n <= 64; ++i) {
+  if (!opts.single_copy) why = fmt::format("local rank {} opted out (COHORT_SINGLE_COPY_BYTES=0)", my_local);
+  else if (n > 64) why = fmt::format("{} local ranks (single copy is probed for at most 64)", n);
+  for (size_t i = 0; i < n && n <= 64 && opts.single_copy; ++i) {
     auto* rc = rank_ctl(i);
     if (static_cast<int>(i) == my_local) {
       mask |= uint64_t{1} << i;
@@ -96,7 +97,9 @@ void ShmTransport::Impl::probe_single_copy(Store& store, core::Deadline deadline
   for (size_t i = 0; i < n && why.empty(); ++i) {
     auto* rc = rank_ctl(i);
     if (rc->probed.load(std::memory_order_acquire) != 1 || (rc->readable.load(std::memory_order_relaxed) & all) != all)
-      why = fmt::format("local rank {} cannot read the memory of every other local rank (its log says why)", i);
+      why = fmt::format("local rank {} cannot access the memory of every other local rank, or opted out (its log says "
+                        "why)",
+                        i);
   }
   single_copy = why.empty();
   single_copy_why = why;
@@ -183,7 +186,7 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
   // Yama's ptrace_scope 1 lets a process read only its descendants, unless it
   // names its reader: allow the other ranks of this job (same user) to read
   // ours, for single copy. EINVAL without Yama: nothing to allow.
-  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  if (opts.single_copy) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   impl->rank_ctl(impl->my_local)->probe_addr.store(reinterpret_cast<uint64_t>(const_cast<uint64_t*>(&g_probe_word)));
   impl->rank_ctl(impl->my_local)->pid.store(getpid());
 

@@ -41,6 +41,7 @@ struct ShmOptions {
   int my_rank = 0;               // this rank's group rank (one of local_ranks)
   size_t slot_bytes = 0;         // 0: COHORT_SHM_SLOT_BYTES
   size_t nslots = 0;             // 0: COHORT_SHM_NSLOTS
+  bool single_copy = true;       // probe for single copy (false: this rank opts out, and so the whole segment)
 };
 
 class ShmTransport : public Waiter {
