@@ -31,6 +31,7 @@ using Outcome = AttemptResult::Outcome;
 
 // A poll timeout that caps every sleep, so a lost wake-up costs a second, not a hang.
 constexpr int kMaxSleepMs = 1000;
+constexpr int kFailureGraceMs = 100;
 
 struct Worker {
   WorkerPlan* plan = nullptr;
@@ -133,7 +134,14 @@ class Monitor {
     give_up_at_ = now + opts_.kill_wait;
   }
 
+  // Reaps every worker that exited. A failure by exit code waits up to
+  // kFailureGraceMs for a worker killed by a signal, which is then named
+  // instead: it is the likely cause, the other exited because its collective
+  // saw it die (with single copy that takes microseconds, and the victim may
+  // become reapable only after its peer noticed).
   void reap(Clock::time_point now) {
+    Worker* failed = nullptr;
+    WorkerExit failure{};
     for (auto& w : workers_) {
       if (!w.running) continue;
       int status = 0;
@@ -146,13 +154,29 @@ class Monitor {
       if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
       COHORT_INFO(kLaunch, "rank {} (local {}, pid {}) {}", e.global_rank, e.local_rank, e.pid, describe_exit(e));
       if ((e.exit_code == 0 && e.signal == 0) || stopping_) continue;
-      if (!w.sink[1]->to_console()) e.stderr_log = w.sink[1]->log_path();
-      result_.outcome = Outcome::WorkerFailed;
-      result_.failure = e;
-      if (opts_.on_local_failure) opts_.on_local_failure(e);
-      begin_stop(now);
+      if (failed == nullptr || (e.signal != 0 && failure.signal == 0)) {
+        failed = &w;
+        failure = e;
+      }
     }
+    if (failed != nullptr && (pending_ == nullptr || (failure.signal != 0 && pending_exit_.signal == 0))) {
+      if (pending_ == nullptr) pending_until_ = now + std::chrono::milliseconds(kFailureGraceMs);
+      pending_ = failed;
+      pending_exit_ = failure;
+    }
+    if (pending_ == nullptr) return;
+    const bool others_running = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
+    if (pending_exit_.signal == 0 && others_running && now < pending_until_) return;
+    if (!pending_->sink[1]->to_console()) pending_exit_.stderr_log = pending_->sink[1]->log_path();
+    result_.outcome = Outcome::WorkerFailed;
+    result_.failure = pending_exit_;
+    pending_ = nullptr;
+    if (opts_.on_local_failure) opts_.on_local_failure(*result_.failure);
+    begin_stop(now);
   }
+  Worker* pending_ = nullptr;  // a failure by exit code, named once the grace has passed
+  WorkerExit pending_exit_{};
+  Clock::time_point pending_until_{};
 
   void on_signals() {
     for (int sig : opts_.signals->drain()) {
@@ -237,6 +261,7 @@ class Monitor {
       if (killed_) wake = std::min(wake, give_up_at_);
       if (all_exited_at) wake = std::min(wake, *all_exited_at + opts_.drain_timeout);
       if (opts_.check_remote && !stopping_) wake = std::min(wake, next_remote_);
+      if (pending_ != nullptr) wake = std::min(wake, pending_until_);
       int timeout_ms = core::Deadline{wake}.remaining_ms(kMaxSleepMs);
 
       fds.clear();
