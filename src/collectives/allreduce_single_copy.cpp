@@ -11,7 +11,8 @@
 //     (process_vm_writev), while it is still in cache.
 // Last, each rank tells every peer "your block is delivered" and waits for
 // the same word from every peer: then its receive buffer is complete, and no
-// peer reads its send buffer any more, so the call may return.
+// peer reads its send buffer any more, so the call may return. Both exchanges
+// (addresses, final word) are allgather_direct calls.
 //
 // Why: the ring through shm slots copies every byte twice (into a slot, out of
 // it) and hands a slot to the neighbour every 128 KiB, so both ranks' threads
@@ -54,14 +55,7 @@ void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
   };
   const Addrs mine{reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
   std::vector<Addrs> theirs(n);
-  std::vector<transport::SendOp> sends;
-  std::vector<transport::RecvOp> recvs;
-  for (int q = 0; q < n; ++q) {
-    if (q == rank) continue;
-    sends.push_back({c.conn(q), reinterpret_cast<const uint8_t*>(&mine), sizeof mine});
-    recvs.push_back({c.conn(q), sizeof(Addrs), {}, transport::Sink::copy_to(&theirs[q])});
-  }
-  c.run(sends, recvs);
+  allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()), sizeof mine);
 
   const size_t off = chunk_off(count, n, rank) * es, len = chunk_len(count, n, rank) * es;
   const size_t piece_max = kPiece / es * es;
@@ -83,14 +77,7 @@ void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
   // "Your block is delivered, and I am done with your send buffer."
   const uint8_t done = 1;
   std::vector<uint8_t> got(n);
-  sends.clear();
-  recvs.clear();
-  for (int q = 0; q < n; ++q) {
-    if (q == rank) continue;
-    sends.push_back({c.conn(q), &done, 1});
-    recvs.push_back({c.conn(q), 1, {}, transport::Sink::copy_to(&got[q])});
-  }
-  c.run(sends, recvs);
+  allgather_direct(c, &done, got.data(), 1);
 }
 
 }  // namespace cohort::collectives

@@ -140,8 +140,6 @@ class Monitor {
   // saw it die (with single copy that takes microseconds, and the victim may
   // become reapable only after its peer noticed).
   void reap(Clock::time_point now) {
-    Worker* failed = nullptr;
-    WorkerExit failure{};
     for (auto& w : workers_) {
       if (!w.running) continue;
       int status = 0;
@@ -154,15 +152,11 @@ class Monitor {
       if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
       COHORT_INFO(kLaunch, "rank {} (local {}, pid {}) {}", e.global_rank, e.local_rank, e.pid, describe_exit(e));
       if ((e.exit_code == 0 && e.signal == 0) || stopping_) continue;
-      if (failed == nullptr || (e.signal != 0 && failure.signal == 0)) {
-        failed = &w;
-        failure = e;
-      }
-    }
-    if (failed != nullptr && (pending_ == nullptr || (failure.signal != 0 && pending_exit_.signal == 0))) {
       if (pending_ == nullptr) pending_until_ = now + std::chrono::milliseconds(kFailureGraceMs);
-      pending_ = failed;
-      pending_exit_ = failure;
+      if (pending_ == nullptr || (e.signal != 0 && pending_exit_.signal == 0)) {
+        pending_ = &w;
+        pending_exit_ = e;
+      }
     }
     if (pending_ == nullptr) return;
     const bool others_running = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });

@@ -157,10 +157,7 @@ class ShmConnection final : public Connection {
 
   // process_vm_readv / writev until every byte moved (they may move less).
   void access_remote(uint64_t remote, uint8_t* local, size_t bytes, bool write) {
-    if (!t_->single_copy) {
-      if (write) Connection::write_remote(remote, local, bytes);
-      Connection::read_remote(remote, local, bytes);
-    }
+    if (!t_->single_copy) Connection::read_remote(remote, local, bytes);  // throws: not allowed here
     const int pid = them_->pid.load(std::memory_order_relaxed);
     while (bytes > 0) {
       iovec l{local, bytes}, r{reinterpret_cast<void*>(remote), bytes};

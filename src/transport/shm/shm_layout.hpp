@@ -29,12 +29,11 @@ struct alignas(64) SegHeader {
 struct alignas(64) RankCtl {
   std::atomic<int32_t> pid;
   // Single copy (shm_transport.cpp, probe_single_copy): the address of a word
-  // holding kMagic in this process, for peers to read with process_vm_readv;
-  // then a bit per local rank whose word this rank could read, and 1 in
-  // `probed` once that mask is final.
+  // holding a known value in this process, for peers to read and write with
+  // process_vm_readv/writev; then a bit per local rank whose word this rank
+  // could access (final once this rank passed the "probed" store barrier).
   std::atomic<uint64_t> probe_addr;
   std::atomic<uint64_t> readable;
-  std::atomic<uint32_t> probed;
   alignas(64) std::atomic<uint32_t> doorbell;  // futex word: bumped by peers that want us awake
   alignas(64) std::atomic<uint32_t> sleeping;  // 1 while this rank may be asleep on doorbell
 };

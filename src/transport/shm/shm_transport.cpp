@@ -36,9 +36,20 @@ std::string errno_str(int e) { return std::strerror(e); }
 constexpr uint64_t kProbeMagic = 0x59504f4333454c47ull;
 volatile uint64_t g_probe_word = kProbeMagic;
 
+// /proc/sys/kernel/yama/ptrace_scope, or "unknown".
+std::string yama_ptrace_scope() {
+  FILE* f = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
+  int v = -1;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%d", &v) != 1) v = -1;
+    std::fclose(f);
+  }
+  return v < 0 ? std::string("unknown") : std::to_string(v);
+}
+
 // Reads the probe word of `pid` at `addr`, then writes the same value back:
 // "" when both worked, else why not.
-std::string probe_read(int pid, uint64_t addr) {
+std::string probe_access(int pid, uint64_t addr) {
   uint64_t got = 0;
   iovec local{&got, sizeof got}, remote{reinterpret_cast<void*>(addr), sizeof got};
   ssize_t r = process_vm_readv(pid, &local, 1, &remote, 1, 0);
@@ -48,20 +59,20 @@ std::string probe_read(int pid, uint64_t addr) {
     if (e == EPERM)
       return fmt::format("process_vm_readv/writev of pid {} was refused (EPERM): /proc/sys/kernel/yama/ptrace_scope is {} or a "
                          "seccomp profile forbids it",
-                         pid, [] {
-                           FILE* f = std::fopen("/proc/sys/kernel/yama/ptrace_scope", "r");
-                           int v = -1;
-                           if (f != nullptr) {
-                             if (std::fscanf(f, "%d", &v) != 1) v = -1;
-                             std::fclose(f);
-                           }
-                           return v < 0 ? std::string("unknown") : std::to_string(v);
-                         }());
+                         pid, yama_ptrace_scope());
     return fmt::format("process_vm_readv/writev of pid {} failed: {}", pid, errno_str(e));
   }
   if (r != static_cast<ssize_t>(sizeof got) || got != kProbeMagic)
     return fmt::format("process_vm_readv of pid {} read the wrong bytes", pid);
   return "";
+}
+
+// Every local rank publishes shm/<segment>/<what>/<local rank> and waits for all of them.
+void local_barrier(Store& store, const ShmOptions& opts, size_t my_local, const char* what, core::Deadline deadline) {
+  store.set_string(fmt::format("shm/{}/{}/{}", opts.name, what, my_local), "1");
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < opts.local_ranks.size(); ++i) keys.push_back(fmt::format("shm/{}/{}/{}", opts.name, what, i));
+  store.wait(keys, Millis(std::max(1, deadline.remaining_ms())));
 }
 
 }  // namespace
@@ -81,22 +92,15 @@ void ShmTransport::Impl::probe_single_copy(Store& store, core::Deadline deadline
       mask |= uint64_t{1} << i;
       continue;
     }
-    std::string e = probe_read(rc->pid.load(std::memory_order_acquire), rc->probe_addr.load(std::memory_order_acquire));
+    std::string e = probe_access(rc->pid.load(std::memory_order_acquire), rc->probe_addr.load(std::memory_order_acquire));
     if (e.empty()) mask |= uint64_t{1} << i;
     else if (why.empty()) why = fmt::format("local rank {} cannot read local rank {}: {}", my_local, i, e);
   }
-  auto* me = rank_ctl(my_local);
-  me->readable.store(mask, std::memory_order_relaxed);
-  me->probed.store(1, std::memory_order_release);
-  const std::string key = fmt::format("shm/{}/probed/{}", opts.name, my_local);
-  store.set_string(key, "1");
-  std::vector<std::string> keys;
-  for (size_t i = 0; i < n; ++i) keys.push_back(fmt::format("shm/{}/probed/{}", opts.name, i));
-  store.wait(keys, Millis(std::max(1, deadline.remaining_ms())));
+  rank_ctl(my_local)->readable.store(mask, std::memory_order_release);
+  local_barrier(store, opts, my_local, "probed", deadline);
   const uint64_t all = n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
   for (size_t i = 0; i < n && why.empty(); ++i) {
-    auto* rc = rank_ctl(i);
-    if (rc->probed.load(std::memory_order_acquire) != 1 || (rc->readable.load(std::memory_order_relaxed) & all) != all)
+    if ((rank_ctl(i)->readable.load(std::memory_order_acquire) & all) != all)
       why = fmt::format("local rank {} cannot access the memory of every other local rank, or opted out (its log says "
                         "why)",
                         i);
@@ -104,10 +108,6 @@ void ShmTransport::Impl::probe_single_copy(Store& store, core::Deadline deadline
   single_copy = why.empty();
   single_copy_why = why;
 }
-
-namespace {
-
-}  // namespace
 
 int ShmTransport::Impl::local_of(int group_rank) const {
   auto it = std::find(opts.local_ranks.begin(), opts.local_ranks.end(), group_rank);
@@ -192,11 +192,7 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
 
   // Once every local rank has mapped the segment, nobody needs its name: unlink
   // it, so that a crash cannot leave it behind.
-  const std::string attached_key = fmt::format("shm/{}/attached/{}", opts.name, impl->my_local);
-  store.set_string(attached_key, "1");
-  std::vector<std::string> keys;
-  for (size_t i = 0; i < opts.local_ranks.size(); ++i) keys.push_back(fmt::format("shm/{}/attached/{}", opts.name, i));
-  store.wait(keys, Millis(std::max(1, deadline.remaining_ms())));
+  local_barrier(store, opts, impl->my_local, "attached", deadline);
   if (leader) shm_unlink(path.c_str());
   impl->probe_single_copy(store, deadline);
   COHORT_INFO(kNet, "shm segment {}: {} local ranks, {} slots x {} B per pair, {:.1f} MiB; single copy (process_vm_readv) {}",
