@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size");
   app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)");
   app.add_flag("--grad-bucket-view,!--no-grad-bucket-view", cfg.grad_bucket_view,
-               "gradients live in the DDP buckets (gradient_as_bucket_view): no copies in or out");
+               "gradients live in the DDP buckets (gradient_as_bucket_view): no copy out after the allreduce");
   app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");
   app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)");
   app.add_flag("--no-allreduce", cfg.no_allreduce, "every step inside no_sync(): no gradient communication (throughput ceiling)");

@@ -221,7 +221,7 @@ int train(const TrainConfig& cfg) {
       auto x = torch::from_blob(batch->x.data(), {b, 1, 28, 28});
       auto y = torch::from_blob(batch->y.data(), {b}, torch::kLong);
       opt.param_groups()[0].options().set_lr(cohort::torch::warmup_cosine_lr(step, cfg.warmup_steps, total_steps, peak_lr));
-      opt.zero_grad();
+      cohort::torch::zero_grad(opt);  // set to none: backward hands over fresh gradients (no zeroing pass)
       ddp.pre_forward();
       torch::Tensor loss;
       std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");

@@ -45,6 +45,15 @@ class GradScaler {
   int64_t skipped_ = 0;
 };
 
+// Clears the gradients before the next backward. set_to_none (PyTorch's
+// default since 2.0; LibTorch 1.13's Optimizer::zero_grad() only zeroes in
+// place) drops them instead of writing zeros: backward then hands over its
+// fresh gradient instead of adding it to zeros. With DDP's
+// gradient_as_bucket_view that saves two passes over the gradients per step
+// (the zeroing, and reading the zeros back), and DDP copies the fresh gradient
+// into its bucket once; .grad is a view of the bucket again after backward.
+void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none = true);
+
 // Clips the gradients of `params` to a global L2 norm of max_norm; returns the
 // norm before clipping. (After DDP's finalize every rank holds the same
 // averaged gradients, so the norm is already global across ranks.)

@@ -36,6 +36,15 @@ bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group)
   return true;
 }
 
+void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none) {
+  if (!set_to_none) {
+    optimizer.zero_grad();
+    return;
+  }
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params()) p.mutable_grad().reset();
+}
+
 double clip_grad_norm(const std::vector<::torch::Tensor>& params, double max_norm) {
   ::torch::NoGradGuard no_grad;
   double sq = 0.0;
