@@ -112,6 +112,36 @@ inline void check_allreduce_large_f32(ProcessGroup& pg) {
   EXPECT_ELEMS(count, out.get(i), expected(i, ReduceOp::Sum, n, DType::F32), "large allreduce");
 }
 
+// Allreduces on buffers from allocate_buffer (shared memory on one host: the
+// single-copy allreduce loads and stores peers' bytes directly), first on
+// every rank, then on even ranks only (odd ranks' buffers go through
+// process_vm_readv/writev in the same call). Each size runs twice on the same
+// buffers (the second time through the cached mappings).
+inline void check_allreduce_shared_buffers(ProcessGroup& pg) {
+  const int n = pg.size();
+  for (int mixed = 0; mixed < 2; ++mixed) {
+    const bool shared = !mixed || pg.rank() % 2 == 0;
+    auto alloc = [&](size_t bytes) {
+      return shared ? pg.allocate_buffer(bytes) : std::shared_ptr<std::byte[]>(new std::byte[bytes + 1]());
+    };
+    for (DType t : {DType::F32, DType::F16, DType::I64})
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max})
+        for (size_t count : {size_t(3 * n + 1), size_t((1u << 20) / 2 + 5)}) {  // the second above 1 MiB
+          const size_t es = dtype_size(t);
+          auto in = alloc(count * es), out = alloc(count * es);
+          for (int inplace = 0; inplace < 2; ++inplace)
+            for (int again = 0; again < 2; ++again) {
+              for (size_t i = 0; i < count; ++i) store_value(in.get(), i, t, input(pg.rank(), i, op, n));
+              void* dst = inplace ? in.get() : out.get();
+              pg.allreduce(Buffer{in.get(), count, t}, Buffer{dst, count, t}, {.op = op})->wait();
+              EXPECT_ELEMS(count, load_value(dst, i, t), expected(i, op, n, t),
+                           "shared-buffer allreduce " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                                      << (inplace ? " in-place" : "") << (mixed ? " (even ranks shared)" : ""));
+            }
+        }
+  }
+}
+
 inline void check_broadcast_reduce_every_root(ProcessGroup& pg) {
   const int n = pg.size();
   for (size_t count : {size_t(0), size_t(1), size_t(3 * n + 1), size_t(300000)})

@@ -58,6 +58,12 @@ TEST_P(Collectives, AllreduceLargeF32) {
   run_ranks(n, transport, check_allreduce_large_f32);
 }
 
+TEST_P(Collectives, AllreduceSharedBuffers) {
+  auto [transport_name, n] = GetParam();
+  const std::string transport = base_transport(transport_name);
+  run_ranks(n, transport, check_allreduce_shared_buffers);
+}
+
 TEST_P(Collectives, BroadcastReduceEveryRoot) {
   auto [transport_name, n] = GetParam();
   const std::string transport = base_transport(transport_name);

@@ -87,6 +87,35 @@ TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
       << tcp.err;
 }
 
+// `cohort bench --shared-buffers` allocates its buffers as DDP's buckets are
+// (ProcessGroup::allocate_buffer): each rank maps its peer's and INFO says so;
+// the results are checked. COHORT_SHARED_BUFFERS=0 turns it off.
+TEST(DebugLog, SharedBuffersAreMappedByThePeer) {
+  auto bench = [](const std::string& shared_knob) {
+    return lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce", "--sizes", "2M,4M",
+                    "-n", "2", "-w", "1", "--shared-buffers"},
+                   {{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "NET"}, {"COHORT_SINGLE_COPY_BYTES", ""},
+                    {"COHORT_TRANSPORT", ""}, {"COHORT_SHARED_BUFFERS", shared_knob}},
+                   120);
+  };
+  auto r = bench("");
+  ASSERT_EQ(r.status, 0) << r.err;
+  if (contains(r.err, "single copy (process_vm_readv) off: "))
+    GTEST_SKIP() << "this kernel or container forbids cross-process memory access between the ranks:\n" << r.err;
+  EXPECT_TRUE(contains(r.out, "(shared buffers)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "Out of bounds values : 0 OK")) << r.out;
+  for (int rank : {0, 1})
+    EXPECT_TRUE(contains(r.err, "[rank" + std::to_string(rank) + "]: cohort[rank " + std::to_string(rank) +
+                                    "] INFO NET: single copy maps peer " + std::to_string(1 - rank) + "'s shared buffer"))
+        << r.err;
+  EXPECT_FALSE(contains(r.err, "cannot map")) << r.err;
+
+  auto off = bench("0");
+  ASSERT_EQ(off.status, 0) << off.err;
+  EXPECT_TRUE(contains(off.out, "Out of bounds values : 0 OK")) << off.out;
+  EXPECT_FALSE(contains(off.err, "maps peer")) << off.err;
+}
+
 TEST(DebugLog, WarnIsTheDefaultAndQuiet) {
   auto r = job({});
   ASSERT_EQ(r.status, 0) << r.err;

@@ -12,11 +12,13 @@
 namespace cohort::tools {
 namespace {
 
+std::shared_ptr<std::byte[]> heap(size_t bytes) { return std::shared_ptr<std::byte[]>(new std::byte[bytes == 0 ? 1 : bytes]()); }
+
 class HostMemory final : public BenchMemory {
  public:
-  HostMemory(size_t s, size_t r) : BenchMemory(s, r) {}
-  void* send() override { return host_send_.data(); }
-  void* recv() override { return host_recv_.data(); }
+  HostMemory(std::shared_ptr<std::byte[]> s, std::shared_ptr<std::byte[]> r) : BenchMemory(std::move(s), std::move(r)) {}
+  void* send() override { return host_send_.get(); }
+  void* recv() override { return host_recv_.get(); }
   void upload(size_t, size_t) override {}
   void download(size_t, size_t) override {}
   void exchange(const void* in, size_t in_bytes, void* out, size_t out_bytes,
@@ -46,19 +48,19 @@ struct DeviceBlock {
 
 class CudaMemory final : public BenchMemory {
  public:
-  CudaMemory(size_t s, size_t r) : BenchMemory(s, r), dev_send_(s), dev_recv_(r) {}
+  CudaMemory(size_t s, size_t r) : BenchMemory(heap(s), heap(r)), dev_send_(s), dev_recv_(r) {}
   void* send() override { return dev_send_.p; }
   void* recv() override { return dev_recv_.p; }
   void upload(size_t s, size_t r) override {
-    cuda_check(cudaMemcpy(dev_send_.p, host_send_.data(), s, cudaMemcpyHostToDevice),
+    cuda_check(cudaMemcpy(dev_send_.p, host_send(), s, cudaMemcpyHostToDevice),
                "cudaMemcpy of the send buffer to the GPU");
-    cuda_check(cudaMemcpy(dev_recv_.p, host_recv_.data(), r, cudaMemcpyHostToDevice),
+    cuda_check(cudaMemcpy(dev_recv_.p, host_recv(), r, cudaMemcpyHostToDevice),
                "cudaMemcpy of the recv buffer to the GPU");
   }
   void download(size_t s, size_t r) override {
-    cuda_check(cudaMemcpy(host_send_.data(), dev_send_.p, s, cudaMemcpyDeviceToHost),
+    cuda_check(cudaMemcpy(host_send(), dev_send_.p, s, cudaMemcpyDeviceToHost),
                "cudaMemcpy of the send buffer from the GPU");
-    cuda_check(cudaMemcpy(host_recv_.data(), dev_recv_.p, r, cudaMemcpyDeviceToHost),
+    cuda_check(cudaMemcpy(host_recv(), dev_recv_.p, r, cudaMemcpyDeviceToHost),
                "cudaMemcpy of the recv buffer from the GPU");
   }
   void exchange(const void* in, size_t in_bytes, void* out, size_t out_bytes,
@@ -88,13 +90,18 @@ BenchDevice parse_bench_device(const std::string& s) {
 #endif
 }
 
-std::unique_ptr<BenchMemory> BenchMemory::make(BenchDevice d, size_t send_bytes, size_t recv_bytes) {
+std::unique_ptr<BenchMemory> BenchMemory::make(BenchDevice d, size_t send_bytes, size_t recv_bytes,
+                                               ProcessGroup* shared_from) {
+  if (d == BenchDevice::Cuda && shared_from != nullptr)
+    throw InvalidArgument("--shared-buffers is for host memory; with --device cuda NCCL manages the GPU buffers");
 #ifdef COHORT_HAVE_CUDA
   if (d == BenchDevice::Cuda) return std::make_unique<CudaMemory>(send_bytes, recv_bytes);
 #else
   if (d == BenchDevice::Cuda) throw InvalidArgument("--device cuda: this cohort was built without CUDA");
 #endif
-  return std::make_unique<HostMemory>(send_bytes, recv_bytes);
+  if (shared_from != nullptr)
+    return std::make_unique<HostMemory>(shared_from->allocate_buffer(send_bytes), shared_from->allocate_buffer(recv_bytes));
+  return std::make_unique<HostMemory>(heap(send_bytes), heap(recv_bytes));
 }
 
 }  // namespace cohort::tools

@@ -24,11 +24,14 @@ class BenchMemory {
  public:
   // Host buffers of the given sizes, and with cuda their device twins (cudaMalloc
   // on the current device: init_process_group has set it to the rank's GPU).
-  static std::unique_ptr<BenchMemory> make(BenchDevice d, size_t send_bytes, size_t recv_bytes);
+  // With `shared_from` (cpu only) the host buffers come from its
+  // allocate_buffer(), as DDP's buckets do (--shared-buffers).
+  static std::unique_ptr<BenchMemory> make(BenchDevice d, size_t send_bytes, size_t recv_bytes,
+                                           ProcessGroup* shared_from = nullptr);
   virtual ~BenchMemory() = default;
 
-  uint8_t* host_send() { return host_send_.data(); }
-  uint8_t* host_recv() { return host_recv_.data(); }
+  uint8_t* host_send() { return reinterpret_cast<uint8_t*>(host_send_.get()); }
+  uint8_t* host_recv() { return reinterpret_cast<uint8_t*>(host_recv_.get()); }
   // The buffers a collective gets: the host buffers themselves, or the device twins.
   virtual void* send() = 0;
   virtual void* recv() = 0;
@@ -42,8 +45,9 @@ class BenchMemory {
                         const std::function<WorkPtr(void* in, void* out)>& run) = 0;
 
  protected:
-  BenchMemory(size_t send_bytes, size_t recv_bytes) : host_send_(send_bytes), host_recv_(recv_bytes) {}
-  std::vector<uint8_t> host_send_, host_recv_;
+  BenchMemory(std::shared_ptr<std::byte[]> send, std::shared_ptr<std::byte[]> recv)
+      : host_send_(std::move(send)), host_recv_(std::move(recv)) {}
+  std::shared_ptr<std::byte[]> host_send_, host_recv_;
 };
 
 }  // namespace cohort::tools

@@ -29,6 +29,7 @@ struct BenchFlags {
   int iters = 20, warmup = 5, check = 1, root = 0;
   std::string dtype = "float", op = "sum";
   std::string device = "cpu";
+  bool shared_buffers = false;
   std::string plot, plot_peers;  // --plot FILE.svg, --plot-peers FILE.csv
 };
 
@@ -102,10 +103,10 @@ void print_header(ProcessGroup& pg, BenchMemory& mem, const BenchFlags& f, const
   mem.exchange(line.data(), line.size(), all.data(), all.size(), [&](void* in, void* out) {
     return pg.allgather(Buffer{in, line.size(), DType::U8}, Buffer{out, all.size(), DType::U8});
   });
-  say(pg, fmt::format("# cohort bench {}: nranks {} minBytes {} maxBytes {} warmup iters: {} iters: {} validation: {} device: {} "
+  say(pg, fmt::format("# cohort bench {}: nranks {} minBytes {} maxBytes {} warmup iters: {} iters: {} validation: {} device: {}{} "
                       "backend: {}\n#\n",
                       f.coll, pg.size(), sizes.front(), sizes.back(), f.warmup, f.iters == 0 ? std::string("auto") : std::to_string(f.iters),
-                      f.check, f.device, pg.backend_name()));
+                      f.check, f.device, f.shared_buffers ? " (shared buffers)" : "", pg.backend_name()));
   for (int r = 0; r < pg.size(); ++r) say(pg, std::string(all.data() + r * 96) + "\n");
   say(pg, "#\n");
   say(pg, fmt::format("#{:>79}{:>36}\n", "out-of-place", "in-place"));
@@ -149,7 +150,7 @@ int run_bench(const BenchFlags& f) {
     max_send = std::max(max_send, sc);
     max_recv = std::max(max_recv, rc);
   }
-  auto mem = BenchMemory::make(device, max_send * es + 64, max_recv * es + 64);
+  auto mem = BenchMemory::make(device, max_send * es + 64, max_recv * es + 64, f.shared_buffers ? pg.get() : nullptr);
   print_header(*pg, *mem, f, sizes);
   // One control allreduce of a single element (timings, wrong counts), through the backend's memory.
   auto allreduce_one = [&](void* v, DType t) {
@@ -259,6 +260,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
       "CSV of other curves for --plot, lines 'name,size_bytes,busbw_gbps' (bench/compare_peers.py --plot writes it)");
   cmd->add_option("--device", f.device,
                   "cpu: host buffers (native backend); cuda: GPU buffers with the nccl backend (a build with CUDA, docs/nccl.md)");
+  cmd->add_flag("--shared-buffers", f.shared_buffers,
+               "allocate the buffers with ProcessGroup::allocate_buffer, as DDP's gradient buckets are: on one host "
+               "peers then map them and single-copy allreduces load and store them directly (like nccl-tests -R)");
   cmd->callback([&exit_code] { exit_code = run_bench(f); });
 }
 

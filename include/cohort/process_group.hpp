@@ -108,6 +108,16 @@ class ProcessGroup {
   // nullptr on ranks that are not in `ranks`.
   virtual std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) = 0;
 
+  // Memory for a buffer this group will reduce many times (DDP's gradient
+  // buckets): `bytes`, zeroed, 64-byte aligned, freed with the last copy of the
+  // pointer. On a native group whose ranks share a host (single copy on), it
+  // is shared memory that peers map once, so large allreduces on it load and
+  // store the peers' bytes directly instead of copying them through the
+  // kernel; elsewhere it is ordinary memory. Every collective takes any
+  // buffer: this one only makes them cheaper. (COHORT_SHARED_BUFFERS=0: always
+  // ordinary memory.)
+  virtual std::shared_ptr<std::byte[]> allocate_buffer(size_t bytes);
+
   // Stops the progress thread and releases transports. Pending Work fails.
   virtual void shutdown() = 0;
 };

@@ -22,6 +22,16 @@
 // progress thread shares a core with training (DDP on 2 cores). Per rank with
 // 2 ranks: 80% of the buffer's bytes of memory traffic, against ~180%.
 //
+// Shared buffers (ProcessGroup::allocate_buffer, transport/shm/shared_buffer.hpp):
+// with the addresses each rank also sends the SharedRef of its buffers. Where
+// a peer's buffer is one, this rank maps it once (cached by the connection)
+// and reduces straight from the peer's memory and stores the result straight
+// into it: no kernel copy, no scratch, no page pinning per call. Per rank with
+// 2 ranks that is ~80 MB of memory traffic for a 40 MB buffer instead of
+// ~140 MB. Each rank decides this per peer on its own; the peers cannot tell.
+// The stores reach the peer before the final word does: the word goes through
+// the shm FIFO with release/acquire ordering, like every message.
+//
 // Safety of the accesses: rank q writes only block q of the other ranks'
 // receive buffers, and reads only block q of their send buffers; rank r
 // itself writes only block r of its receive buffer until the end. In place
@@ -31,15 +41,34 @@
 #include "collectives/algorithms.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
+#include "core/log.hpp"
 #include "core/reduce.hpp"
+#include "transport/shm/shared_buffer.hpp"
 
 namespace cohort::collectives {
 
 namespace {
 constexpr size_t kPiece = 256 * 1024;  // fits L2 with the destination piece
+
+// The peer's buffer at `addr` mapped here, or nullptr. A shared buffer that
+// cannot be mapped is worth one warning per process (it works, only slower).
+uint8_t* map_shared(Comm& c, int q, const transport::SharedRef& ref, uint64_t addr, size_t bytes) {
+  if (ref.id == 0) return nullptr;
+  std::string why;
+  uint8_t* p = c.map_peer(q, ref, addr, bytes, &why);
+  static std::atomic<bool> told{false}, warned{false};
+  if (p != nullptr && !told.exchange(true))
+    COHORT_LOG(Info, kNet, "single copy maps peer {}'s shared buffer ({:.1f} MiB): allreduces on shared buffers load "
+               "and store the peers' memory directly", q, ref.len / 1048576.0);
+  if (p == nullptr && !warned.exchange(true))
+    COHORT_LOG(Warn, kNet, "cannot map peer {}'s shared buffer ({}); its allreduces go through process_vm_readv "
+               "instead (correct, slower)", q, why);
+  return p;
+}
 }
 
 void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
@@ -50,12 +79,24 @@ void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
     if (send != recv) std::memcpy(recv, send, count * es);
     return;
   }
+  const size_t bytes = count * es;
   struct Addrs {
     uint64_t send, recv;
+    transport::SharedRef send_ref, recv_ref;
   };
-  const Addrs mine{reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
+  const Addrs mine{reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv),
+                   transport::find_shared_buffer(send, bytes), transport::find_shared_buffer(recv, bytes)};
   std::vector<Addrs> theirs(n);
   allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()), sizeof mine);
+
+  // Peers' buffers this rank can load from and store to directly (nullptr: process_vm_readv/writev).
+  std::vector<const uint8_t*> peer_send(n, nullptr);
+  std::vector<uint8_t*> peer_recv(n, nullptr);
+  for (int q = 0; q < n; ++q) {
+    if (q == rank) continue;
+    peer_send[q] = map_shared(c, q, theirs[q].send_ref, theirs[q].send, bytes);
+    peer_recv[q] = map_shared(c, q, theirs[q].recv_ref, theirs[q].recv, bytes);
+  }
 
   const size_t off = chunk_off(count, n, rank) * es, len = chunk_len(count, n, rank) * es;
   const size_t piece_max = kPiece / es * es;
@@ -64,13 +105,17 @@ void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
     const size_t m = std::min(piece_max, len - p), at = off + p;
     for (int k = 1; k < n; ++k) {
       const int q = (rank + k) % n;
-      c.read_peer(q, theirs[q].send + at, scratch, m);
-      core::reduce(recv + at, (k == 1 ? send : recv) + at, scratch, m / es, t, op);
+      const uint8_t* theirs_at = peer_send[q] ? peer_send[q] + at : scratch;
+      if (!peer_send[q]) c.read_peer(q, theirs[q].send + at, scratch, m);
+      core::reduce(recv + at, (k == 1 ? send : recv) + at, theirs_at, m / es, t, op);
     }
     if (avg_div > 1) core::scale_avg(recv + at, m / es, t, avg_div);
     for (int k = 1; k < n; ++k) {
       const int q = (rank + k) % n;
-      c.write_peer(q, theirs[q].recv + at, recv + at, m);
+      if (peer_recv[q])
+        std::memcpy(peer_recv[q] + at, recv + at, m);
+      else
+        c.write_peer(q, theirs[q].recv + at, recv + at, m);
     }
   }
 

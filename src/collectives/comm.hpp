@@ -49,6 +49,12 @@ class Comm {
     conns_[peer]->write_remote(remote, local, bytes);
   }
 
+  // Direct access to a peer's shared buffer (Connection::map_remote): this
+  // process's address for the peer's `remote`, or nullptr (reason in *why).
+  uint8_t* map_peer(int peer, const transport::SharedRef& ref, uint64_t remote, size_t bytes, std::string* why) {
+    return conns_[peer]->map_remote(ref, remote, bytes, why);
+  }
+
   // A scratch buffer of at least `bytes`, reused across operations (not zeroed).
   uint8_t* scratch(size_t bytes);
 

@@ -45,7 +45,7 @@ uint64_t fnv(uint64_t h, uint64_t v) {
 
 struct Reducer::Impl {
   struct Bucket {
-    std::vector<uint64_t> storage;   // the flat buffer (uint64_t: 8-byte aligned)
+    std::byte* data = nullptr;       // the flat buffer, inside `storage`
     std::vector<std::byte> scratch;  // GradBucket::scratch
     size_t pending = 0;
     CommFuture future;
@@ -56,6 +56,10 @@ struct Reducer::Impl {
   std::vector<ParamSpec> params;
   const BucketPlan plan;
   std::vector<Bucket> buckets;
+  // Every bucket's buffer, 64-byte aligned, in one group.allocate_buffer():
+  // on a single host that is shared memory the peers map once, so the
+  // single-copy allreduce reduces straight out of their buckets.
+  std::shared_ptr<std::byte[]> storage;
   std::vector<size_t> bucket_of, offset_of;  // by parameter
   CommHook hook;
 
@@ -82,8 +86,15 @@ struct Reducer::Impl {
         offset_of(params.size()),
         hook(opts.comm_hook ? opts.comm_hook : allreduce_avg_hook()),
         ready(params.size(), 0) {
+    std::vector<size_t> at(plan.size());
+    size_t total = 0;
     for (size_t b = 0; b < plan.size(); ++b) {
-      buckets[b].storage.assign((plan[b].bytes() + 7) / 8, 0);
+      at[b] = total;
+      total += (plan[b].bytes() + 63) / 64 * 64;
+    }
+    storage = group.allocate_buffer(total);
+    for (size_t b = 0; b < plan.size(); ++b) {
+      buckets[b].data = storage.get() + at[b];
       for (size_t k = 0; k < plan[b].params.size(); ++k) {
         bucket_of[plan[b].params[k]] = b;
         offset_of[plan[b].params[k]] = plan[b].offsets[k];
@@ -110,8 +121,7 @@ struct Reducer::Impl {
   }
 
   void* slot(size_t p) {
-    return reinterpret_cast<std::byte*>(buckets[bucket_of[p]].storage.data()) +
-           offset_of[p] * dtype_size(params[p].dtype);
+    return buckets[bucket_of[p]].data + offset_of[p] * dtype_size(params[p].dtype);
   }
   size_t param_bytes(size_t p) const { return params[p].count * dtype_size(params[p].dtype); }
 
@@ -205,7 +215,7 @@ struct Reducer::Impl {
       return;
     }
     Bucket& bucket = buckets[b];
-    GradBucket gb(b, buckets.size(), Buffer{bucket.storage.data(), plan[b].count, plan[b].dtype}, group, opts.timeout,
+    GradBucket gb(b, buckets.size(), Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
                   plan[b].params, bucket.scratch);
     try {
       bucket.future = hook(gb);
@@ -327,12 +337,14 @@ Reducer::~Reducer() {
   // A failed finalize can leave collectives running on bucket memory; freeing
   // it would let them write into whatever is allocated there next. Leak those
   // buffers instead (only after an error, which ends the job anyway).
+  bool running = false;
   for (Impl::Bucket& b : impl_->buckets) {
     if (b.future.work && !b.future.work->is_completed()) {
-      (void)new std::vector<uint64_t>(std::move(b.storage));
+      running = true;
       (void)new std::vector<std::byte>(std::move(b.scratch));
     }
   }
+  if (running) (void)new std::shared_ptr<std::byte[]>(std::move(impl_->storage));
 }
 
 void Reducer::prepare_for_backward() {

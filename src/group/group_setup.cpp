@@ -9,12 +9,20 @@
 #include <fmt/format.h>
 
 #include "collectives/tuner.hpp"
+#include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/native_group.hpp"
+#include "transport/shm/shared_buffer.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
 namespace cohort::group {
 namespace {
+
+const core::Knob kSharedBuffers{"COHORT_SHARED_BUFFERS", "1",
+                                "ProcessGroup::allocate_buffer (DDP's gradient buckets) returns shared memory that peers "
+                                "on this host map once, so that single-copy allreduces on it load and store their bytes "
+                                "directly; 0: ordinary memory (those allreduces then copy through process_vm_readv)",
+                                core::KnobKind::Bool};
 
 // Ranks with the same identity share /dev/shm and a network stack: same
 // hostname, same boot, same network namespace (so that tests with one
@@ -126,6 +134,18 @@ std::string NativeGroup::transport_of(int peer) const {
   if (peer == setup_.rank) return "self";
   if (peer < 0 || peer >= setup_.size || !conns_[peer]) return "none";
   return transport::kind_name(conns_[peer]->kind());
+}
+
+std::shared_ptr<std::byte[]> NativeGroup::allocate_buffer(size_t bytes) {
+  // Only single-copy allreduces look at shared buffers: elsewhere one would only cost a descriptor.
+  if (single_copy_ && kSharedBuffers.boolean()) {
+    try {
+      return transport::allocate_shared_buffer(bytes);
+    } catch (const Error& e) {
+      COHORT_LOG(Warn, kNet, "group {}: {}; using ordinary memory instead", setup_.group_id, e.what());
+    }
+  }
+  return ProcessGroup::allocate_buffer(bytes);
 }
 
 std::shared_ptr<ProcessGroup> NativeGroup::new_group(const std::vector<int>& ranks) {

@@ -65,6 +65,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   WorkPtr recv(Buffer buf, int src, SendRecvOptions opts) override;
   WorkPtr batch_isend_irecv(const std::vector<P2POp>& ops, Millis timeout) override;
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) override;
+  std::shared_ptr<std::byte[]> allocate_buffer(size_t bytes) override;
   void shutdown() override;
   bool run_if_next(WorkImpl* w) override;
 

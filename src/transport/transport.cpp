@@ -18,6 +18,11 @@ void Connection::write_remote(uint64_t remote, const void*, size_t bytes) {
   read_remote(remote, nullptr, bytes);  // the same error
 }
 
+uint8_t* Connection::map_remote(const SharedRef&, uint64_t, size_t, std::string* why) {
+  *why = "not a shared-memory peer";
+  return nullptr;
+}
+
 const char* kind_name(Kind k) { return k == Kind::Shm ? "shm" : "tcp"; }
 
 void Sink::deliver(const uint8_t* data, size_t offset, size_t len) const {

@@ -125,6 +125,14 @@ class ShmConnection final : public Connection {
     access_remote(remote, static_cast<uint8_t*>(const_cast<void*>(local)), bytes, true);
   }
 
+  uint8_t* map_remote(const SharedRef& ref, uint64_t remote, size_t bytes, std::string* why) override {
+    if (!t_->single_copy) {
+      *why = "single copy is off in this group";
+      return nullptr;
+    }
+    return mapped_.at(them_->pid.load(std::memory_order_relaxed), ref, remote, bytes, why);
+  }
+
   std::string describe() const override {
     return fmt::format("rank {} (pid {}, shm)", peer_, them_->pid.load(std::memory_order_relaxed));
   }
@@ -186,6 +194,7 @@ class ShmConnection final : public Connection {
   uint64_t sent_ = 0;
   uint64_t tail_cache_ = 0;
   uint64_t recvd_ = 0;
+  SharedMappings mapped_;  // the peer's shared buffers mapped here (map_remote)
 };
 
 }  // namespace
