@@ -31,10 +31,14 @@ class BenchCheck : public ::testing::TestWithParam<Case> {};
 TEST_P(BenchCheck, ZeroWrong) {
   const Case& c = GetParam();
   // Sizes cross the recursive-doubling / ring and binomial / pipeline thresholds.
-  auto r = lt::run({"run", "--standalone", "--nproc-per-node", std::to_string(c.world), COHORT_BIN, "bench", c.coll, "--sizes",
-                    "0,8,100,4K,300K,2M", "-n", "2", "-w", "1", "-c", "1", "-d", c.dtype, "-o", c.op},
-                   {{"COHORT_TRANSPORT", c.transport == "shm_single_copy" ? "shm" : c.transport},
-                    {"COHORT_SINGLE_COPY_BYTES", c.transport == "shm_single_copy" ? "1" : ""},
+  // shm_single_copy: every allreduce by single copy; shm_shared: and the buffers from allocate_buffer (peers map them).
+  const bool single_copy = c.transport == "shm_single_copy" || c.transport == "shm_shared";
+  std::vector<std::string> args{"run", "--standalone", "--nproc-per-node", std::to_string(c.world), COHORT_BIN, "bench", c.coll,
+                                "--sizes", "0,8,100,4K,300K,2M", "-n", "2", "-w", "1", "-c", "1", "-d", c.dtype, "-o", c.op};
+  if (c.transport == "shm_shared") args.push_back("--shared-buffers");
+  auto r = lt::run(args,
+                   {{"COHORT_TRANSPORT", single_copy ? "shm" : c.transport},
+                    {"COHORT_SINGLE_COPY_BYTES", single_copy ? "1" : ""},
                     {"COHORT_TIMEOUT", "60s"}},
                    240);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
@@ -61,6 +65,11 @@ std::vector<Case> cases() {
   for (int n : {2, 3, 5}) v.push_back({"allreduce", n, "shm_single_copy"});
   for (std::string dt : {"half", "int8", "double"})
     for (std::string op : {"avg", "max"}) v.push_back({"allreduce", 3, "shm_single_copy", dt, op});
+  // The same with shared buffers: loads and stores straight into the peers' mapped buffers.
+  for (int n : {2, 3, 5}) v.push_back({"allreduce", n, "shm_shared"});
+  for (std::string dt : {"half", "int8", "double"})
+    for (std::string op : {"avg", "max"}) v.push_back({"allreduce", 3, "shm_shared", dt, op});
+  for (std::string coll : {"broadcast", "allgather", "reduce_scatter"}) v.push_back({coll, 3, "shm_shared"});
   return v;
 }
 
