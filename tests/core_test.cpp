@@ -187,8 +187,8 @@ TEST(Tuner, SmallAllreduceIsLatencyOptimalLargeIsRing) {
 
 TEST(Tuner, SingleCopyFromItsThresholdWhenTheGroupHasIt) {
   using namespace collectives;
-  EXPECT_EQ(choose({Coll::Allreduce, 1 << 20, 2, true, true}), Algo::SingleCopy);
-  EXPECT_EQ(choose({Coll::Allreduce, (1 << 20) - 4, 2, true, true}), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Allreduce, 256 << 10, 2, true, true}), Algo::SingleCopy);
+  EXPECT_EQ(choose({Coll::Allreduce, (256 << 10) - 4, 2, true, true}), Algo::Ring);
   EXPECT_EQ(choose({Coll::Allreduce, 8, 4, true, true}), Algo::RecursiveDoubling);
   EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 2, true, false}), Algo::Ring);  // the kernel said no
   Thresholds off;

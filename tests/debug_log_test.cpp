@@ -10,7 +10,7 @@ namespace {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// One allreduce of 1000 bytes (recursive doubling) and one of 1 MiB (ring).
+// One allreduce of the given size (default 1000 bytes: recursive doubling).
 lt::Result job(std::map<std::string, std::string> env, std::vector<std::string> bytes = {"1000"}) {
   for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO", "COHORT_SINGLE_COPY_BYTES"})
     env.emplace(k, "");  // unset unless the test sets it: the caller's shell must not change the output
@@ -58,12 +58,12 @@ TEST(DebugLog, TraceNamesEachCollectiveItsAlgorithmAndBytes) {
   EXPECT_TRUE(contains(small.err, "[rank1]: cohort[rank 1] TRACE COLL: allreduce #0 (f32 x 250, sum) 1000 bytes algo "
                                   "recursive_doubling"))
       << small.err;
-  auto big = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}}, {"262144"});
+  auto big = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}}, {"131072"});
   ASSERT_EQ(big.status, 0) << big.err;
-  EXPECT_TRUE(contains(big.err, "TRACE COLL: allreduce #0 (f32 x 65536, sum) 262144 bytes algo ring")) << big.err;
+  EXPECT_TRUE(contains(big.err, "TRACE COLL: allreduce #0 (f32 x 32768, sum) 131072 bytes algo ring")) << big.err;
 }
 
-// From COHORT_SINGLE_COPY_BYTES (1 MiB) up, when the kernel lets the ranks
+// From COHORT_SINGLE_COPY_BYTES (256 KiB) up, when the kernel lets the ranks
 // read each other's memory: single copy, and INFO says whether it is on.
 TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
   auto r = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL,NET,TUNING"}}, {"1048576"});
@@ -71,7 +71,7 @@ TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
   if (contains(r.err, "single copy (process_vm_readv) off: "))
     GTEST_SKIP() << "this kernel or container forbids process_vm_readv between the ranks:\n" << r.err;
   EXPECT_TRUE(contains(r.err, "single copy (process_vm_readv) on")) << r.err;
-  EXPECT_TRUE(contains(r.err, "recursive_doubling up to 16 KiB, ring above, single_copy from 1024 KiB")) << r.err;
+  EXPECT_TRUE(contains(r.err, "recursive_doubling up to 16 KiB, ring above, single_copy from 256 KiB")) << r.err;
   EXPECT_TRUE(contains(r.err, "TRACE COLL: allreduce #0 (f32 x 262144, sum) 1048576 bytes algo single_copy")) << r.err;
 
   auto off = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}, {"COHORT_SINGLE_COPY_BYTES", "0"}},

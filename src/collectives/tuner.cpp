@@ -15,7 +15,7 @@ const core::Knob kAlgo{"COHORT_ALGO", "",
                        "force algorithms: one name for every collective that has it (ring, recursive_doubling, binomial, "
                        "pipeline, direct, single_copy), or a list like allreduce=ring,broadcast=binomial"};
 const core::Knob kSingleCopyBytes{
-    "COHORT_SINGLE_COPY_BYTES", "1M",
+    "COHORT_SINGLE_COPY_BYTES", "256K",
     "allreduces of at least this many bytes use single copy (process_vm_readv/writev between ranks of one host, "
     "one copy per byte) when every peer is on this host and the kernel allows it; 0: never",
     core::KnobKind::Bytes};

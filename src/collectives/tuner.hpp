@@ -29,7 +29,7 @@ struct Thresholds {
   size_t allreduce_rd_max_tcp = 64 * 1024;
   size_t broadcast_binomial_max = 256 * 1024;
   size_t allgather_direct_max = 32 * 1024;   // per-rank block, and only for nranks <= 8
-  size_t allreduce_single_copy_min = 1 << 20; // single copy from here up, when the group has it (0: never)
+  size_t allreduce_single_copy_min = 256 << 10; // single copy from here up, when the group has it (0: never)
 };
 
 // The defaults with COHORT_SINGLE_COPY_BYTES applied (read at every call: a
