@@ -126,7 +126,8 @@ inline void check_allreduce_shared_buffers(ProcessGroup& pg) {
     };
     for (DType t : {DType::F32, DType::F16, DType::I64})
       for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max})
-        for (size_t count : {size_t(3 * n + 1), size_t((1u << 20) / 2 + 5)}) {  // the second above 1 MiB
+        // Small; 256 KiB-1 MiB for 2-byte and 4-byte types (single copy only if all are shared); above 1 MiB.
+        for (size_t count : {size_t(3 * n + 1), size_t(100000), size_t((1u << 20) / 2 + 5)}) {
           const size_t es = dtype_size(t);
           auto in = alloc(count * es), out = alloc(count * es);
           for (int inplace = 0; inplace < 2; ++inplace)

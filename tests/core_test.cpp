@@ -187,8 +187,14 @@ TEST(Tuner, SmallAllreduceIsLatencyOptimalLargeIsRing) {
 
 TEST(Tuner, SingleCopyFromItsThresholdWhenTheGroupHasIt) {
   using namespace collectives;
+  EXPECT_EQ(choose({Coll::Allreduce, 1 << 20, 2, true, true}), Algo::SingleCopy);
+  // From 256 KiB single copy too, which runs the ring unless every rank's buffers are shared.
   EXPECT_EQ(choose({Coll::Allreduce, 256 << 10, 2, true, true}), Algo::SingleCopy);
   EXPECT_EQ(choose({Coll::Allreduce, (256 << 10) - 4, 2, true, true}), Algo::Ring);
+  Thresholds no_shared;
+  no_shared.allreduce_single_copy_shared_min = 0;
+  EXPECT_EQ(choose({Coll::Allreduce, (1 << 20) - 4, 2, true, true}, no_shared), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Allreduce, 1 << 20, 2, true, true}, no_shared), Algo::SingleCopy);
   EXPECT_EQ(choose({Coll::Allreduce, 8, 4, true, true}), Algo::RecursiveDoubling);
   EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 2, true, false}), Algo::Ring);  // the kernel said no
   Thresholds off;

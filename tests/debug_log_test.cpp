@@ -12,7 +12,8 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 // One allreduce of the given size (default 1000 bytes: recursive doubling).
 lt::Result job(std::map<std::string, std::string> env, std::vector<std::string> bytes = {"1000"}) {
-  for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO", "COHORT_SINGLE_COPY_BYTES"})
+  for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO", "COHORT_SINGLE_COPY_BYTES",
+                        "COHORT_SINGLE_COPY_SHARED_BYTES"})
     env.emplace(k, "");  // unset unless the test sets it: the caller's shell must not change the output
   return lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("coll_worker"), "allreduce-loop",
                   bytes.at(0), "1"},
@@ -63,7 +64,7 @@ TEST(DebugLog, TraceNamesEachCollectiveItsAlgorithmAndBytes) {
   EXPECT_TRUE(contains(big.err, "TRACE COLL: allreduce #0 (f32 x 32768, sum) 131072 bytes algo ring")) << big.err;
 }
 
-// From COHORT_SINGLE_COPY_BYTES (256 KiB) up, when the kernel lets the ranks
+// From COHORT_SINGLE_COPY_BYTES (1 MiB) up, when the kernel lets the ranks
 // read each other's memory: single copy, and INFO says whether it is on.
 TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
   auto r = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL,NET,TUNING"}}, {"1048576"});
@@ -71,8 +72,14 @@ TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
   if (contains(r.err, "single copy (process_vm_readv) off: "))
     GTEST_SKIP() << "this kernel or container forbids process_vm_readv between the ranks:\n" << r.err;
   EXPECT_TRUE(contains(r.err, "single copy (process_vm_readv) on")) << r.err;
-  EXPECT_TRUE(contains(r.err, "recursive_doubling up to 16 KiB, ring above, single_copy from 256 KiB")) << r.err;
+  EXPECT_TRUE(contains(r.err, "recursive_doubling up to 16 KiB, ring above, single_copy from 1024 KiB (from 256 KiB when every rank's buffers are shared)")) << r.err;
   EXPECT_TRUE(contains(r.err, "TRACE COLL: allreduce #0 (f32 x 262144, sum) 1048576 bytes algo single_copy")) << r.err;
+
+  // From 256 KiB only when every rank's buffers are shared: this program's are not, so the ring.
+  auto mid = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}}, {"262144"});
+  ASSERT_EQ(mid.status, 0) << mid.err;
+  EXPECT_TRUE(contains(mid.err, "262144 bytes algo single_copy if every rank's buffers are shared, else ring")) << mid.err;
+  EXPECT_TRUE(contains(mid.err, "not every rank's buffers are shared: ring")) << mid.err;
 
   auto off = job({{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}, {"COHORT_SINGLE_COPY_BYTES", "0"}},
                  {"1048576"});
@@ -92,10 +99,10 @@ TEST(DebugLog, LargeAllreduceIsSingleCopyAndInfoSaysWhy) {
 // the results are checked. COHORT_SHARED_BUFFERS=0 turns it off.
 TEST(DebugLog, SharedBuffersAreMappedByThePeer) {
   auto bench = [](const std::string& shared_knob) {
-    return lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce", "--sizes", "2M,4M",
+    return lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce", "--sizes", "512K,4M",
                     "-n", "2", "-w", "1", "--shared-buffers"},
-                   {{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "NET"}, {"COHORT_SINGLE_COPY_BYTES", ""},
-                    {"COHORT_TRANSPORT", ""}, {"COHORT_SHARED_BUFFERS", shared_knob}},
+                   {{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "NET,COLL"}, {"COHORT_SINGLE_COPY_BYTES", ""},
+                    {"COHORT_SINGLE_COPY_SHARED_BYTES", ""}, {"COHORT_TRANSPORT", ""}, {"COHORT_SHARED_BUFFERS", shared_knob}},
                    120);
   };
   auto r = bench("");
@@ -109,11 +116,15 @@ TEST(DebugLog, SharedBuffersAreMappedByThePeer) {
                                     "] INFO NET: single copy maps peer " + std::to_string(1 - rank) + "'s shared buffer"))
         << r.err;
   EXPECT_FALSE(contains(r.err, "cannot map")) << r.err;
+  // 512 KiB: below COHORT_SINGLE_COPY_BYTES, single copy because every rank's buffers are shared.
+  EXPECT_TRUE(contains(r.err, "524288 bytes algo single_copy if every rank's buffers are shared")) << r.err;
+  EXPECT_FALSE(contains(r.err, "not every rank's buffers are shared")) << r.err;
 
   auto off = bench("0");
   ASSERT_EQ(off.status, 0) << off.err;
   EXPECT_TRUE(contains(off.out, "Out of bounds values : 0 OK")) << off.out;
   EXPECT_FALSE(contains(off.err, "maps peer")) << off.err;
+  EXPECT_TRUE(contains(off.err, "not every rank's buffers are shared: ring")) << off.err;
 }
 
 TEST(DebugLog, WarnIsTheDefaultAndQuiet) {

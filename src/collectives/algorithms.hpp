@@ -16,8 +16,11 @@ namespace cohort::collectives {
 // allreduce
 void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div = 0);
 // Every peer over shm with single copy (ShmTransport::single_copy): one copy per byte.
-void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
-                           int avg_div = 0);
+// With shared_only it runs only if every rank's buffers are shared buffers (all
+// ranks see the same swapped addresses, so all agree) and otherwise returns
+// false having moved no data: the caller then runs another algorithm.
+bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
+                           int avg_div = 0, bool shared_only = false);
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
 
 // broadcast

@@ -71,13 +71,13 @@ uint8_t* map_shared(Comm& c, int q, const transport::SharedRef& ref, uint64_t ad
 }
 }
 
-void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
-                           int avg_div) {
+bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
+                           int avg_div, bool shared_only) {
   const int n = c.size(), rank = c.rank();
   const size_t es = dtype_size(t);
   if (n == 1) {
     if (send != recv) std::memcpy(recv, send, count * es);
-    return;
+    return true;
   }
   const size_t bytes = count * es;
   struct Addrs {
@@ -88,6 +88,9 @@ void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
                    transport::find_shared_buffer(send, bytes), transport::find_shared_buffer(recv, bytes)};
   std::vector<Addrs> theirs(n);
   allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()), sizeof mine);
+  if (shared_only)
+    for (const Addrs& a : theirs)
+      if (a.send_ref.id == 0 || a.recv_ref.id == 0) return false;  // the same answer on every rank
 
   // Peers' buffers this rank can load from and store to directly (nullptr: process_vm_readv/writev).
   std::vector<const uint8_t*> peer_send(n, nullptr);
@@ -123,6 +126,7 @@ void allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
   const uint8_t done = 1;
   std::vector<uint8_t> got(n);
   allgather_direct(c, &done, got.data(), 1);
+  return true;
 }
 
 }  // namespace cohort::collectives

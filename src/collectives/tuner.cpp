@@ -15,9 +15,14 @@ const core::Knob kAlgo{"COHORT_ALGO", "",
                        "force algorithms: one name for every collective that has it (ring, recursive_doubling, binomial, "
                        "pipeline, direct, single_copy), or a list like allreduce=ring,broadcast=binomial"};
 const core::Knob kSingleCopyBytes{
-    "COHORT_SINGLE_COPY_BYTES", "256K",
+    "COHORT_SINGLE_COPY_BYTES", "1M",
     "allreduces of at least this many bytes use single copy (process_vm_readv/writev between ranks of one host, "
     "one copy per byte) when every peer is on this host and the kernel allows it; 0: never",
+    core::KnobKind::Bytes};
+const core::Knob kSingleCopySharedBytes{
+    "COHORT_SINGLE_COPY_SHARED_BYTES", "256K",
+    "allreduces from this many bytes up to COHORT_SINGLE_COPY_BYTES use single copy when every rank's buffers are "
+    "shared buffers (ProcessGroup::allocate_buffer, as DDP's buckets), the ring otherwise; 0: never",
     core::KnobKind::Bytes};
 
 // Which algorithms can run which collective.
@@ -88,8 +93,10 @@ const char* algo_name(Algo a) {
 Algo choose(const TunerInput& in, const Thresholds& t) {
   switch (in.coll) {
     case Coll::Allreduce:
-      if (in.single_copy && t.allreduce_single_copy_min > 0 && in.bytes >= t.allreduce_single_copy_min)
-        return Algo::SingleCopy;
+      if (in.single_copy && t.allreduce_single_copy_min > 0 &&
+          (in.bytes >= t.allreduce_single_copy_min ||
+           (t.allreduce_single_copy_shared_min > 0 && in.bytes >= t.allreduce_single_copy_shared_min)))
+        return Algo::SingleCopy;  // below allreduce_single_copy_min only with shared buffers: the ring otherwise
       return in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp) ? Algo::RecursiveDoubling
                                                                                           : Algo::Ring;
     case Coll::Broadcast:
@@ -145,6 +152,7 @@ std::string kib(size_t b) { return b % 1024 == 0 ? fmt::format("{} KiB", b / 102
 Thresholds thresholds_from_env() {
   Thresholds t;
   t.allreduce_single_copy_min = kSingleCopyBytes.bytes();
+  t.allreduce_single_copy_shared_min = kSingleCopySharedBytes.bytes();
   return t;
 }
 
@@ -152,7 +160,11 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
   const size_t rd = all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp;
   const std::string above =
       single_copy && t.allreduce_single_copy_min > 0
-          ? fmt::format("ring above, single_copy from {}", kib(t.allreduce_single_copy_min))
+          ? fmt::format("ring above, single_copy from {}{}", kib(t.allreduce_single_copy_min),
+                        t.allreduce_single_copy_shared_min > 0 && t.allreduce_single_copy_shared_min < t.allreduce_single_copy_min
+                            ? fmt::format(" (from {} when every rank's buffers are shared)",
+                                          kib(t.allreduce_single_copy_shared_min))
+                            : std::string())
           : std::string("ring above");
   std::string s = fmt::format(
       "tuner thresholds for {} ranks ({}): allreduce recursive_doubling up to {}, {}; broadcast binomial up "
@@ -166,10 +178,18 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
   return s;
 }
 
+namespace {
+const std::string& algo_spec() {
+  static const std::string spec = kAlgo.str();  // read once per process
+  return spec;
+}
+}  // namespace
+
 Algo select(const TunerInput& in, const Thresholds& t) {
-  static const std::string spec = kAlgo.str();
-  if (auto a = override_from_env(in.coll, spec)) return *a;
+  if (auto a = override_from_env(in.coll, algo_spec())) return *a;
   return choose(in, t);
 }
+
+bool overridden(Coll c) { return override_from_env(c, algo_spec()).has_value(); }
 
 }  // namespace cohort::collectives

@@ -29,10 +29,14 @@ struct Thresholds {
   size_t allreduce_rd_max_tcp = 64 * 1024;
   size_t broadcast_binomial_max = 256 * 1024;
   size_t allgather_direct_max = 32 * 1024;   // per-rank block, and only for nranks <= 8
-  size_t allreduce_single_copy_min = 256 << 10; // single copy from here up, when the group has it (0: never)
+  size_t allreduce_single_copy_min = 1 << 20;  // single copy from here up, when the group has it (0: never)
+  // From here up to allreduce_single_copy_min, single copy when every rank's
+  // buffers are shared buffers (ProcessGroup::allocate_buffer; the ranks find
+  // out when they swap addresses), else the ring (0: never).
+  size_t allreduce_single_copy_shared_min = 256 << 10;
 };
 
-// The defaults with COHORT_SINGLE_COPY_BYTES applied (read at every call: a
+// The defaults with COHORT_SINGLE_COPY_BYTES and COHORT_SINGLE_COPY_SHARED_BYTES applied (read at every call: a
 // group reads it once, when it is made).
 Thresholds thresholds_from_env();
 
@@ -51,5 +55,7 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
 
 // The override (if any) or the default; what the group calls.
 Algo select(const TunerInput& in, const Thresholds& t = Thresholds{});
+// Whether COHORT_ALGO names the algorithm of this collective.
+bool overridden(Coll c);
 
 }  // namespace cohort::collectives

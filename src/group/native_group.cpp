@@ -191,14 +191,23 @@ void NativeGroup::run_algorithm(OpDesc& d) {
                                       "COHORT_ALGO or name another allreduce algorithm",
                                       single_copy_why_));
   d.algo = c::algo_name(a);
-  COHORT_TRACE(kColl, "{} {} bytes algo {}", d.describe(), d.bytes(), c::algo_name(a));
+  // Below allreduce_single_copy_min (and not forced by COHORT_ALGO), single copy runs only when every
+  // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
+  const bool shared_only = a == Algo::SingleCopy && d.coll == Coll::Allreduce && !c::overridden(Coll::Allreduce) &&
+                           d.bytes() < thresholds_.allreduce_single_copy_min;
+  COHORT_TRACE(kColl, "{} {} bytes algo {}{}", d.describe(), d.bytes(), c::algo_name(a),
+               shared_only ? " if every rank's buffers are shared, else ring" : "");
 
   switch (d.coll) {
     case Coll::Allreduce:
       if (a == Algo::Ring) {
         c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
       } else if (a == Algo::SingleCopy) {
-        c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+        if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only)) {
+          d.algo = c::algo_name(Algo::Ring);
+          COHORT_TRACE(kColl, "{}: not every rank's buffers are shared: ring", d.describe());
+          c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+        }
       } else {
         c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
         if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
