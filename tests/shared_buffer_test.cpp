@@ -72,23 +72,32 @@ TEST(SharedBuffer, WhatCannotBeMappedSaysWhy) {
   EXPECT_NE(why.find("is not the shared buffer announced"), std::string::npos) << why;
 }
 
-TEST(SharedBuffer, OldestMappingsAreDroppedPastTheLimit) {
+TEST(SharedBuffer, LeastRecentlyUsedMappingsAreDroppedPastTheLimit) {
   SharedMappings peer;
   std::vector<std::shared_ptr<std::byte[]>> bufs;
+  std::vector<SharedRef> refs;
   std::string why;
-  for (size_t i = 0; i < SharedMappings::kMaxMappings + 5; ++i) {
+  auto map = [&](size_t i) {
+    auto* p = peer.at(getpid(), refs[i], refs[i].base, 4096, &why);
+    EXPECT_NE(p, nullptr) << why;
+    return p;
+  };
+  for (size_t i = 0; i < SharedMappings::kMaxMappings; ++i) {
     bufs.push_back(allocate_shared_buffer(4096));
-    const SharedRef ref = find_shared_buffer(bufs.back().get(), 1);
-    auto* p = peer.at(getpid(), ref, ref.base, 4096, &why);
-    ASSERT_NE(p, nullptr) << why;
-    p[0] = static_cast<uint8_t>(i);
+    refs.push_back(find_shared_buffer(bufs.back().get(), 1));
+    map(i)[0] = static_cast<uint8_t>(i);
     EXPECT_EQ(static_cast<uint8_t>(bufs.back()[0]), static_cast<uint8_t>(i));
   }
-  // The first buffer was unmapped by the peer; asking again maps it anew.
-  const SharedRef first = find_shared_buffer(bufs.front().get(), 1);
-  auto* p = peer.at(getpid(), first, first.base, 1, &why);
-  ASSERT_NE(p, nullptr) << why;
-  EXPECT_EQ(p[0], 0);
+  EXPECT_EQ(peer.size(), SharedMappings::kMaxMappings);
+  map(0);  // buffer 0 used again: buffer 1 is now the least recently used
+  bufs.push_back(allocate_shared_buffer(4096));
+  refs.push_back(find_shared_buffer(bufs.back().get(), 1));
+  map(refs.size() - 1);
+  EXPECT_EQ(peer.size(), SharedMappings::kMaxMappings);
+  EXPECT_TRUE(peer.holds(refs[0].id)) << "a buffer just used must not be evicted";
+  EXPECT_FALSE(peer.holds(refs[1].id)) << "the least recently used one goes";
+  EXPECT_EQ(map(1)[0], 1) << "mapped again on demand, same bytes";
+  EXPECT_FALSE(peer.holds(refs[2].id));
 }
 
 }  // namespace

@@ -234,8 +234,10 @@ class Reducer {
   // calling it twice is harmless). Throws TimeoutError / PeerError from the
   // collectives, or Error naming unready parameters without
   // find_unused_parameters; after any of these the reducer refuses further
-  // work (the ranks no longer agree on which collectives ran).
-  void finalize();
+  // work (the ranks no longer agree on which collectives ran). Returns true
+  // when it finalized a synced iteration (the results are delivered), false
+  // when it returned at once.
+  bool finalize();
 
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 

@@ -261,15 +261,15 @@ struct Reducer::Impl {
     poll_completions();
   }
 
-  void finalize() {
-    if (no_sync_depth > 0) return;
+  bool finalize() {
+    if (no_sync_depth > 0) return false;
     check_usable();
     // No parameter marked: no backward ran since the last finalize() (or only
     // a forward did), so there is nothing to reduce, as in PyTorch, where
     // finalization is queued by the first autograd hook.
     if (!open || ready_count == 0) {
       open = false;
-      return;
+      return false;
     }
     std::vector<size_t> unused = unready();
     if (!unused.empty()) {
@@ -325,6 +325,7 @@ struct Reducer::Impl {
     }
     stats.finalized = std::chrono::steady_clock::now();
     record_iteration(stats, group);  // timeline spans and step metrics (iteration_record.hpp)
+    return true;
   }
 };
 
@@ -361,9 +362,9 @@ void Reducer::mark_ready(size_t param, const void* grad) {
   impl_->mark_ready(param, grad);
 }
 
-void Reducer::finalize() {
+bool Reducer::finalize() {
   std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->finalize();
+  return impl_->finalize();
 }
 
 void Reducer::set_grad(size_t param, void* grad) {

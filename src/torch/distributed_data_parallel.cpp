@@ -119,16 +119,34 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
 }
 
 void DistributedDataParallel::finalize() {
-  reducer_->finalize();
-  if (!opts_.gradient_as_bucket_view) return;
-  // A parameter whose .grad was reset (zero_grad(set_to_none)) got a fresh
-  // tensor from autograd: point it back at its bucket slot, which holds the result.
+  // What .grad is now, for every parameter: one unused in this backward may
+  // have had its gradient set to none since it was last registered (the old
+  // pointer is freed memory, or a slot holding an old result); with
+  // find_unused_parameters it then contributes zeros.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    reducer_->set_grad(i, g.defined() ? g.data_ptr() : nullptr);
+  }
+  // Under no_sync nothing was reduced: .grad keeps what autograd accumulated
+  // (a fresh tensor after set to none), to be copied into the bucket by the
+  // next synced backward.
+  if (!reducer_->finalize()) return;
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     void* slot = reducer_->bucket_slot(i);
-    if (!params_[i].grad().defined() || params_[i].grad().data_ptr() != slot) {
-      params_[i].mutable_grad() = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options());
-      reducer_->set_grad(i, slot);
+    auto& g = params_[i].mutable_grad();
+    if (opts_.gradient_as_bucket_view) {
+      // A fresh tensor from autograd (gradients set to none), or none at all
+      // (unused here): point .grad back at its slot, which holds the result.
+      if (!g.defined() || g.data_ptr() != slot) {
+        g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options());
+        reducer_->set_grad(i, slot);
+      }
+    } else if (!g.defined()) {
+      // Unused on this rank with its gradient set to none: it still gets the
+      // average (zeros if no rank used it), so every replica takes the same step.
+      g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options()).clone();
+      reducer_->set_grad(i, g.data_ptr());
     }
   }
 }

@@ -169,6 +169,91 @@ TEST_P(Ddp, GradientsSetToNoneBetweenSteps) {
   }
 }
 
+// Set to none, then a no_sync pass, then a synced one: the no_sync pass
+// must leave autograd's fresh gradient in .grad (not the bucket slot, which
+// holds the previous step's average), and the synced pass reduces the sum of
+// both passes.
+TEST_P(Ddp, NoSyncAfterGradientsSetToNone) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  auto want = reference_grads(kLocal * n, 2);
+  for (bool bucket_view : {false, true}) {
+    run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      Net net;
+      cohort::torch::DistributedDataParallelOptions o;
+      o.gradient_as_bucket_view = bucket_view;
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));
+      auto pass = [&](int64_t m) {
+        ddp.pre_forward();
+        int64_t from = m * kLocal * n + pg.rank() * kLocal;
+        return torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal));
+      };
+      pass(5).backward();  // a synced step on other data: the buckets now hold its average
+      cohort::torch::zero_grad(opt);
+      {
+        auto guard = ddp.no_sync();
+        pass(0).backward();
+      }
+      std::vector<torch::Tensor> local;
+      for (auto& p : net->parameters()) local.push_back(p.grad().clone());
+      pass(1).backward();
+      std::vector<torch::Tensor> got;
+      for (auto& p : net->parameters()) got.push_back(p.grad());
+      expect_close(got, want, 1e-5, pg.rank());
+      // And after the no_sync pass alone, .grad was this rank's own gradient of micro-batch 0.
+      Net one;
+      const int64_t from = pg.rank() * kLocal;
+      torch::mse_loss(one->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+      std::vector<torch::Tensor> own;
+      for (auto& p : one->parameters()) own.push_back(p.grad());
+      expect_close(local, own, 1e-6, pg.rank());
+    });
+  }
+}
+
+// A parameter used in one step and not in the next, its gradient set to none
+// in between (find_unused_parameters): it gets zeros on every rank, not the
+// last step's average and not a read of freed memory.
+TEST_P(Ddp, UnusedAfterGradientsSetToNoneGetsZeros) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  if (n == 1) GTEST_SKIP() << "one rank registers no hooks: plain LibTorch leaves the gradient undefined";
+  const int64_t global = kLocal * n;
+  Net ref;
+  torch::mse_loss(ref->forward(inputs(global, global)), targets(global, global)).backward();
+  std::vector<torch::Tensor> want;
+  for (auto& p : ref->parameters()) want.push_back(p.grad().clone());
+  for (bool bucket_view : {false, true}) {
+    run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      Net net(/*with_unused=*/true);
+      cohort::torch::DistributedDataParallelOptions o;
+      o.find_unused_parameters = true;
+      o.gradient_as_bucket_view = bucket_view;
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));
+      for (int step = 0; step < 2; ++step) {
+        cohort::torch::zero_grad(opt);
+        ddp.pre_forward();
+        const int64_t from = step * global + pg.rank() * kLocal;
+        auto loss = torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal));
+        if (step == 0) loss = loss + 0.1 * net->spare->forward(inputs(from, kLocal).narrow(1, 0, 4)).sum();
+        loss.backward();
+      }
+      for (auto& p : net->spare->parameters()) {
+        ASSERT_TRUE(p.grad().defined()) << "rank " << pg.rank();
+        EXPECT_EQ(p.grad().abs().max().item<double>(), 0.0) << "rank " << pg.rank() << ": a stale gradient";
+      }
+      std::vector<torch::Tensor> got;
+      for (auto& p : net->fc1->parameters()) got.push_back(p.grad());
+      for (auto& p : net->fc2->parameters()) got.push_back(p.grad());
+      expect_close(got, want, 1e-5, pg.rank());
+    });
+  }
+}
+
 TEST_P(Ddp, CompressionHooksAreClose) {
   torch::set_num_threads(1);
   auto [transport, n] = GetParam();

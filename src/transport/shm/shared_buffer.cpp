@@ -80,6 +80,12 @@ SharedRef find_shared_buffer(const void* p, size_t bytes) {
   return ref;
 }
 
+bool SharedMappings::holds(uint64_t id) const {
+  for (const Mapping& m : maps_)
+    if (m.id == id) return true;
+  return false;
+}
+
 SharedMappings::~SharedMappings() {
   for (const Mapping& m : maps_) munmap(m.p, m.len);
 }
@@ -93,8 +99,19 @@ uint8_t* SharedMappings::at(int pid, const SharedRef& ref, uint64_t addr, size_t
     *why = fmt::format("{} bytes at {:#x} are not inside its shared buffer [{:#x}, +{})", bytes, addr, ref.base, ref.len);
     return nullptr;
   }
-  for (const Mapping& m : maps_)
-    if (m.id == ref.id) return m.p + (addr - ref.base);
+  for (size_t k = 0; k < maps_.size(); ++k) {
+    if (maps_[k].id != ref.id) continue;
+    const Mapping m = maps_[k];
+    if (addr - ref.base > m.len || bytes > m.len - (addr - ref.base)) {
+      *why = fmt::format("{} bytes at {:#x} are outside the {} bytes mapped of that shared buffer", bytes, addr, m.len);
+      return nullptr;
+    }
+    // Most recently used last: an allreduce maps its send and its receive
+    // buffer one after the other, and mapping the second must not evict the first.
+    maps_.erase(maps_.begin() + static_cast<ptrdiff_t>(k));
+    maps_.push_back(m);
+    return m.p + (addr - ref.base);
+  }
 
   const std::string path = fmt::format("/proc/{}/fd/{}", pid, ref.fd);
   const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -103,7 +120,12 @@ uint8_t* SharedMappings::at(int pid, const SharedRef& ref, uint64_t addr, size_t
     return nullptr;
   }
   struct stat st {};
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != ref.len) {
+  if (fstat(fd, &st) != 0) {
+    *why = fmt::format("cannot stat {}: {}", path, std::strerror(errno));
+    close(fd);
+    return nullptr;
+  }
+  if (static_cast<uint64_t>(st.st_size) != ref.len) {
     *why = fmt::format("{} is not the shared buffer announced ({} bytes, expected {})", path,
                        static_cast<long long>(st.st_size), ref.len);
     close(fd);

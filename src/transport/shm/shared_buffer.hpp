@@ -11,9 +11,10 @@
 // and no page pinning on every call.
 //
 // Lifetime: the owner's memory lives as long as any mapping of it. A peer
-// keeps its mappings until its connection closes (the group shuts down) or it
-// has more than kMaxMappings, so memory freed by its owner may stay allocated
-// until then; meant for long-lived buffers, not one per call. A crash leaves
+// keeps its mappings until its connection closes (the group shuts down) or
+// kMaxMappings more recently used ones push them out, so memory freed by its
+// owner may stay allocated until then; meant for long-lived buffers, not one
+// per call. A crash leaves
 // nothing behind (memfds have no name in the filesystem).
 #pragma once
 
@@ -57,13 +58,17 @@ class SharedMappings {
   // not accessible, mmap failed): the reason goes to *why.
   uint8_t* at(int pid, const SharedRef& ref, uint64_t addr, size_t bytes, std::string* why);
 
+  // For tests: how many buffers are mapped, and whether the owner's `id` is.
+  size_t size() const { return maps_.size(); }
+  bool holds(uint64_t id) const;
+
  private:
   struct Mapping {
     uint64_t id;
     uint8_t* p;
     size_t len;
   };
-  std::vector<Mapping> maps_;  // oldest first
+  std::vector<Mapping> maps_;  // least recently used first; past kMaxMappings the first is unmapped
 };
 
 }  // namespace cohort::transport
