@@ -55,6 +55,20 @@ std::vector<torch::Tensor> reference_grads(int64_t global, int micro) {
   return g;
 }
 
+// Copies of a module's gradients, in parameter order.
+std::vector<torch::Tensor> grads_of(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> g;
+  for (const auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : p.grad());
+  return g;
+}
+
+// Gradients of one process on samples [from, from + n) alone.
+std::vector<torch::Tensor> grads_on(int64_t from, int64_t n) {
+  Net net;
+  torch::mse_loss(net->forward(inputs(from, n)), targets(from, n)).backward();
+  return grads_of(*net);
+}
+
 void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double tol, int rank) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) {
@@ -131,11 +145,7 @@ TEST_P(Ddp, GradientsSetToNoneBetweenSteps) {
   torch::set_num_threads(1);
   auto [transport, n] = GetParam();
   const int64_t global = kLocal * n;
-  // Reference for step 2: one process, the second global batch alone.
-  Net ref;
-  torch::mse_loss(ref->forward(inputs(global, global)), targets(global, global)).backward();
-  std::vector<torch::Tensor> want;
-  for (auto& p : ref->parameters()) want.push_back(p.grad().clone());
+  auto want = grads_on(global, global);  // step 2 alone: the second global batch
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
       auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
@@ -162,9 +172,7 @@ TEST_P(Ddp, GradientsSetToNoneBetweenSteps) {
           EXPECT_EQ(now, storage) << "rank " << pg.rank() << ": .grad is not the bucket view again";
         }
       }
-      std::vector<torch::Tensor> got;
-      for (auto& p : net->parameters()) got.push_back(p.grad());
-      expect_close(got, want, 1e-5, pg.rank());
+      expect_close(grads_of(*net), want, 1e-5, pg.rank());
     });
   }
 }
@@ -196,19 +204,11 @@ TEST_P(Ddp, NoSyncAfterGradientsSetToNone) {
         auto guard = ddp.no_sync();
         pass(0).backward();
       }
-      std::vector<torch::Tensor> local;
-      for (auto& p : net->parameters()) local.push_back(p.grad().clone());
+      auto local = grads_of(*net);
       pass(1).backward();
-      std::vector<torch::Tensor> got;
-      for (auto& p : net->parameters()) got.push_back(p.grad());
-      expect_close(got, want, 1e-5, pg.rank());
+      expect_close(grads_of(*net), want, 1e-5, pg.rank());
       // And after the no_sync pass alone, .grad was this rank's own gradient of micro-batch 0.
-      Net one;
-      const int64_t from = pg.rank() * kLocal;
-      torch::mse_loss(one->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
-      std::vector<torch::Tensor> own;
-      for (auto& p : one->parameters()) own.push_back(p.grad());
-      expect_close(local, own, 1e-6, pg.rank());
+      expect_close(local, grads_on(pg.rank() * kLocal, kLocal), 1e-6, pg.rank());
     });
   }
 }
@@ -221,10 +221,7 @@ TEST_P(Ddp, UnusedAfterGradientsSetToNoneGetsZeros) {
   auto [transport, n] = GetParam();
   if (n == 1) GTEST_SKIP() << "one rank registers no hooks: plain LibTorch leaves the gradient undefined";
   const int64_t global = kLocal * n;
-  Net ref;
-  torch::mse_loss(ref->forward(inputs(global, global)), targets(global, global)).backward();
-  std::vector<torch::Tensor> want;
-  for (auto& p : ref->parameters()) want.push_back(p.grad().clone());
+  auto want = grads_on(global, global);
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
       auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
