@@ -185,11 +185,6 @@ const std::string& algo_spec() {
 }
 }  // namespace
 
-Algo select(const TunerInput& in, const Thresholds& t) {
-  if (auto a = override_from_env(in.coll, algo_spec())) return *a;
-  return choose(in, t);
-}
-
-bool overridden(Coll c) { return override_from_env(c, algo_spec()).has_value(); }
+std::optional<Algo> forced_algo(Coll c) { return override_from_env(c, algo_spec()); }
 
 }  // namespace cohort::collectives

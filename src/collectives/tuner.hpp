@@ -53,9 +53,8 @@ std::optional<Algo> override_from_env(Coll c, const std::string& spec);
 // "tuner: allreduce recursive_doubling up to 16 KiB (this group: all shm), ring above; ...".
 std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy = false);
 
-// The override (if any) or the default; what the group calls.
-Algo select(const TunerInput& in, const Thresholds& t = Thresholds{});
-// Whether COHORT_ALGO names the algorithm of this collective.
-bool overridden(Coll c);
+// The algorithm COHORT_ALGO (read once per process) names for this
+// collective, if any; otherwise the group calls choose().
+std::optional<Algo> forced_algo(Coll c);
 
 }  // namespace cohort::collectives

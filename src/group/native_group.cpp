@@ -185,7 +185,8 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
                            ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
                            : d.bytes();
-  Algo a = c::select(c::TunerInput{d.coll, tuner_bytes, n, all_shm_, single_copy_}, thresholds_);
+  const std::optional<Algo> forced = c::forced_algo(d.coll);
+  const Algo a = forced ? *forced : c::choose(c::TunerInput{d.coll, tuner_bytes, n, all_shm_, single_copy_}, thresholds_);
   if (a == Algo::SingleCopy && !single_copy_ && n > 1)
     throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "
                                       "COHORT_ALGO or name another allreduce algorithm",
@@ -193,8 +194,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   d.algo = c::algo_name(a);
   // Below allreduce_single_copy_min (and not forced by COHORT_ALGO), single copy runs only when every
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
-  const bool shared_only = a == Algo::SingleCopy && d.coll == Coll::Allreduce && !c::overridden(Coll::Allreduce) &&
-                           d.bytes() < thresholds_.allreduce_single_copy_min;
+  const bool shared_only = a == Algo::SingleCopy && !forced && d.bytes() < thresholds_.allreduce_single_copy_min;
   COHORT_TRACE(kColl, "{} {} bytes algo {}{}", d.describe(), d.bytes(), c::algo_name(a),
                shared_only ? " if every rank's buffers are shared, else ring" : "");
 

@@ -114,8 +114,7 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   if (!g.is_contiguous() || g.scalar_type() != params_[i].scalar_type())
     throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is not a contiguous {} tensor",
                                       names_[i], c10::toString(params_[i].scalar_type())));
-  reducer_->set_grad(i, g.data_ptr());
-  reducer_->mark_ready(i, g.data_ptr());
+  reducer_->mark_ready(i, g.data_ptr());  // finalize() registers .grad itself
 }
 
 void DistributedDataParallel::finalize() {

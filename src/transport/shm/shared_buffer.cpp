@@ -31,6 +31,11 @@ Registry& registry() {
   return *r;
 }
 
+// [addr, addr + bytes) lies inside [base, base + len) (unsigned: addr < base wraps to "outside").
+bool inside(uint64_t base, uint64_t len, uint64_t addr, size_t bytes) {
+  return addr - base <= len && bytes <= len - (addr - base);
+}
+
 }  // namespace
 
 std::shared_ptr<std::byte[]> allocate_shared_buffer(size_t bytes) {
@@ -75,9 +80,7 @@ SharedRef find_shared_buffer(const void* p, size_t bytes) {
   auto it = r.by_base.upper_bound(a);
   if (it == r.by_base.begin()) return {};
   --it;
-  const SharedRef& ref = it->second;
-  if (a - ref.base > ref.len || bytes > ref.len - (a - ref.base)) return {};
-  return ref;
+  return inside(it->second.base, it->second.len, a, bytes) ? it->second : SharedRef{};
 }
 
 bool SharedMappings::holds(uint64_t id) const {
@@ -95,14 +98,14 @@ uint8_t* SharedMappings::at(int pid, const SharedRef& ref, uint64_t addr, size_t
     *why = "not a shared buffer";
     return nullptr;
   }
-  if (addr < ref.base || addr - ref.base > ref.len || bytes > ref.len - (addr - ref.base)) {
+  if (!inside(ref.base, ref.len, addr, bytes)) {
     *why = fmt::format("{} bytes at {:#x} are not inside its shared buffer [{:#x}, +{})", bytes, addr, ref.base, ref.len);
     return nullptr;
   }
   for (size_t k = 0; k < maps_.size(); ++k) {
     if (maps_[k].id != ref.id) continue;
     const Mapping m = maps_[k];
-    if (addr - ref.base > m.len || bytes > m.len - (addr - ref.base)) {
+    if (!inside(ref.base, m.len, addr, bytes)) {
       *why = fmt::format("{} bytes at {:#x} are outside the {} bytes mapped of that shared buffer", bytes, addr, m.len);
       return nullptr;
     }
