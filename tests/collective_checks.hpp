@@ -143,6 +143,59 @@ inline void check_allreduce_shared_buffers(ProcessGroup& pg) {
   }
 }
 
+// allreduce_gathered: part of the input sits in pieces outside the buffer
+// (the buffer holds a poison value there). Pieces cross the ranks' blocks, one
+// is empty, one sits in place, and the last ends at the buffer's end; on a
+// single-copy group a rank reads the pieces of its own block in place. The
+// pieces must come back unchanged. On shared and ordinary buffers.
+inline void check_allreduce_gathered(ProcessGroup& pg) {
+  const int n = pg.size(), r = pg.rank();
+  for (int shared = 0; shared < 2; ++shared)
+    for (DType t : {DType::F32, DType::F64})
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg})
+        for (size_t count : {size_t(3 * n + 11), size_t(100000), size_t((1u << 20) / 2 + 5)}) {
+          const size_t es = dtype_size(t);
+          auto buf = shared ? pg.allocate_buffer(count * es) : std::shared_ptr<std::byte[]>(new std::byte[count * es]());
+          const auto [first, len] = pg.allreduce_direct_block(count, t);
+          EXPECT_LE(first + len, count) << "allreduce_direct_block(" << count << ")";
+          if (n == 1) {
+            EXPECT_EQ(len, 0u) << "one rank reads nothing in place";
+          }
+          for (int again = 0; again < 2; ++again) {
+            const size_t a = count / 5, b = 2 * count / 5, c = std::min(3 * count / 5 + 7, count - 5);
+            std::vector<std::pair<size_t, size_t>> ranges = {{0, a}, {b, b}, {b, c}, {c + 1, c + 2}, {count - 3, count}};
+            std::vector<Vec> srcs;
+            std::vector<InputPiece> pieces;
+            for (size_t i = 0; i < count; ++i) store_value(buf.get(), i, t, input(r, i, op, n));
+            for (auto [lo, hi] : ranges) {
+              srcs.emplace_back(hi - lo, t);
+              for (size_t i = lo; i < hi; ++i) {
+                srcs.back().set(i - lo, input(r, i, op, n));
+                store_value(buf.get(), i, t, -12345);  // must not be read
+              }
+            }
+            for (size_t k = 0; k < ranges.size(); ++k)
+              pieces.push_back({ranges[k].first, ranges[k].second - ranges[k].first, srcs[k].bytes.data()});
+            // One piece already in place (its data is the buffer itself).
+            store_value(buf.get(), c, t, input(r, c, op, n));
+            pieces.insert(pieces.begin() + 3, InputPiece{c, 1, buf.get() + c * es});
+            pg.allreduce_gathered(Buffer{buf.get(), count, t}, pieces, {.op = op})->wait();
+            EXPECT_ELEMS(count, load_value(buf.get(), i, t), expected(i, op, n, t),
+                         "allreduce_gathered " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
+                                               << (shared ? " shared" : ""));
+            for (size_t k = 0; k < ranges.size(); ++k)
+              EXPECT_ELEMS(srcs[k].count, srcs[k].get(i), input(r, ranges[k].first + i, op, n),
+                           "piece " << k << " after allreduce_gathered count " << count);
+          }
+        }
+  // Bad pieces throw at the call, on every rank alike (nothing is issued).
+  Vec v(10, DType::F32);
+  float x[4] = {};
+  EXPECT_THROW(pg.allreduce_gathered(v.buf(), {{8, 4, x}}), InvalidArgument);
+  EXPECT_THROW(pg.allreduce_gathered(v.buf(), {{0, 4, x}, {3, 1, x}}), InvalidArgument);
+  EXPECT_THROW(pg.allreduce_gathered(v.buf(), {{2, 1, nullptr}}), InvalidArgument);
+}
+
 inline void check_broadcast_reduce_every_root(ProcessGroup& pg) {
   const int n = pg.size();
   for (size_t count : {size_t(0), size_t(1), size_t(3 * n + 1), size_t(300000)})

@@ -64,6 +64,12 @@ TEST_P(Collectives, AllreduceSharedBuffers) {
   run_ranks(n, transport, check_allreduce_shared_buffers);
 }
 
+TEST_P(Collectives, AllreduceGathered) {
+  auto [transport_name, n] = GetParam();
+  const std::string transport = base_transport(transport_name);
+  run_ranks(n, transport, check_allreduce_gathered);
+}
+
 TEST_P(Collectives, BroadcastReduceEveryRoot) {
   auto [transport_name, n] = GetParam();
   const std::string transport = base_transport(transport_name);

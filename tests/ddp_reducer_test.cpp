@@ -221,6 +221,50 @@ TEST_P(ReducerTest, GradientAsBucketView) {
   });
 }
 
+// grads_valid_until_finalize: buckets of 256 KiB and more go by single copy
+// on shm, where each rank reads its own block straight from the gradients it
+// was given (only the rest is copied into the bucket). The averages must be
+// right whichever hook runs: the default, one that reads buffer() (it gets
+// every gradient), one that communicates nothing (local gradients); and the
+// gradients lent to the reducer are read, never written.
+TEST_P(ReducerTest, GradientsLentUntilFinalize) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    const std::vector<ParamSpec> model = {
+        {"a", 70000, DType::F32}, {"b", 33333, DType::F32}, {"c", 5, DType::F32}, {"d", 90001, DType::F32}};
+    for (const char* hook : {"default", "buffer", "none"}) {
+      SCOPED_TRACE(hook);
+      Grads g(model);
+      ReducerOptions o;
+      o.first_bucket_mb = 0.3;  // [d] [c b a]: 360 and 413 KB
+      o.gradient_as_bucket_view = true;
+      o.grads_valid_until_finalize = true;
+      if (std::string(hook) == "buffer")
+        o.comm_hook = [](GradBucket& b) -> CommFuture {
+          return {b.group().allreduce(b.buffer(), {.op = ReduceOp::Avg}), nullptr};
+        };
+      if (std::string(hook) == "none") o.comm_hook = [](GradBucket&) -> CommFuture { return {}; };
+      Reducer red(pg, g.specs, o);
+      ASSERT_EQ(red.plan().size(), 2u);
+      for (int t = 0; t < 2; ++t) {
+        Grads fresh(model);  // autograd's new gradient tensors
+        fresh.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+        for (size_t p : shuffled(model.size(), 10 * r + t)) red.mark_ready(p, fresh.ptr(p));
+        red.finalize();
+        const std::string what = std::string(hook) + " hook, iteration " + std::to_string(t);
+        expect_values(
+            model, r, what, [&](size_t p, size_t i) { return get_value(red.bucket_slot(p), i, model[p].dtype); },
+            [&](size_t p, size_t i) {
+              return std::string(hook) == "none" ? grad_value(r, p, i, t) : avg_value(n, p, i, t);
+            });
+        expect_values(model, r, what + ", lent gradients", [&](size_t p, size_t i) { return fresh.at(p, i); },
+                      [&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+      }
+    }
+  });
+}
+
 TEST_P(ReducerTest, OnReducedReceivesEveryParameter) {
   auto [transport, n] = GetParam();
   run_ranks(n, transport, [&](ProcessGroup& pg) {

@@ -73,15 +73,24 @@ BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptio
 // What a comm hook is given: one bucket whose gradients are all ready.
 class GradBucket {
  public:
+  // `pieces`: gradients the reducer left outside the buffer (see
+  // ReducerOptions::grads_valid_until_finalize), sorted by offset, or nullptr.
   GradBucket(size_t index, size_t num_buckets, Buffer buffer, ProcessGroup& group, Millis timeout,
-             std::span<const size_t> params, std::vector<std::byte>& scratch)
+             std::span<const size_t> params, std::vector<std::byte>& scratch,
+             std::vector<InputPiece>* pieces = nullptr)
       : index_(index), num_buckets_(num_buckets), buffer_(buffer), group_(group), timeout_(timeout),
-        params_(params), scratch_(scratch) {}
+        params_(params), scratch_(scratch), pieces_(pieces) {}
 
   size_t index() const { return index_; }  // position in the plan = launch order
   bool is_last() const { return index_ + 1 == num_buckets_; }
-  // The bucket's flat gradients. The hook leaves the result here (in place).
-  Buffer buffer() const { return buffer_; }
+  // The bucket's flat gradients, all of them (gradients the reducer had left
+  // where they were are copied in at the first call). The hook leaves the
+  // result here (in place).
+  Buffer buffer() const;
+  // Starts the in-place allreduce of the bucket, like
+  // group().allreduce(buffer(), opts), except that the group reads gradients
+  // still outside the buffer where they are when it can (one copy fewer).
+  WorkPtr allreduce(AllreduceOptions opts) const;
   ProcessGroup& group() const { return group_; }
   // The reducer's timeout option (zero: the group's); pass it to collectives.
   Millis timeout() const { return timeout_; }
@@ -99,6 +108,7 @@ class GradBucket {
   Millis timeout_;
   std::span<const size_t> params_;
   std::vector<std::byte>& scratch_;
+  std::vector<InputPiece>* pieces_;
 };
 
 // A hook's answer: the communication it started and what to do once it is done.
@@ -138,6 +148,12 @@ struct ReducerOptions {
   // copies nothing, and finalize() leaves the result in the slots and writes
   // nothing back (on_reduced is not called).
   bool gradient_as_bucket_view = false;
+  // The gradient given to mark_ready() stays valid and unchanged until
+  // finalize() returns (the LibTorch adapter keeps it as .grad). The reducer
+  // then copies into the bucket only what the group does not read in place
+  // (ProcessGroup::allreduce_direct_block): on one host, the block of each
+  // bucket that this rank reduces itself is read straight from the gradients.
+  bool grads_valid_until_finalize = false;
   CommHook comm_hook;            // empty: allreduce_avg_hook()
   // Called by finalize() for every parameter, in registration order, with its
   // reduced gradient (valid until the next iteration), instead of copying it to

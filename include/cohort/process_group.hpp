@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cohort/error.hpp"
@@ -74,6 +75,19 @@ class ProcessGroup {
   // In-place: pass the same buffer as send and recv.
   virtual WorkPtr allreduce(Buffer send, Buffer recv, AllreduceOptions opts = {}) = 0;
   WorkPtr allreduce(Buffer buf, AllreduceOptions opts = {}) { return allreduce(buf, buf, opts); }
+  // In-place allreduce of `buf` whose input, for the elements each piece
+  // names, is the piece's data rather than buf's (DDP: gradients still where
+  // autograd put them, not yet copied into their bucket). Pieces lie inside
+  // buf, do not overlap, and stay valid and unchanged until the Work completes;
+  // the result is in buf. The default copies the pieces into buf and runs
+  // allreduce(buf). A group reads in place the pieces inside the block this
+  // rank reduces itself (allreduce_direct_block), which saves their copy.
+  virtual WorkPtr allreduce_gathered(Buffer buf, std::vector<InputPiece> pieces, AllreduceOptions opts = {});
+  // The elements [first, first + count) of an allreduce_gathered of `count`
+  // elements of `dtype` that this rank reads straight from the pieces ({0, 0}:
+  // none, every piece is copied into the buffer first). A caller that can
+  // leave its data elsewhere should copy only what lies outside this block.
+  virtual std::pair<size_t, size_t> allreduce_direct_block(size_t count, DType dtype) const;
   // Root's buf is copied into every rank's buf.
   virtual WorkPtr broadcast(Buffer buf, BroadcastOptions opts = {}) = 0;
   // recv (significant at root only, may be empty elsewhere) = op over ranks of send.

@@ -81,6 +81,9 @@ class DistributedDataParallel {
   std::vector<::torch::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<::torch::Tensor> buffers_;
+  // The gradients handed to the reducer this iteration: it may read them until
+  // finalize() (ReducerOptions::grads_valid_until_finalize).
+  std::vector<::torch::Tensor> lent_;
   std::unique_ptr<ddp::Reducer> reducer_;
   std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;

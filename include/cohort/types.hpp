@@ -39,6 +39,13 @@ struct Buffer {
   size_t bytes() const { return count * dtype_size(dtype); }
 };
 
+// Elements of an allreduce_gathered input (ProcessGroup) that are not in its buffer yet.
+struct InputPiece {
+  size_t offset = 0;           // first element, in the buffer
+  size_t count = 0;            // elements
+  const void* data = nullptr;  // where they are now
+};
+
 template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::F32; }
 template <> constexpr DType dtype_of<double>() { return DType::F64; }

@@ -6,6 +6,8 @@
 // and divide each piece of the result as its last reduction lands.
 #pragma once
 
+#include <span>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -19,8 +21,12 @@ void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, D
 // With shared_only it runs only if every rank's buffers are shared buffers (all
 // ranks see the same swapped addresses, so all agree) and otherwise returns
 // false having moved no data: the caller then runs another algorithm.
+// `pieces` (in place only: send == recv) are input elements still outside the
+// buffer (ProcessGroup::allreduce_gathered): those in this rank's own block are
+// read where they are, the rest are copied in before any peer may read them;
+// when it returns false, all of them are in the buffer.
 bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
-                           int avg_div = 0, bool shared_only = false);
+                           int avg_div = 0, bool shared_only = false, std::span<const InputPiece> pieces = {});
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
 
 // broadcast

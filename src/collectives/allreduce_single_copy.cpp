@@ -32,19 +32,26 @@
 // The stores reach the peer before the final word does: the word goes through
 // the shm FIFO with release/acquire ordering, like every message.
 //
+// Gathered input (ProcessGroup::allreduce_gathered, in place): DDP may leave a
+// gradient where autograd put it instead of copying it into its bucket. The
+// parts that fall in a peer's block are copied into the buffer before the
+// address swap (the swap is what lets the peer read it); the parts in this
+// rank's own block are read where they are during the reduction, which writes
+// the buffer's block anyway. That saves copying a 1/n of the bucket per rank.
+//
 // Safety of the accesses: rank q writes only block q of the other ranks'
 // receive buffers, and reads only block q of their send buffers; rank r
 // itself writes only block r of its receive buffer until the end. In place
 // (send == recv), block q of rank r's buffer is read by q before q writes
 // it, and r does not touch block q. A buffer stays untouched by peers once
 // its owner has the final words.
-#include "collectives/algorithms.hpp"
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
 
+#include "collectives/algorithms.hpp"
+#include "core/check.hpp"
 #include "core/log.hpp"
 #include "core/reduce.hpp"
 #include "transport/shm/shared_buffer.hpp"
@@ -62,23 +69,60 @@ uint8_t* map_shared(Comm& c, int q, const transport::SharedRef& ref, uint64_t ad
   uint8_t* p = c.map_peer(q, ref, addr, bytes, &why);
   static std::atomic<bool> told{false}, warned{false};
   if (p != nullptr && !told.exchange(true))
-    COHORT_LOG(Info, kNet, "single copy maps peer {}'s shared buffer ({:.1f} MiB): allreduces on shared buffers load "
-               "and store the peers' memory directly", q, ref.len / 1048576.0);
+    COHORT_LOG(Info, kNet,
+               "single copy maps peer {}'s shared buffer ({:.1f} MiB): allreduces on shared buffers load "
+               "and store the peers' memory directly",
+               q, ref.len / 1048576.0);
   if (p == nullptr && !warned.exchange(true))
-    COHORT_LOG(Warn, kNet, "cannot map peer {}'s shared buffer ({}); its allreduces go through process_vm_readv "
-               "instead (correct, slower)", q, why);
+    COHORT_LOG(Warn, kNet,
+               "cannot map peer {}'s shared buffer ({}); its allreduces go through process_vm_readv "
+               "instead (correct, slower)",
+               q, why);
   return p;
 }
-}
 
-bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
-                           int avg_div, bool shared_only) {
+// A stretch of this rank's own block (byte offsets in the buffer) and where its
+// input is: a piece's memory, or the buffer itself (src == nullptr).
+struct OwnSpan {
+  size_t at, len;
+  const uint8_t* src;
+};
+
+// Copies into `buf` the parts of the pieces outside [lo, hi) (bytes), and
+// returns the own block [lo, hi) cut where pieces begin and end.
+std::vector<OwnSpan> place_pieces(uint8_t* buf, std::span<const InputPiece> pieces, size_t es, size_t lo, size_t hi) {
+  std::vector<OwnSpan> own;
+  size_t at = lo;  // own block covered up to here
+  for (const InputPiece& p : pieces) {
+    const size_t a = p.offset * es, b = a + p.count * es;
+    const auto* src = static_cast<const uint8_t*>(p.data);
+    if (a == b || src == buf + a) continue;
+    if (a < lo) std::memcpy(buf + a, src, std::min(b, lo) - a);
+    if (b > hi) std::memcpy(buf + std::max(a, hi), src + (std::max(a, hi) - a), b - std::max(a, hi));
+    const size_t ia = std::max(a, lo), ib = std::min(b, hi);
+    if (ia >= ib) continue;
+    if (ia > at) own.push_back({at, ia - at, nullptr});
+    own.push_back({ia, ib - ia, src + (ia - a)});
+    at = ib;
+  }
+  if (hi > at) own.push_back({at, hi - at, nullptr});
+  return own;
+}
+}  // namespace
+
+bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div,
+                           bool shared_only, std::span<const InputPiece> pieces) {
   const int n = c.size(), rank = c.rank();
   const size_t es = dtype_size(t);
+  COHORT_ASSERT(pieces.empty() || send == recv, "allreduce_single_copy: pieces with separate send and recv buffers");
+  const size_t off = chunk_off(count, n, rank) * es, len = chunk_len(count, n, rank) * es;
   if (n == 1) {
     if (send != recv) std::memcpy(recv, send, count * es);
+    place_pieces(recv, pieces, es, 0, 0);
     return true;
   }
+  // Peers read the rest of this buffer after the address swap: place it now.
+  const std::vector<OwnSpan> own = place_pieces(recv, pieces, es, off, off + len);
   const size_t bytes = count * es;
   struct Addrs {
     uint64_t send, recv;
@@ -90,7 +134,11 @@ bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
   allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()), sizeof mine);
   if (shared_only)
     for (const Addrs& a : theirs)
-      if (a.send_ref.id == 0 || a.recv_ref.id == 0) return false;  // the same answer on every rank
+      if (a.send_ref.id == 0 || a.recv_ref.id == 0) {  // the same answer on every rank
+        for (const OwnSpan& s : own)
+          if (s.src) std::memcpy(recv + s.at, s.src, s.len);
+        return false;
+      }
 
   // Peers' buffers this rank can load from and store to directly (nullptr: process_vm_readv/writev).
   std::vector<const uint8_t*> peer_send(n, nullptr);
@@ -101,24 +149,26 @@ bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
     peer_recv[q] = map_shared(c, q, theirs[q].recv_ref, theirs[q].recv, bytes);
   }
 
-  const size_t off = chunk_off(count, n, rank) * es, len = chunk_len(count, n, rank) * es;
   const size_t piece_max = kPiece / es * es;
   uint8_t* scratch = c.scratch(piece_max);
-  for (size_t p = 0; p < len; p += piece_max) {
-    const size_t m = std::min(piece_max, len - p), at = off + p;
-    for (int k = 1; k < n; ++k) {
-      const int q = (rank + k) % n;
-      const uint8_t* theirs_at = peer_send[q] ? peer_send[q] + at : scratch;
-      if (!peer_send[q]) c.read_peer(q, theirs[q].send + at, scratch, m);
-      core::reduce(recv + at, (k == 1 ? send : recv) + at, theirs_at, m / es, t, op);
-    }
-    if (avg_div > 1) core::scale_avg(recv + at, m / es, t, avg_div);
-    for (int k = 1; k < n; ++k) {
-      const int q = (rank + k) % n;
-      if (peer_recv[q])
-        std::memcpy(peer_recv[q] + at, recv + at, m);
-      else
-        c.write_peer(q, theirs[q].recv + at, recv + at, m);
+  for (const OwnSpan& span : own) {
+    for (size_t p = 0; p < span.len; p += piece_max) {
+      const size_t m = std::min(piece_max, span.len - p), at = span.at + p;
+      const uint8_t* mine_at = span.src ? span.src + p : send + at;
+      for (int k = 1; k < n; ++k) {
+        const int q = (rank + k) % n;
+        const uint8_t* theirs_at = peer_send[q] ? peer_send[q] + at : scratch;
+        if (!peer_send[q]) c.read_peer(q, theirs[q].send + at, scratch, m);
+        core::reduce(recv + at, k == 1 ? mine_at : recv + at, theirs_at, m / es, t, op);
+      }
+      if (avg_div > 1) core::scale_avg(recv + at, m / es, t, avg_div);
+      for (int k = 1; k < n; ++k) {
+        const int q = (rank + k) % n;
+        if (peer_recv[q])
+          std::memcpy(peer_recv[q] + at, recv + at, m);
+        else
+          c.write_peer(q, theirs[q].recv + at, recv + at, m);
+      }
     }
   }
 

@@ -87,6 +87,22 @@ CommHook compress_hook(DType half, const char* hook_name) {
 
 }  // namespace
 
+Buffer GradBucket::buffer() const {
+  if (pieces_ != nullptr && !pieces_->empty()) {
+    const size_t es = dtype_size(buffer_.dtype);
+    for (const InputPiece& p : *pieces_)
+      std::memcpy(static_cast<std::byte*>(buffer_.data) + p.offset * es, p.data, p.count * es);
+    pieces_->clear();
+  }
+  return buffer_;
+}
+
+WorkPtr GradBucket::allreduce(AllreduceOptions opts) const {
+  std::vector<InputPiece> pieces;
+  if (pieces_ != nullptr) pieces.swap(*pieces_);
+  return group_.allreduce_gathered(buffer_, std::move(pieces), opts);
+}
+
 void* GradBucket::scratch(size_t bytes) {
   // Round up to 8 bytes: std::vector<std::byte>'s storage comes from operator
   // new, aligned for any fundamental type.
@@ -97,7 +113,7 @@ void* GradBucket::scratch(size_t bytes) {
 
 CommHook allreduce_avg_hook() {
   return [](GradBucket& bucket) -> CommFuture {
-    return {bucket.group().allreduce(bucket.buffer(), {.op = ReduceOp::Avg, .timeout = bucket.timeout()}), nullptr};
+    return {bucket.allreduce({.op = ReduceOp::Avg, .timeout = bucket.timeout()}), nullptr};
   };
 }
 

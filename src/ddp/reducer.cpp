@@ -16,6 +16,7 @@
 // collective may run inline on the marking thread (COHORT_INLINE_BYTES).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 
@@ -47,6 +48,11 @@ struct Reducer::Impl {
   struct Bucket {
     std::byte* data = nullptr;       // the flat buffer, inside `storage`
     std::vector<std::byte> scratch;  // GradBucket::scratch
+    // grads_valid_until_finalize: the elements [direct_first, direct_end) the
+    // group reads in place in allreduce_gathered, and this iteration's
+    // gradients left there (InputPiece), by parameter, in marking order.
+    size_t direct_first = 0, direct_end = 0;
+    std::vector<InputPiece> pieces;
     size_t pending = 0;
     CommFuture future;
   };
@@ -99,6 +105,11 @@ struct Reducer::Impl {
         bucket_of[plan[b].params[k]] = b;
         offset_of[plan[b].params[k]] = plan[b].offsets[k];
       }
+      if (opts.grads_valid_until_finalize && plan[b].count > 0) {
+        const auto [first, count] = group.allreduce_direct_block(plan[b].count, plan[b].dtype);
+        buckets[b].direct_first = first;
+        buckets[b].direct_end = first + count;
+      }
     }
     reset_stats();
     if (core::log_enabled(core::LogLevel::Info, core::kDdp)) log_plan();
@@ -118,6 +129,23 @@ struct Reducer::Impl {
       COHORT_INFO(kDdp, "bucket {}: {} parameter(s), {} x {} ({:.2f} MiB), parameters {} .. {}", b, pb.params.size(),
                   dtype_name(pb.dtype), pb.count, pb.bytes() / 1048576.0, first, last);
     }
+  }
+
+  // Puts parameter p's gradient `src` into its slot, except the part the group
+  // will read in place (Bucket::direct_first..direct_end), which it records.
+  void copy_to_slot(size_t p, const void* src, void* dst) {
+    Bucket& bucket = buckets[bucket_of[p]];
+    const size_t es = dtype_size(params[p].dtype), a = offset_of[p], e = a + params[p].count;
+    const size_t lo = std::max(a, bucket.direct_first), hi = std::min(e, bucket.direct_end);
+    if (lo >= hi) {
+      std::memcpy(dst, src, param_bytes(p));
+      return;
+    }
+    auto* d = static_cast<std::byte*>(dst);
+    auto* from = static_cast<const std::byte*>(src);
+    std::memcpy(d, from, (lo - a) * es);
+    std::memcpy(d + (hi - a) * es, from + (hi - a) * es, (e - hi) * es);
+    bucket.pieces.push_back({lo, hi - lo, from + (lo - a) * es});
   }
 
   void* slot(size_t p) {
@@ -180,6 +208,7 @@ struct Reducer::Impl {
     for (size_t b = 0; b < buckets.size(); ++b) {
       buckets[b].pending = plan[b].params.size();
       buckets[b].future = {};
+      buckets[b].pieces.clear();
     }
     reset_stats();
     stats.started = std::chrono::steady_clock::now();
@@ -215,10 +244,13 @@ struct Reducer::Impl {
       return;
     }
     Bucket& bucket = buckets[b];
+    std::sort(bucket.pieces.begin(), bucket.pieces.end(),
+              [](const InputPiece& x, const InputPiece& y) { return x.offset < y.offset; });
     GradBucket gb(b, buckets.size(), Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
-                  plan[b].params, bucket.scratch);
+                  plan[b].params, bucket.scratch, &bucket.pieces);
     try {
       bucket.future = hook(gb);
+      (void)gb.buffer();  // a hook that used neither buffer() nor allreduce() still gets every gradient in place
     } catch (const std::exception& e) {
       // The hook may have issued some collectives: the ranks no longer agree.
       failed = fmt::format("rank {}: this reducer can no longer be used: its comm hook failed on bucket {} of "
@@ -254,7 +286,7 @@ struct Reducer::Impl {
       throw InvalidArgument(fmt::format("rank {}: mark_ready({}): no gradient given for parameter {} and none is "
                                         "registered; pass its gradient's data pointer, or register it with set_grad()",
                                         group.rank(), p, msg::param_list(params, {p})));
-    if (src != dst && param_bytes(p) > 0) std::memcpy(dst, src, param_bytes(p));
+    if (src != dst && param_bytes(p) > 0) copy_to_slot(p, src, dst);
     if (stats.marks++ == 0) stats.first_mark = std::chrono::steady_clock::now();
     set_ready(p);
     launch_ready_buckets(false);

@@ -174,6 +174,24 @@ std::shared_ptr<ProcessGroup> NativeGroup::new_group(const std::vector<int>& ran
 WorkPtr NativeGroup::allreduce(Buffer send, Buffer recv, AllreduceOptions o) {
   return submit(OpDesc{collectives::Coll::Allreduce, send, recv, o.op, 0, -1, 0, o.timeout});
 }
+WorkPtr NativeGroup::allreduce_gathered(Buffer buf, std::vector<InputPiece> pieces, AllreduceOptions o) {
+  OpDesc d{collectives::Coll::Allreduce, buf, buf, o.op, 0, -1, 0, o.timeout};
+  d.pieces = std::move(pieces);
+  return submit(std::move(d));
+}
+std::pair<size_t, size_t> NativeGroup::allreduce_direct_block(size_t count, DType dtype) const {
+  // Single copy reads the pieces of this rank's block in place; every other algorithm copies them in first.
+  namespace c = collectives;
+  const int n = setup_.size;
+  if (n == 1 || !single_copy_ || !dtype_is_valid(dtype)) return {0, 0};
+  const std::optional<c::Algo> forced = c::forced_algo(c::Coll::Allreduce);
+  const c::Algo a = forced ? *forced
+                           : c::choose(c::TunerInput{c::Coll::Allreduce, count * dtype_size(dtype), n, all_shm_,
+                                                     single_copy_},
+                                       thresholds_);
+  if (a != c::Algo::SingleCopy) return {0, 0};
+  return {c::chunk_off(count, n, setup_.rank), c::chunk_len(count, n, setup_.rank)};
+}
 WorkPtr NativeGroup::broadcast(Buffer buf, BroadcastOptions o) {
   return submit(OpDesc{collectives::Coll::Broadcast, buf, buf, ReduceOp::Sum, o.root, -1, 0, o.timeout});
 }

@@ -200,10 +200,13 @@ void NativeGroup::run_algorithm(OpDesc& d) {
 
   switch (d.coll) {
     case Coll::Allreduce:
+      // allreduce_gathered: single copy places the pieces itself (reading its own block's in place)
+      if (a != Algo::SingleCopy) copy_pieces(d.recv, d.pieces);
       if (a == Algo::Ring) {
         c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
       } else if (a == Algo::SingleCopy) {
-        if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only)) {
+        if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only,
+                                      d.pieces)) {
           d.algo = c::algo_name(Algo::Ring);
           COHORT_TRACE(kColl, "{}: not every rank's buffers are shared: ring", d.describe());
           c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);

@@ -53,6 +53,8 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   const std::vector<int>& world_ranks() const override { return setup_.world_ranks; }
 
   WorkPtr allreduce(Buffer send, Buffer recv, AllreduceOptions opts) override;
+  WorkPtr allreduce_gathered(Buffer buf, std::vector<InputPiece> pieces, AllreduceOptions opts) override;
+  std::pair<size_t, size_t> allreduce_direct_block(size_t count, DType dtype) const override;
   WorkPtr broadcast(Buffer buf, BroadcastOptions opts) override;
   WorkPtr reduce(Buffer send, Buffer recv, ReduceOptions opts) override;
   WorkPtr allgather(Buffer send, Buffer recv, AllgatherOptions opts) override;

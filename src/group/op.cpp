@@ -1,5 +1,7 @@
 #include "group/op.hpp"
 
+#include <cstring>
+
 #include <fmt/format.h>
 
 namespace cohort::group {
@@ -94,6 +96,31 @@ bool overlaps(const Buffer& a, const Buffer& b) {
 
 }  // namespace
 
+void check_pieces(Buffer buf, std::span<const InputPiece> pieces) {
+  size_t end = 0;  // where the previous piece ended
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const InputPiece& p = pieces[i];
+    if (p.offset > buf.count || p.count > buf.count - p.offset)
+      throw InvalidArgument(fmt::format("allreduce_gathered: piece {} ({} element(s) at offset {}) does not fit the "
+                                        "buffer of {} element(s)", i, p.count, p.offset, buf.count));
+    if (p.count > 0 && p.data == nullptr)
+      throw InvalidArgument(fmt::format("allreduce_gathered: piece {} ({} element(s) at offset {}) has no data", i,
+                                        p.count, p.offset));
+    if (p.offset < end)
+      throw InvalidArgument(fmt::format("allreduce_gathered: piece {} starts at element {}, inside the previous piece "
+                                        "(which ends at {}); pass the pieces sorted by offset, without overlap", i,
+                                        p.offset, end));
+    end = p.offset + p.count;
+  }
+}
+
+void copy_pieces(Buffer buf, std::span<const InputPiece> pieces) {
+  const size_t es = dtype_size(buf.dtype);
+  for (const InputPiece& p : pieces)
+    if (p.count > 0 && p.data != static_cast<std::byte*>(buf.data) + p.offset * es)
+      std::memcpy(static_cast<std::byte*>(buf.data) + p.offset * es, p.data, p.count * es);
+}
+
 void validate(const OpDesc& d, int rank, int size) {
   using C = Coll;
   if (!reduce_op_is_valid(d.op))
@@ -117,6 +144,7 @@ void validate(const OpDesc& d, int rank, int size) {
                            d.send.count, d.recv.count));
       if (d.send.data != d.recv.data && overlaps(d.send, d.recv))
         bad(d, "send and recv overlap without being the same buffer; pass one buffer for in-place");
+      check_pieces(d.recv, d.pieces);
       break;
     case C::Broadcast: check_root(d, size); break;
     case C::Reduce:

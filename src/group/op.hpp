@@ -3,6 +3,7 @@
 // thread, so that bad arguments throw at the call, not later in wait()).
 #pragma once
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,11 @@
 #include "collectives/tuner.hpp"
 
 namespace cohort::group {
+
+// allreduce_gathered's pieces: check_pieces throws InvalidArgument unless they
+// lie inside buf, sorted by offset, without overlap; copy_pieces copies them in.
+void check_pieces(Buffer buf, std::span<const InputPiece> pieces);
+void copy_pieces(Buffer buf, std::span<const InputPiece> pieces);
 
 struct OpDesc {
   collectives::Coll coll;
@@ -24,6 +30,7 @@ struct OpDesc {
   std::vector<P2POp> batch;  // P2PBatch only
   int64_t queued_ns = 0;     // timeline: when it entered the queue (0: ran inline or timeline off)
   const char* algo = nullptr;  // timeline: the algorithm that ran it (set by the group)
+  std::vector<InputPiece> pieces;  // allreduce_gathered: input elements still outside the buffer
 
   // Bytes this rank moves, for the inline-path threshold and messages.
   size_t bytes() const;

@@ -3,6 +3,7 @@
 #include <new>
 
 #include "cohort/process_group.hpp"
+#include "group/op.hpp"
 
 namespace cohort {
 
@@ -12,5 +13,13 @@ std::shared_ptr<std::byte[]> ProcessGroup::allocate_buffer(size_t bytes) {
   std::memset(p, 0, bytes);
   return std::shared_ptr<std::byte[]>(p, [](std::byte* q) { ::operator delete(q, kAlign); });
 }
+
+WorkPtr ProcessGroup::allreduce_gathered(Buffer buf, std::vector<InputPiece> pieces, AllreduceOptions opts) {
+  group::check_pieces(buf, pieces);
+  group::copy_pieces(buf, pieces);
+  return allreduce(buf, buf, opts);
+}
+
+std::pair<size_t, size_t> ProcessGroup::allreduce_direct_block(size_t, DType) const { return {0, 0}; }
 
 }  // namespace cohort

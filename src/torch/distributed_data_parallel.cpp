@@ -3,8 +3,10 @@
 //
 // Where the hooks sit: a post hook on each parameter's gradient accumulator
 // (the node that adds a fresh gradient into .grad). When it runs, .grad holds
-// this backward's accumulated gradient, so the reducer can take it as is
-// (copy into the bucket, or nothing at all with gradient_as_bucket_view).
+// this backward's accumulated gradient, so the reducer can take it as is:
+// it copies it into the bucket (except, on one host, the block this rank
+// reduces itself, which the allreduce reads from .grad), or nothing at all
+// when .grad already is the bucket's view.
 // The first hook of a backward queues an engine callback that runs when
 // backward completes and calls Reducer::finalize(): waits for every bucket's
 // allreduce and writes the averages into .grad. So loss.backward() returns
@@ -67,6 +69,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   ro.first_bucket_mb = opts_.first_bucket_mb;
   ro.find_unused_parameters = opts_.find_unused_parameters;
   ro.gradient_as_bucket_view = opts_.gradient_as_bucket_view;
+  // .grad keeps autograd's gradient until finalize(), and lent_ keeps it alive
+  // for as long as a failed allreduce might still read it.
+  ro.grads_valid_until_finalize = true;
+  lent_.resize(params_.size());
   ro.comm_hook = opts_.comm_hook;
   reducer_ = std::make_unique<ddp::Reducer>(*group_, std::move(specs), std::move(ro));
 
@@ -114,6 +120,7 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   if (!g.is_contiguous() || g.scalar_type() != params_[i].scalar_type())
     throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is not a contiguous {} tensor",
                                       names_[i], c10::toString(params_[i].scalar_type())));
+  lent_[i] = g;
   reducer_->mark_ready(i, g.data_ptr());  // finalize() registers .grad itself
 }
 
@@ -129,7 +136,18 @@ void DistributedDataParallel::finalize() {
   // Under no_sync nothing was reduced: .grad keeps what autograd accumulated
   // (a fresh tensor after set to none), to be copied into the bucket by the
   // next synced backward.
-  if (!reducer_->finalize()) return;
+  bool reduced = false;
+  try {
+    reduced = reducer_->finalize();
+  } catch (...) {
+    // A bucket's allreduce may still be running and reading these gradients
+    // (the reducer leaks its buckets for the same reason): never free them.
+    (void)new std::vector<::torch::Tensor>(std::move(lent_));
+    lent_.assign(params_.size(), {});
+    throw;
+  }
+  for (auto& t : lent_) t.reset();
+  if (!reduced) return;
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     void* slot = reducer_->bucket_slot(i);
