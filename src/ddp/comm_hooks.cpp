@@ -90,8 +90,10 @@ CommHook compress_hook(DType half, const char* hook_name) {
 Buffer GradBucket::buffer() const {
   if (pieces_ != nullptr && !pieces_->empty()) {
     const size_t es = dtype_size(buffer_.dtype);
-    for (const InputPiece& p : *pieces_)
-      std::memcpy(static_cast<std::byte*>(buffer_.data) + p.offset * es, p.data, p.count * es);
+    for (const InputPiece& p : *pieces_) {
+      std::byte* at = static_cast<std::byte*>(buffer_.data) + p.offset * es;
+      if (p.data != at) std::memcpy(at, p.data, p.count * es);
+    }
     pieces_->clear();
   }
   return buffer_;
