@@ -251,6 +251,52 @@ TEST_P(Ddp, UnusedAfterGradientsSetToNoneGetsZeros) {
   }
 }
 
+// With single copy for every size (COHORT_SINGLE_COPY_BYTES=1, as for DDP's
+// large buckets on one host), each rank reduces its block of a bucket straight
+// from autograd's fresh gradients (gradients set to none) and copies only the
+// rest into the bucket. Two steps; with and without gradient_as_bucket_view;
+// also under no_sync then sync, where the synced pass lends the accumulated
+// gradient.
+TEST_P(Ddp, OwnBlockReadFromAutogradsGradients) {
+  torch::set_num_threads(1);
+  auto [transport, n] = GetParam();
+  const int64_t global = kLocal * n;
+  setenv("COHORT_SINGLE_COPY_BYTES", "1", 1);
+  for (bool bucket_view : {false, true}) {
+    run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      Net net;
+      cohort::torch::DistributedDataParallelOptions o;
+      o.gradient_as_bucket_view = bucket_view;
+      o.bucket_cap_mb = 0.0005;
+      o.first_bucket_mb = 0.0002;
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));
+      for (int step = 0; step < 2; ++step) {
+        cohort::torch::zero_grad(opt);
+        ddp.pre_forward();
+        const int64_t from = step * global + pg.rank() * kLocal;
+        torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+        expect_close(grads_of(*net), grads_on(step * global, global), 1e-5, pg.rank());
+      }
+      cohort::torch::zero_grad(opt);
+      for (int m = 0; m < 2; ++m) {
+        const int64_t from = m * global + pg.rank() * kLocal;
+        ddp.pre_forward();
+        auto loss = torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal));
+        if (m == 0) {
+          auto guard = ddp.no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+      }
+      expect_close(grads_of(*net), reference_grads(global, 2), 1e-5, pg.rank());
+    });
+  }
+  unsetenv("COHORT_SINGLE_COPY_BYTES");
+}
+
 TEST_P(Ddp, CompressionHooksAreClose) {
   torch::set_num_threads(1);
   auto [transport, n] = GetParam();
