@@ -45,12 +45,13 @@
 // (send == recv), block q of rank r's buffer is read by q before q writes
 // it, and r does not touch block q. A buffer stays untouched by peers once
 // its owner has the final words.
+#include "collectives/algorithms.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
 
-#include "collectives/algorithms.hpp"
 #include "core/check.hpp"
 #include "core/log.hpp"
 #include "core/reduce.hpp"

@@ -14,6 +14,7 @@
 
 #include "cohort/ddp.hpp"
 #include "core/reduce.hpp"
+#include "group/op.hpp"
 
 namespace cohort::ddp {
 namespace {
@@ -89,11 +90,7 @@ CommHook compress_hook(DType half, const char* hook_name) {
 
 Buffer GradBucket::buffer() const {
   if (pieces_ != nullptr && !pieces_->empty()) {
-    const size_t es = dtype_size(buffer_.dtype);
-    for (const InputPiece& p : *pieces_) {
-      std::byte* at = static_cast<std::byte*>(buffer_.data) + p.offset * es;
-      if (p.data != at) std::memcpy(at, p.data, p.count * es);
-    }
+    group::copy_pieces(buffer_, *pieces_);
     pieces_->clear();
   }
   return buffer_;

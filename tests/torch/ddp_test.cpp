@@ -78,6 +78,23 @@ void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch
   }
 }
 
+// The group as DDP takes it (a shared_ptr), without owning it: run_ranks does.
+std::shared_ptr<cohort::ProcessGroup> borrowed(cohort::ProcessGroup& pg) {
+  return std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+}
+
+// Options with or without gradient_as_bucket_view; several_buckets: caps so
+// small that even this model's few parameters fill several buckets.
+cohort::torch::DistributedDataParallelOptions ddp_options(bool bucket_view, bool several_buckets = false) {
+  cohort::torch::DistributedDataParallelOptions o;
+  o.gradient_as_bucket_view = bucket_view;
+  if (several_buckets) {
+    o.bucket_cap_mb = 0.0005;
+    o.first_bucket_mb = 0.0002;
+  }
+  return o;
+}
+
 struct Case {
   std::string transport;
   int world;
@@ -93,12 +110,9 @@ TEST_P(Ddp, GradientsEqualOneProcessOnTheGlobalBatch) {
   auto want = reference_grads(kLocal * n, 1);
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      auto pgp = borrowed(pg);
       Net net;
-      cohort::torch::DistributedDataParallelOptions o;
-      o.gradient_as_bucket_view = bucket_view;
-      o.bucket_cap_mb = 0.0005;  // several buckets even for this small model
-      o.first_bucket_mb = 0.0002;
+      auto o = ddp_options(bucket_view, /*several_buckets=*/true);
       cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
       ddp.pre_forward();
       int64_t from = pg.rank() * kLocal;
@@ -117,7 +131,7 @@ TEST_P(Ddp, NoSyncAccumulatesThenSyncs) {
   auto [transport, n] = GetParam();
   auto want = reference_grads(kLocal * n, 2);
   run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    auto pgp = borrowed(pg);
     Net net;
     cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
     for (int m = 0; m < 2; ++m) {
@@ -148,12 +162,9 @@ TEST_P(Ddp, GradientsSetToNoneBetweenSteps) {
   auto want = grads_on(global, global);  // step 2 alone: the second global batch
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      auto pgp = borrowed(pg);
       Net net;
-      cohort::torch::DistributedDataParallelOptions o;
-      o.gradient_as_bucket_view = bucket_view;
-      o.bucket_cap_mb = 0.0005;
-      o.first_bucket_mb = 0.0002;
+      auto o = ddp_options(bucket_view, /*several_buckets=*/true);
       cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
       torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));  // lr 0: weights stay put
       std::vector<void*> storage;
@@ -187,10 +198,9 @@ TEST_P(Ddp, NoSyncAfterGradientsSetToNone) {
   auto want = reference_grads(kLocal * n, 2);
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      auto pgp = borrowed(pg);
       Net net;
-      cohort::torch::DistributedDataParallelOptions o;
-      o.gradient_as_bucket_view = bucket_view;
+      auto o = ddp_options(bucket_view);
       cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
       torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));
       auto pass = [&](int64_t m) {
@@ -224,11 +234,10 @@ TEST_P(Ddp, UnusedAfterGradientsSetToNoneGetsZeros) {
   auto want = grads_on(global, global);
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      auto pgp = borrowed(pg);
       Net net(/*with_unused=*/true);
-      cohort::torch::DistributedDataParallelOptions o;
+      auto o = ddp_options(bucket_view);
       o.find_unused_parameters = true;
-      o.gradient_as_bucket_view = bucket_view;
       cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
       torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));
       for (int step = 0; step < 2; ++step) {
@@ -264,12 +273,9 @@ TEST_P(Ddp, OwnBlockReadFromAutogradsGradients) {
   setenv("COHORT_SINGLE_COPY_BYTES", "1", 1);
   for (bool bucket_view : {false, true}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      auto pgp = borrowed(pg);
       Net net;
-      cohort::torch::DistributedDataParallelOptions o;
-      o.gradient_as_bucket_view = bucket_view;
-      o.bucket_cap_mb = 0.0005;
-      o.first_bucket_mb = 0.0002;
+      auto o = ddp_options(bucket_view, /*several_buckets=*/true);
       cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
       torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.0));
       for (int step = 0; step < 2; ++step) {
@@ -303,7 +309,7 @@ TEST_P(Ddp, CompressionHooksAreClose) {
   auto want = reference_grads(kLocal * n, 1);
   for (auto hook : {cohort::ddp::fp16_compress_hook(), cohort::ddp::bf16_compress_hook()}) {
     run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+      auto pgp = borrowed(pg);
       Net net;
       cohort::torch::DistributedDataParallelOptions o;
       o.comm_hook = hook;
@@ -323,7 +329,7 @@ TEST_P(Ddp, UnusedParametersWithFindUnused) {
   auto [transport, n] = GetParam();
   auto want = reference_grads(kLocal * n, 1);
   run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    auto pgp = borrowed(pg);
     Net net(/*with_unused=*/true);
     cohort::torch::DistributedDataParallelOptions o;
     o.find_unused_parameters = true;
@@ -353,7 +359,7 @@ TEST(DdpErrors, UnusedParameterWithoutFindUnusedIsNamed) {
   torch::set_num_threads(1);
   std::vector<std::string> errs(2);
   run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
-    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    auto pgp = borrowed(pg);
     Net net(true);
     cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
     ddp.pre_forward();
@@ -372,7 +378,7 @@ TEST(DdpErrors, UnusedParameterWithoutFindUnusedIsNamed) {
 TEST(DdpErrors, DifferentModelsAreNamed) {
   std::vector<std::string> errs(2);
   run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
-    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    auto pgp = borrowed(pg);
     Net net(pg.rank() == 1);  // rank 1 has an extra layer
     try {
       cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
@@ -386,7 +392,7 @@ TEST(DdpErrors, DifferentModelsAreNamed) {
 
 TEST(DdpErrors, BroadcastMakesReplicasEqual) {
   run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
-    auto pgp = std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+    auto pgp = borrowed(pg);
     Net net;
     {
       torch::NoGradGuard g;
