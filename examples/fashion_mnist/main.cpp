@@ -36,6 +36,10 @@ int main(int argc, char** argv) {
   app.add_option("--lr", cfg.base_lr, "learning rate for one rank; scaled linearly with the world size");
   app.add_option("--momentum", cfg.momentum, "SGD momentum");
   app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay");
+  app.add_option("--sgd", cfg.sgd,
+                 "the SGD update: fused (cohort::torch::sgd_step, one pass over each parameter) or libtorch "
+                 "(torch::optim::SGD::step(), five tensor operations); the same arithmetic")
+      ->check(CLI::IsMember({"fused", "libtorch"}));
   app.add_option("--warmup-steps", cfg.warmup_steps, "linear learning-rate warmup, then cosine decay");
   app.add_option("--seed", cfg.seed, "model initialisation and data order");
   app.add_option("--augment", cfg.augment, "training-image augmentation: none, flip (random horizontal flips) or flip+shift (and shifts of up to 2 pixels)")

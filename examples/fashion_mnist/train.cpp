@@ -246,7 +246,10 @@ int train(const TrainConfig& cfg) {
       if (cfg.clip_grad_norm > 0) cohort::torch::clip_grad_norm(params, cfg.clip_grad_norm);
       {
         cohort::timeline::Span span("optimizer step");
-        opt.step();
+        if (cfg.sgd == "fused")
+          cohort::torch::sgd_step(opt);
+        else
+          opt.step();
       }
       ++step;
       pos += b;

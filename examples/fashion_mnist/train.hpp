@@ -12,6 +12,7 @@ struct TrainConfig {
   double base_lr = 0.03;
   double momentum = 0.9;
   double weight_decay = 5e-4;
+  std::string sgd = "fused";  // fused: cohort::torch::sgd_step; libtorch: torch::optim::SGD::step()
   int warmup_steps = 200;
   uint64_t seed = 42;
   std::string augment = "flip";  // none, flip, flip+shift

@@ -54,6 +54,16 @@ class GradScaler {
 // into its bucket once; .grad is a view of the bucket again after backward.
 void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none = true);
 
+// optimizer.step() for torch::optim::SGD, in one pass over each parameter:
+// the same update (momentum, dampening, Nesterov, weight decay, every param
+// group's options) and the same state (momentum buffers in optimizer.state(),
+// so optimizer_state() and checkpoints are unchanged), for about 40% less
+// memory traffic than LibTorch's five tensor operations per parameter. Dense
+// contiguous float32 CPU parameters take the fused loop (AVX2 where the CPU
+// has it); others take LibTorch's operations. Results match step() within one
+// rounding per operation. Throws InvalidArgument for a sparse gradient.
+void sgd_step(::torch::optim::SGD& optimizer);
+
 // Clips the gradients of `params` to a global L2 norm of max_norm; returns the
 // norm before clipping. (After DDP's finalize every rank holds the same
 // averaged gradients, so the norm is already global across ranks.)

@@ -1,12 +1,12 @@
 // Modules and optimizers <-> named tensors for checkpoints (safetensors).
 #include <cstring>
 #include <map>
-#include <sstream>
 
 #include <fmt/format.h>
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "state_key.hpp"
 
 namespace cohort::torch {
 namespace {
@@ -23,13 +23,6 @@ namespace {
     case DType::I64: return ::torch::kLong;
   }
   throw InvalidArgument("unknown dtype in a checkpoint tensor");
-}
-
-// The key LibTorch's optimizers use for a parameter's state.
-std::string state_key(const ::torch::Tensor& p) {
-  std::ostringstream s;
-  s << p.unsafeGetTensorImpl();
-  return s.str();
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {

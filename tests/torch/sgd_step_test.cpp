@@ -1,0 +1,147 @@
+// cohort::torch::sgd_step against torch::optim::SGD::step(): two copies of the
+// same parameters get the same gradients for several steps, one stepped by
+// LibTorch and one by sgd_step; parameters and momentum buffers must agree.
+#include <gtest/gtest.h>
+
+#include "cohort/error.hpp"
+#include "cohort/torch_train.hpp"
+
+namespace {
+
+namespace ct = cohort::torch;
+
+// Sizes that leave vector remainders (7, 13, 1001) and one that does not (64).
+std::vector<torch::Tensor> make_params(torch::Dtype dtype = torch::kFloat) {
+  torch::manual_seed(7);
+  std::vector<torch::Tensor> ps;
+  for (auto shape : std::vector<std::vector<int64_t>>{{7}, {13, 1}, {64}, {1001}})
+    ps.push_back(torch::randn(shape, torch::dtype(dtype)).requires_grad_(true));
+  return ps;
+}
+
+std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+void set_grads(std::vector<torch::Tensor>& ps, int step, bool skip_one) {
+  torch::manual_seed(100 + step);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (skip_one && i == 1 && step % 2 == 1) {
+      ps[i].mutable_grad() = torch::Tensor();  // no gradient this step: the parameter must not move
+      continue;
+    }
+    ps[i].mutable_grad() = torch::randn_like(ps[i]);
+  }
+}
+
+torch::Tensor momentum_of(torch::optim::SGD& opt, const torch::Tensor& p) {
+  for (auto& [key, st] : opt.state())
+    if (key == c10::guts::to_string(p.unsafeGetTensorImpl()))
+      return static_cast<torch::optim::SGDParamState&>(*st).momentum_buffer();
+  return {};
+}
+
+void expect_same_run(const torch::optim::SGDOptions& o, bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
+  auto a = make_params(dtype);
+  auto b = clones(a);
+  torch::optim::SGD ref(a, o), fused(b, o);
+  for (int step = 0; step < 6; ++step) {
+    set_grads(a, step, skip_one);
+    set_grads(b, step, skip_one);
+    ref.step();
+    ct::sgd_step(fused);
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE("parameter " + std::to_string(i));
+    // One rounding per operation apart at most (usually bit-identical).
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-6)) << (a[i] - b[i]).abs().max().item<double>();
+    auto ma = momentum_of(ref, a[i]), mb = momentum_of(fused, b[i]);
+    ASSERT_EQ(ma.defined(), mb.defined());
+    if (ma.defined()) {
+      EXPECT_TRUE(torch::allclose(ma, mb, 1e-6, 1e-6));
+    }
+  }
+}
+
+TEST(SgdStep, PlainSgd) { expect_same_run(torch::optim::SGDOptions(0.1)); }
+TEST(SgdStep, Momentum) { expect_same_run(torch::optim::SGDOptions(0.05).momentum(0.9)); }
+TEST(SgdStep, MomentumDampeningWeightDecay) {
+  expect_same_run(torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(5e-4));
+}
+TEST(SgdStep, Nesterov) { expect_same_run(torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3)); }
+TEST(SgdStep, ParameterWithoutGradientStaysPut) { expect_same_run(torch::optim::SGDOptions(0.05).momentum(0.9), true); }
+TEST(SgdStep, DoubleParametersTakeLibTorchsOperations) {
+  expect_same_run(torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4), false, torch::kDouble);
+}
+
+TEST(SgdStep, EachGroupUsesItsOwnOptions) {
+  auto a = make_params();
+  auto b = clones(a);
+  auto groups = [](std::vector<torch::Tensor>& ps) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1]}, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1)));
+    g.emplace_back(std::vector<torch::Tensor>{ps[2], ps[3]},
+                   std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.01).momentum(0.5)));
+    return g;
+  };
+  torch::optim::SGD ref(groups(a), torch::optim::SGDOptions(1.0)), fused(groups(b), torch::optim::SGDOptions(1.0));
+  for (int step = 0; step < 4; ++step) {
+    set_grads(a, step, false);
+    set_grads(b, step, false);
+    ref.step();
+    ct::sgd_step(fused);
+  }
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-6)) << "parameter " << i;
+}
+
+TEST(SgdStep, NonContiguousParameterTakesLibTorchsOperations) {
+  auto base_a = torch::randn({8, 6}), base_b = base_a.clone();
+  auto a = base_a.t().requires_grad_(true), b = base_b.t().requires_grad_(true);  // transposed: not contiguous
+  torch::optim::SGD ref({a}, torch::optim::SGDOptions(0.1).momentum(0.9)), fused({b}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(step);
+    auto g = torch::randn({6, 8});
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.clone();
+    ref.step();
+    ct::sgd_step(fused);
+  }
+  EXPECT_TRUE(torch::allclose(a, b, 1e-6, 1e-6));
+}
+
+// The state is LibTorch's own: after fused steps, SGD::step() and the
+// checkpoint helpers carry on from the same momentum buffers.
+TEST(SgdStep, StateIsTheOptimizersOwn) {
+  auto a = make_params();
+  auto b = clones(a);
+  const auto o = torch::optim::SGDOptions(0.05).momentum(0.9);
+  torch::optim::SGD ref(a, o), mixed(b, o);
+  for (int step = 0; step < 4; ++step) {
+    set_grads(a, step, false);
+    set_grads(b, step, false);
+    ref.step();
+    if (step < 2) ct::sgd_step(mixed);
+    else mixed.step();
+  }
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-6)) << "parameter " << i;
+  auto saved = ct::optimizer_state(mixed);
+  size_t buffers = 0;
+  for (const auto& t : saved) buffers += t.name.find("momentum_buffer") != std::string::npos;
+  EXPECT_EQ(buffers, a.size());
+}
+
+TEST(SgdStep, SparseGradientIsRefused) {
+  auto p = torch::randn({4, 3}).requires_grad_(true);
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  p.mutable_grad() = torch::randn({4, 3}).to_sparse();
+  try {
+    ct::sgd_step(opt);
+    FAIL() << "a sparse gradient was accepted";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("sparse"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
