@@ -87,38 +87,40 @@ void sgd_fused(float* p, const float* g, float* buf, int64_t n, const SgdConsts&
 // What the fused loop handles: dense, contiguous float32 on the CPU, and a
 // momentum buffer (if any) of the same kind. Anything else takes LibTorch's
 // own operations, in SGD::step()'s order.
-bool fusable(const ::torch::Tensor& p, const ::torch::Tensor& g, const ::torch::Tensor* buf) {
+bool fusable(const ::torch::Tensor& p, const ::torch::Tensor& g, const ::torch::Tensor& buf) {
   auto ok = [&](const ::torch::Tensor& t) {
     return t.device().is_cpu() && t.layout() == ::torch::kStrided && t.scalar_type() == ::torch::kFloat &&
            t.is_contiguous() && t.numel() == p.numel();
   };
-  return ok(p) && ok(g) && (buf == nullptr || !buf->defined() || ok(*buf));
+  return ok(p) && ok(g) && (!buf.defined() || ok(buf));
 }
 
-void sgd_unfused(::torch::Tensor& p, const ::torch::Tensor& grad, ::torch::optim::SGDParamState* state,
-                 const ::torch::optim::SGDOptions& o, std::unique_ptr<::torch::optim::SGDParamState>* created) {
+// `buf`: the momentum buffer (undefined before the first step, or without momentum).
+void sgd_unfused(::torch::Tensor& p, const ::torch::Tensor& grad, ::torch::Tensor& buf, const ::torch::optim::SGDOptions& o) {
   auto d_p = grad;
   if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
   if (o.momentum() != 0) {
-    ::torch::Tensor buf;
-    if (state == nullptr) {
+    if (!buf.defined())
       buf = ::torch::clone(d_p).detach();
-      *created = std::make_unique<::torch::optim::SGDParamState>();
-      (*created)->momentum_buffer(buf);
-    } else {
-      buf = state->momentum_buffer();
+    else
       buf.mul_(o.momentum()).add_(d_p, 1 - o.dampening());
-    }
     d_p = o.nesterov() ? d_p.add(buf, o.momentum()) : buf;
   }
   p.add_(d_p, -o.lr());
+}
+
+// The parameter's state in the optimizer, made if it has none (only with
+// momentum: SGD keeps no state otherwise).
+::torch::optim::SGDParamState& momentum_state(::torch::optim::SGD& optimizer, const ::torch::Tensor& p) {
+  auto& slot = optimizer.state()[state_key(p)];
+  if (!slot) slot = std::make_unique<::torch::optim::SGDParamState>();
+  return static_cast<::torch::optim::SGDParamState&>(*slot);
 }
 
 }  // namespace
 
 void sgd_step(::torch::optim::SGD& optimizer) {
   ::torch::NoGradGuard no_grad;
-  auto& states = optimizer.state();
   for (auto& group : optimizer.param_groups()) {
     const auto& o = static_cast<const ::torch::optim::SGDOptions&>(group.options());
     if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
@@ -132,29 +134,17 @@ void sgd_step(::torch::optim::SGD& optimizer) {
       const ::torch::Tensor& g = p.grad();
       if (g.is_sparse())
         throw InvalidArgument("sgd_step: a parameter has a sparse gradient; use the optimizer's own step() for those");
-      const std::string key = state_key(p);
-      auto it = states.find(key);
-      ::torch::optim::SGDParamState* state =
-          it == states.end() ? nullptr : static_cast<::torch::optim::SGDParamState*>(it->second.get());
-      const ::torch::Tensor* buf = state != nullptr ? &state->momentum_buffer() : nullptr;
+      ::torch::optim::SGDParamState* state = o.momentum() != 0 ? &momentum_state(optimizer, p) : nullptr;
+      ::torch::Tensor buf = state != nullptr ? state->momentum_buffer() : ::torch::Tensor();
+      const bool first = state != nullptr && !buf.defined();
       if (!fusable(p, g, buf)) {
-        std::unique_ptr<::torch::optim::SGDParamState> created;
-        sgd_unfused(p, g, state, o, &created);
-        if (created) states[key] = std::move(created);
-        continue;
+        sgd_unfused(p, g, buf, o);
+      } else {
+        if (first) buf = ::torch::empty_like(p, ::torch::MemoryFormat::Contiguous);  // the loop writes d_p into it
+        sgd_fused(p.data_ptr<float>(), g.data_ptr<float>(), buf.defined() ? buf.data_ptr<float>() : nullptr, p.numel(), c,
+                  first);
       }
-      bool first = false;
-      if (o.momentum() != 0 && (state == nullptr || !state->momentum_buffer().defined())) {
-        if (state == nullptr) {
-          auto fresh = std::make_unique<::torch::optim::SGDParamState>();
-          state = fresh.get();
-          states[key] = std::move(fresh);
-        }
-        state->momentum_buffer(::torch::empty_like(p, ::torch::MemoryFormat::Contiguous));  // = d_p, below
-        first = true;
-      }
-      float* bp = o.momentum() != 0 ? state->momentum_buffer().data_ptr<float>() : nullptr;
-      sgd_fused(p.data_ptr<float>(), g.data_ptr<float>(), bp, p.numel(), c, first);
+      if (first) state->momentum_buffer(buf);
     }
   }
 }

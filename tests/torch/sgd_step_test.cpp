@@ -37,10 +37,8 @@ void set_grads(std::vector<torch::Tensor>& ps, int step, bool skip_one) {
 }
 
 torch::Tensor momentum_of(torch::optim::SGD& opt, const torch::Tensor& p) {
-  for (auto& [key, st] : opt.state())
-    if (key == c10::guts::to_string(p.unsafeGetTensorImpl()))
-      return static_cast<torch::optim::SGDParamState&>(*st).momentum_buffer();
-  return {};
+  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  return it == opt.state().end() ? torch::Tensor() : static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
 }
 
 void expect_same_run(const torch::optim::SGDOptions& o, bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
