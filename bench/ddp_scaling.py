@@ -1,9 +1,18 @@
 #!/usr/bin/env python3
 """DDP throughput: cohort's Fashion-MNIST example against PyTorch DDP (gloo) on
-the same models, world sizes 1 and 2, with and without gradient
-synchronisation, interleaved REPS times (median). One intra-op thread per rank
-(OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1) on both sides. Invoked by
-bench/ddp_scaling.sh; results go to docs/performance.md.
+the same models, world sizes 1 and 2, interleaved REPS times (median). One
+intra-op thread per rank (OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1) on both sides.
+Invoked by bench/ddp_scaling.sh; results go to docs/performance.md.
+
+World 2 runs in three modes:
+  sync      DDP as users run it (gradients averaged every step);
+  lockstep  no gradient traffic, but a barrier after every backward: the ranks
+            still wait for each other once per step (--no-allreduce --lockstep);
+  no sync   no gradient traffic and no waiting (--no-allreduce): the ceiling
+            that compute alone allows.
+ceiling -> lockstep is what any synchronous step costs (each step runs at the
+pace of the slower rank); lockstep -> sync is what gradient communication
+costs on top of that.
 """
 import argparse
 import os
@@ -32,19 +41,22 @@ def run(cmd):
     return v
 
 
-def ours(model, world, steps, sync):
+MODES = {"sync": [], "lockstep": ["--no-allreduce", "--lockstep"], "nosync": ["--no-allreduce"]}
+
+
+def ours(model, world, steps, mode):
     cmd = [f"{ROOT}/build/cohort", "run", "--nproc-per-node", str(world), f"{ROOT}/build/fashion_mnist", "--model", model,
            "--max-steps", str(steps), "--augment", "none", "--epochs", "1",
            # The peer's optimizer: SGD(lr 0.01 x world, momentum 0.9), no weight decay, no schedule. Weight decay
            # alone costs our MLP ~8% (one more pass over 40 MB of parameters per step), so it must match.
            "--lr", "0.01", "--weight-decay", "0", "--warmup-steps", "0"]
-    return run(cmd + ([] if sync else ["--no-allreduce"]))
+    return run(cmd + MODES[mode])
 
 
-def peer(model, world, steps, sync):
+def peer(model, world, steps, mode):
     cmd = ["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee", "9:0", "--standalone",
            "--nproc_per_node", str(world), f"{HERE}/peers/torch_ddp_fmnist.py", "--model", model, "--max-steps", str(steps)]
-    return run(cmd + ([] if sync else ["--no-allreduce"]))
+    return run(cmd + MODES[mode])
 
 
 def ensure_peer():
@@ -63,43 +75,48 @@ def main():
     args = ap.parse_args()
     ensure_peer()
     steps = {"cnn": 300, "mlp": 120}
-    configs = [(w, s) for w, s in [(1, True), (2, True), (2, False)]]
+    configs = [(1, "sync"), (2, "sync"), (2, "lockstep"), (2, "nosync")]
     res = {}
     for rep in range(args.reps):
         for model in args.models.split(","):
-            for w, s in configs:
+            for w, mode in configs:
                 for who, fn in (("cohort", ours), ("pytorch", peer)):
-                    v = fn(model, w, steps[model], s)
-                    print(f"# rep {rep + 1}/{args.reps} {who} {model} world {w} sync {s}: {v} img/s", file=sys.stderr,
+                    v = fn(model, w, steps[model], mode)
+                    print(f"# rep {rep + 1}/{args.reps} {who} {model} world {w} {mode}: {v} img/s", file=sys.stderr,
                           flush=True)
-                    res.setdefault((who, model, w, s), []).append(v)
+                    res.setdefault((who, model, w, mode), []).append(v)
 
     print("## every run, images/s (the spread between runs is part of the result)\n")
-    for (who, model, w, s), vals in sorted(res.items()):
+    for (who, model, w, mode), vals in sorted(res.items()):
         shown = ", ".join("-" if v is None else f"{v:.0f}" for v in vals)
-        print(f"- {model} {who} world {w}{'' if s else ' no sync'}: {shown}")
+        print(f"- {model} {who} world {w} {mode}: {shown}")
     print()
 
     def med(k):
         v = [x for x in res.get(k, []) if x is not None]
         return statistics.median(v) if v else None
 
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+
     print(f"## DDP throughput, images/s (median of {args.reps} interleaved runs, 1 thread per rank)\n")
-    print("| model | who | world 1 | world 2 | world 2, no sync | efficiency w2/(2 w1) | w2 / own no-sync ceiling |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | who | world 1 | world 2 | w2 lockstep | w2 no sync | efficiency w2/(2 w1) | w2 / own no-sync ceiling "
+          "| lockstep / ceiling | w2 / lockstep |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         for who in ("cohort", "pytorch"):
-            w1, w2, ns = med((who, model, 1, True)), med((who, model, 2, True)), med((who, model, 2, False))
-            eff = f"{w2 / (2 * w1):.2f}" if w1 and w2 else "-"
-            ceil = f"{w2 / ns:.2f}" if w2 and ns else "-"
+            w1, w2 = med((who, model, 1, "sync")), med((who, model, 2, "sync"))
+            ls, ns = med((who, model, 2, "lockstep")), med((who, model, 2, "nosync"))
             f = lambda v: f"{v:.0f}" if v else "-"
-            print(f"| {model} | {who} | {f(w1)} | {f(w2)} | {f(ns)} | {eff} | {ceil} |")
+            eff = ratio(w2, 2 * w1) if w1 else "-"
+            print(f"| {model} | {who} | {f(w1)} | {f(w2)} | {f(ls)} | {f(ns)} | {eff} | {ratio(w2, ns)} | {ratio(ls, ns)} "
+                  f"| {ratio(w2, ls)} |")
     print()
     for model in args.models.split(","):
-        a, b = med(("cohort", model, 2, True)), med(("pytorch", model, 2, True))
-        c, d = med(("cohort", model, 1, True)), med(("pytorch", model, 1, True))
-        if a and b:
-            print(f"- {model}: cohort / PyTorch DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x" if c and d else "")
+        a, b = med(("cohort", model, 2, "sync")), med(("pytorch", model, 2, "sync"))
+        c, d = med(("cohort", model, 1, "sync")), med(("pytorch", model, 1, "sync"))
+        if a and b and c and d:
+            print(f"- {model}: cohort / PyTorch DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x")
 
 
 if __name__ == "__main__":

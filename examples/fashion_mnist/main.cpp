@@ -64,7 +64,12 @@ int main(int argc, char** argv) {
                "gradients live in the DDP buckets (gradient_as_bucket_view): no copy out after the allreduce");
   app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");
   app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)");
-  app.add_flag("--no-allreduce", cfg.no_allreduce, "every step inside no_sync(): no gradient communication (throughput ceiling)");
+  auto* no_allreduce =
+      app.add_flag("--no-allreduce", cfg.no_allreduce, "every step inside no_sync(): no gradient communication (throughput ceiling)");
+  app.add_flag("--lockstep", cfg.lockstep,
+               "with --no-allreduce: the ranks still wait for each other once per step (a barrier after backward, no "
+               "gradient traffic), so the throughput of ranks that move in lockstep, what any synchronous step costs")
+      ->needs(no_allreduce);
   app.add_option("--warmup-timing-steps", cfg.timing_skip, "steps excluded from the throughput figure");
   app.add_flag("--log-losses", cfg.log_losses, "print every step's loss on rank 0 (LOSS step=N value=X)");
   app.add_option("--fault-kill-rank", cfg.fault_rank, "fault injection: this rank kills itself (SIGKILL) ...");

@@ -239,6 +239,10 @@ int train(const TrainConfig& cfg) {
       if (cfg.no_allreduce) {
         auto guard = ddp.no_sync();
         loss.backward();
+        if (cfg.lockstep) {
+          cohort::timeline::Span span("lockstep barrier");
+          pg->barrier()->wait();
+        }
       } else {
         loss.backward();
       }
@@ -312,7 +316,7 @@ int train(const TrainConfig& cfg) {
     std::printf("RESULT ddp_summary model=%s world=%d params=%lld steps=%lld timed_steps=%lld imgs_per_s=%.1f ms_per_step=%.2f allreduce=%s\n",
                 cfg.model.c_str(), world, static_cast<long long>(nparams), static_cast<long long>(step),
                 static_cast<long long>(timed_steps), ips, timed_steps ? slowest / timed_steps * 1000 : 0.0,
-                cfg.no_allreduce ? "off" : "on");
+                cfg.no_allreduce ? (cfg.lockstep ? "off+barrier" : "off") : "on");
   }
   metrics.finish();
   if (lead) std::fputs(metrics.report().c_str(), stdout);

@@ -32,6 +32,7 @@ struct TrainConfig {
   bool bf16_autocast = false;
   double clip_grad_norm = 0.0;
   bool no_allreduce = false;
+  bool lockstep = false;  // with no_allreduce: a barrier per step (ranks in lockstep, no gradient traffic)
   int timing_skip = 20;
   bool log_losses = false;     // print every step's loss (tests compare resumed runs with this)
   int fault_rank = -1;         // fault injection for tests: this rank SIGKILLs itself ...
