@@ -33,12 +33,17 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", cfg.epochs, "epochs to train");
   app.add_option("--train-limit", cfg.train_limit, "train on the first N images only (0: all; short runs in tests)");
   app.add_option("--batch-size", cfg.batch_size, "per-rank batch size");
-  app.add_option("--lr", cfg.base_lr, "learning rate for one rank; scaled linearly with the world size");
+  app.add_option("--optimizer", cfg.optimizer, "sgd (with --momentum) or adamw (betas 0.9, 0.999, eps 1e-8)")
+      ->check(CLI::IsMember({"sgd", "adamw"}));
+  auto* lr = app.add_option("--lr", cfg.base_lr,
+                            "learning rate for one rank; scaled linearly with the world size (default 0.03 for sgd, "
+                            "0.001 for adamw)");
   app.add_option("--momentum", cfg.momentum, "SGD momentum");
-  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay");
-  app.add_option("--sgd", cfg.sgd,
-                 "the SGD update: fused (cohort::torch::sgd_step, one pass over each parameter) or libtorch "
-                 "(torch::optim::SGD::step(), five tensor operations); the same arithmetic")
+  auto* wd = app.add_option("--weight-decay", cfg.weight_decay,
+                            "weight decay: L2 for sgd (default 5e-4), decoupled for adamw (default 0.01)");
+  app.add_option("--optimizer-step", cfg.optimizer_step,
+                 "how the optimizer steps: fused (cohort::torch::sgd_step / adamw_step, one pass over each parameter) "
+                 "or libtorch (the optimizer's own step(), one tensor operation at a time); the same arithmetic")
       ->check(CLI::IsMember({"fused", "libtorch"}));
   app.add_option("--warmup-steps", cfg.warmup_steps, "linear learning-rate warmup, then cosine decay");
   app.add_option("--seed", cfg.seed, "model initialisation and data order");
@@ -76,6 +81,10 @@ int main(int argc, char** argv) {
   app.add_option("--fault-at-step", cfg.fault_step,
                  "... right after this training step (first attempt only: not after a restart)");
   CLI11_PARSE(app, argc, argv);
+  if (cfg.optimizer == "adamw") {  // AdamW's usual settings unless given
+    if (lr->count() == 0) cfg.base_lr = 1e-3;
+    if (wd->count() == 0) cfg.weight_decay = 1e-2;
+  }
 
   try {
     return train(cfg);

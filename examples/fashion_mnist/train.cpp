@@ -100,8 +100,32 @@ int train(const TrainConfig& cfg) {
 
   Model model = make_model(cfg.model);
   const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
-  torch::optim::SGD opt(model.module->parameters(),
-                        torch::optim::SGDOptions(peak_lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::function<void()> optimizer_step;  // cohort's fused step or the optimizer's own
+  if (cfg.optimizer == "adamw") {
+    auto owned = std::make_unique<torch::optim::AdamW>(model.module->parameters(),
+                                                       torch::optim::AdamWOptions(peak_lr).weight_decay(cfg.weight_decay));
+    auto* adamw = owned.get();
+    optimizer = std::move(owned);
+    optimizer_step = [adamw, fused = cfg.optimizer_step == "fused"] {
+      if (fused)
+        cohort::torch::adamw_step(*adamw);
+      else
+        adamw->step();
+    };
+  } else {
+    auto owned = std::make_unique<torch::optim::SGD>(
+        model.module->parameters(), torch::optim::SGDOptions(peak_lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
+    auto* sgd = owned.get();
+    optimizer = std::move(owned);
+    optimizer_step = [sgd, fused = cfg.optimizer_step == "fused"] {
+      if (fused)
+        cohort::torch::sgd_step(*sgd);
+      else
+        sgd->step();
+    };
+  }
+  torch::optim::Optimizer& opt = *optimizer;
 
   cohort::data::SamplerOptions so;
   so.num_replicas = world;
@@ -175,7 +199,7 @@ int train(const TrainConfig& cfg) {
       m.world_size = world;
       m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
       m.lr_schedule = nlohmann::json{{"step", step}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
-      m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr},
+      m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr}, {"optimizer", cfg.optimizer},
                                 {"seed", cfg.seed}, {"world_size", world}}.dump();
       cohort::save_checkpoint(cfg.ckpt_dir, step,
                               {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
@@ -250,10 +274,7 @@ int train(const TrainConfig& cfg) {
       if (cfg.clip_grad_norm > 0) cohort::torch::clip_grad_norm(params, cfg.clip_grad_norm);
       {
         cohort::timeline::Span span("optimizer step");
-        if (cfg.sgd == "fused")
-          cohort::torch::sgd_step(opt);
-        else
-          opt.step();
+        optimizer_step();
       }
       ++step;
       pos += b;

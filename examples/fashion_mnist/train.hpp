@@ -9,10 +9,11 @@ struct TrainConfig {
   int epochs = 2;
   int64_t train_limit = 0;  // use only the first N training images (0: all 60000)
   int batch_size = 64;
-  double base_lr = 0.03;
-  double momentum = 0.9;
-  double weight_decay = 5e-4;
-  std::string sgd = "fused";  // fused: cohort::torch::sgd_step; libtorch: torch::optim::SGD::step()
+  std::string optimizer = "sgd";  // sgd (momentum) or adamw
+  double base_lr = 0.03;          // main() sets 1e-3 for adamw unless --lr was given
+  double momentum = 0.9;          // sgd only
+  double weight_decay = 5e-4;     // main() sets 1e-2 for adamw unless --weight-decay was given
+  std::string optimizer_step = "fused";  // fused: cohort::torch::sgd_step / adamw_step; libtorch: the optimizer's step()
   int warmup_steps = 200;
   uint64_t seed = 42;
   std::string augment = "flip";  // none, flip, flip+shift

@@ -40,6 +40,45 @@ void copy_into(::torch::Tensor& dst, const NamedTensor& src, const std::string& 
   dst.copy_(t);
 }
 
+
+// Adam's and AdamW's state have the same fields (LibTorch gives them two types).
+template <class State>
+void save_adam_state(const State& s, const std::string& pre, std::vector<NamedTensor>& out) {
+  out.push_back(to_named(pre + "step", ::torch::tensor(s.step(), ::torch::kLong)));
+  out.push_back(to_named(pre + "exp_avg", s.exp_avg()));
+  out.push_back(to_named(pre + "exp_avg_sq", s.exp_avg_sq()));
+  if (s.max_exp_avg_sq().defined()) out.push_back(to_named(pre + "max_exp_avg_sq", s.max_exp_avg_sq()));  // amsgrad
+}
+
+template <class State>
+std::unique_ptr<State> load_adam_state(const std::map<std::string, const NamedTensor*>& by_name, const std::string& pre,
+                                       const NamedTensor& step) {
+  auto need = [&](const char* field) -> const NamedTensor& {
+    auto it = by_name.find(pre + field);
+    if (it == by_name.end())
+      throw InvalidArgument(fmt::format("load_optimizer_state: the checkpoint has {}step but no {}{}: it is not an Adam "
+                                        "state this version wrote, or it is damaged",
+                                        pre, pre, field));
+    return *it->second;
+  };
+  auto s = std::make_unique<State>();
+  s->step(from_named(step).item<int64_t>());
+  s->exp_avg(from_named(need("exp_avg")));
+  s->exp_avg_sq(from_named(need("exp_avg_sq")));
+  if (auto it = by_name.find(pre + "max_exp_avg_sq"); it != by_name.end()) s->max_exp_avg_sq(from_named(*it->second));
+  return s;
+}
+
+// "sgd" or "adam" from the names of a saved state's tensors ("" when it has
+// no per-parameter state: nothing to mismatch).
+std::string saved_kind(const std::vector<NamedTensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.name.ends_with(".momentum_buffer")) return "sgd";
+    if (t.name.ends_with(".exp_avg")) return "adam";
+  }
+  return "";
+}
+
 }  // namespace
 
 NamedTensor to_named(const std::string& name, const ::torch::Tensor& t) {
@@ -101,13 +140,9 @@ std::vector<NamedTensor> optimizer_state(::torch::optim::Optimizer& optimizer) {
       if (auto* s = dynamic_cast<::torch::optim::SGDParamState*>(it->second.get())) {
         if (s->momentum_buffer().defined()) out.push_back(to_named(pre + "momentum_buffer", s->momentum_buffer()));
       } else if (auto* a = dynamic_cast<::torch::optim::AdamParamState*>(it->second.get())) {
-        out.push_back(to_named(pre + "step", ::torch::tensor(a->step(), ::torch::kLong)));
-        out.push_back(to_named(pre + "exp_avg", a->exp_avg()));
-        out.push_back(to_named(pre + "exp_avg_sq", a->exp_avg_sq()));
+        save_adam_state(*a, pre, out);
       } else if (auto* w = dynamic_cast<::torch::optim::AdamWParamState*>(it->second.get())) {
-        out.push_back(to_named(pre + "step", ::torch::tensor(w->step(), ::torch::kLong)));
-        out.push_back(to_named(pre + "exp_avg", w->exp_avg()));
-        out.push_back(to_named(pre + "exp_avg_sq", w->exp_avg_sq()));
+        save_adam_state(*w, pre, out);
       } else {
         throw InvalidArgument("optimizer_state: only SGD, Adam and AdamW state can be saved so far");
       }
@@ -123,6 +158,15 @@ void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vecto
   auto& groups = optimizer.param_groups();
   bool is_sgd = dynamic_cast<::torch::optim::SGD*>(&optimizer) != nullptr;
   bool is_adamw = dynamic_cast<::torch::optim::AdamW*>(&optimizer) != nullptr;
+  if (!is_sgd && !is_adamw && dynamic_cast<::torch::optim::Adam*>(&optimizer) == nullptr)
+    throw InvalidArgument("load_optimizer_state: only SGD, Adam and AdamW state can be loaded so far");
+  const std::string kind = saved_kind(tensors);
+  if (!kind.empty() && kind != (is_sgd ? "sgd" : "adam"))
+    throw InvalidArgument(fmt::format("load_optimizer_state: the saved state is {}'s ({}) but the optimizer is {}; "
+                                      "resume with the optimizer the checkpoint was made with",
+                                      kind == "sgd" ? "SGD" : "Adam/AdamW",
+                                      kind == "sgd" ? "momentum buffers" : "moments and step counts",
+                                      is_sgd ? "SGD" : (is_adamw ? "AdamW" : "Adam")));
   for (size_t g = 0; g < groups.size(); ++g) {
     if (auto it = by_name.find(fmt::format("group{}.lr", g)); it != by_name.end())
       groups[g].options().set_lr(from_named(*it->second).item<double>());
@@ -138,20 +182,10 @@ void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vecto
       } else {
         auto st = by_name.find(pre + "step");
         if (st == by_name.end()) continue;
-        auto ea = by_name.at(pre + "exp_avg"), eas = by_name.at(pre + "exp_avg_sq");
-        if (is_adamw) {
-          auto s = std::make_unique<::torch::optim::AdamWParamState>();
-          s->step(from_named(*st->second).item<int64_t>());
-          s->exp_avg(from_named(*ea));
-          s->exp_avg_sq(from_named(*eas));
-          state[state_key(params[k])] = std::move(s);
-        } else {
-          auto s = std::make_unique<::torch::optim::AdamParamState>();
-          s->step(from_named(*st->second).item<int64_t>());
-          s->exp_avg(from_named(*ea));
-          s->exp_avg_sq(from_named(*eas));
-          state[state_key(params[k])] = std::move(s);
-        }
+        if (is_adamw)
+          state[state_key(params[k])] = load_adam_state<::torch::optim::AdamWParamState>(by_name, pre, *st->second);
+        else
+          state[state_key(params[k])] = load_adam_state<::torch::optim::AdamParamState>(by_name, pre, *st->second);
       }
     }
   }

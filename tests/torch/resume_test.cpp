@@ -59,6 +59,27 @@ TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   fs::remove_all(base);
 }
 
+// AdamW's state (step count for the bias corrections, both moments) goes
+// into the checkpoint and comes back: the resumed losses match to the bit.
+TEST(Resume, AdamWResumesWithIdenticalLosses) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  auto full = lt::run(job(base + "/a", {"--optimizer", "adamw"}, 50), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 50u) << full.out;
+  auto killed = lt::run(job(base + "/b", {"--optimizer", "adamw", "--fault-kill-rank", "0", "--fault-at-step", "27"}, 50), env, 600);
+  EXPECT_NE(killed.status, 0);
+  auto resumed = lt::run(job(base + "/b", {"--optimizer", "adamw", "--resume"}, 50), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+  fs::remove_all(base);
+}
+
 TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
   if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed";
   std::string base = lt::temp_dir();

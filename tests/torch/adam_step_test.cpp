@@ -1,0 +1,191 @@
+// cohort::torch::adam_step / adamw_step against torch::optim::Adam::step() and
+// AdamW::step(): two copies of the same parameters get the same gradients for
+// several steps, one stepped by LibTorch and one by cohort; parameters, both
+// moments (and amsgrad's maximum) and the step count must agree.
+#include <gtest/gtest.h>
+
+#include "cohort/error.hpp"
+#include "cohort/torch_train.hpp"
+
+namespace {
+
+namespace ct = cohort::torch;
+using torch::optim::Adam;
+using torch::optim::AdamOptions;
+using torch::optim::AdamW;
+using torch::optim::AdamWOptions;
+
+// Sizes that leave vector remainders (7, 13, 1001) and one that does not (64).
+std::vector<torch::Tensor> make_params(torch::Dtype dtype = torch::kFloat) {
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> ps;
+  for (auto shape : std::vector<std::vector<int64_t>>{{7}, {13, 1}, {64}, {1001}})
+    ps.push_back(torch::randn(shape, torch::dtype(dtype)).requires_grad_(true));
+  return ps;
+}
+
+std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+// Gradients of varying scale from step to step, so that amsgrad's maximum
+// and the bias corrections matter.
+void set_grads(std::vector<torch::Tensor>& ps, int step, bool skip_one) {
+  torch::manual_seed(200 + step);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (skip_one && i == 1 && step % 2 == 1) {
+      ps[i].mutable_grad() = torch::Tensor();  // no gradient this step: the parameter must not move
+      continue;
+    }
+    ps[i].mutable_grad() = torch::randn_like(ps[i]) * (step % 3 == 0 ? 2.0 : 0.3);
+  }
+}
+
+template <class State, class Opt>
+const State* state_of(Opt& opt, const torch::Tensor& p) {
+  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  return it == opt.state().end() ? nullptr : static_cast<const State*>(it->second.get());
+}
+
+void expect_close(const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+  ASSERT_EQ(a.defined(), b.defined()) << what;
+  if (!a.defined()) return;
+  EXPECT_TRUE(torch::allclose(a, b, 1e-5, 1e-6)) << what << ": max difference " << (a - b).abs().max().item<double>();
+}
+
+template <class Opt, class State>
+void expect_same_states(Opt& ref, Opt& fused, const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE("parameter " + std::to_string(i));
+    expect_close(a[i], b[i], "parameter");
+    const State* sa = state_of<State>(ref, a[i]);
+    const State* sb = state_of<State>(fused, b[i]);
+    ASSERT_EQ(sa == nullptr, sb == nullptr);
+    if (sa == nullptr) continue;
+    EXPECT_EQ(sa->step(), sb->step());
+    expect_close(sa->exp_avg(), sb->exp_avg(), "exp_avg");
+    expect_close(sa->exp_avg_sq(), sb->exp_avg_sq(), "exp_avg_sq");
+    expect_close(sa->max_exp_avg_sq(), sb->max_exp_avg_sq(), "max_exp_avg_sq");
+  }
+}
+
+template <class Opt, class Options, class State>
+void expect_same_run(const Options& o, void (*step)(Opt&), bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
+  auto a = make_params(dtype);
+  auto b = clones(a);
+  Opt ref(a, o), fused(b, o);
+  for (int s = 0; s < 8; ++s) {
+    set_grads(a, s, skip_one);
+    set_grads(b, s, skip_one);
+    ref.step();
+    step(fused);
+  }
+  expect_same_states<Opt, State>(ref, fused, a, b);
+}
+
+void adam(const AdamOptions& o, bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
+  expect_same_run<Adam, AdamOptions, torch::optim::AdamParamState>(o, ct::adam_step, skip_one, dtype);
+}
+void adamw(const AdamWOptions& o, bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
+  expect_same_run<AdamW, AdamWOptions, torch::optim::AdamWParamState>(o, ct::adamw_step, skip_one, dtype);
+}
+
+TEST(AdamStep, Defaults) { adam(AdamOptions()); }
+TEST(AdamStep, WeightDecayIsAddedToTheGradient) { adam(AdamOptions(0.01).weight_decay(0.1)); }
+TEST(AdamStep, Amsgrad) { adam(AdamOptions(0.01).amsgrad(true).betas({0.8, 0.99}).eps(1e-6)); }
+TEST(AdamStep, ParameterWithoutGradientStaysPut) { adam(AdamOptions(0.01), true); }
+TEST(AdamStep, DoubleParametersTakeLibTorchsOperations) { adam(AdamOptions(0.01).weight_decay(1e-2), false, torch::kDouble); }
+
+TEST(AdamWStep, Defaults) { adamw(AdamWOptions()); }
+TEST(AdamWStep, DecoupledWeightDecay) { adamw(AdamWOptions(0.01).weight_decay(0.1)); }
+TEST(AdamWStep, AmsgradWithoutWeightDecay) { adamw(AdamWOptions(0.01).amsgrad(true).weight_decay(0)); }
+TEST(AdamWStep, ParameterWithoutGradientStaysPut) { adamw(AdamWOptions(0.01).amsgrad(true), true); }
+TEST(AdamWStep, DoubleParametersTakeLibTorchsOperations) { adamw(AdamWOptions(0.01).amsgrad(true), false, torch::kDouble); }
+
+TEST(AdamWStep, EachGroupUsesItsOwnOptions) {
+  auto a = make_params();
+  auto b = clones(a);
+  auto groups = [](std::vector<torch::Tensor>& ps) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1]}, std::make_unique<AdamWOptions>(AdamWOptions(0.02).weight_decay(0)));
+    g.emplace_back(std::vector<torch::Tensor>{ps[2], ps[3]},
+                   std::make_unique<AdamWOptions>(AdamWOptions(0.005).betas({0.5, 0.9}).amsgrad(true)));
+    return g;
+  };
+  AdamW ref(groups(a), AdamWOptions(1.0)), fused(groups(b), AdamWOptions(1.0));
+  for (int s = 0; s < 5; ++s) {
+    set_grads(a, s, false);
+    set_grads(b, s, false);
+    ref.step();
+    ct::adamw_step(fused);
+  }
+  expect_same_states<AdamW, torch::optim::AdamWParamState>(ref, fused, a, b);
+}
+
+TEST(AdamStep, NonContiguousParameterTakesLibTorchsOperations) {
+  auto base_a = torch::randn({8, 6}), base_b = base_a.clone();
+  auto a = base_a.t().requires_grad_(true), b = base_b.t().requires_grad_(true);  // transposed: not contiguous
+  Adam ref({a}, AdamOptions(0.01).weight_decay(0.01)), fused({b}, AdamOptions(0.01).weight_decay(0.01));
+  for (int s = 0; s < 3; ++s) {
+    torch::manual_seed(s);
+    auto g = torch::randn({6, 8});
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.clone();
+    ref.step();
+    ct::adam_step(fused);
+  }
+  expect_close(a, b, "parameter");
+}
+
+// The state is LibTorch's own: after fused steps, step() and the checkpoint
+// helpers carry on from the same moments and step count.
+TEST(AdamWStep, StateIsTheOptimizersOwn) {
+  auto a = make_params();
+  auto b = clones(a);
+  const auto o = AdamWOptions(0.01).weight_decay(0.05);
+  AdamW ref(a, o), mixed(b, o);
+  for (int s = 0; s < 6; ++s) {
+    set_grads(a, s, false);
+    set_grads(b, s, false);
+    ref.step();
+    if (s % 2 == 0) ct::adamw_step(mixed);
+    else mixed.step();
+  }
+  expect_same_states<AdamW, torch::optim::AdamWParamState>(ref, mixed, a, b);
+  auto saved = ct::optimizer_state(mixed);
+  size_t moments = 0;
+  for (const auto& t : saved) moments += t.name.find("exp_avg_sq") != std::string::npos;
+  EXPECT_EQ(moments, a.size());
+}
+
+TEST(AdamStep, SparseGradientIsRefused) {
+  auto p = torch::randn({4, 3}).requires_grad_(true);
+  Adam opt({p}, AdamOptions(0.1));
+  p.mutable_grad() = torch::randn({4, 3}).to_sparse();
+  try {
+    ct::adam_step(opt);
+    FAIL() << "a sparse gradient was accepted";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("sparse"), std::string::npos) << e.what();
+  }
+}
+
+TEST(AdamWStep, BetaOfOneIsRefused) {
+  auto p = torch::randn({5}).requires_grad_(true);
+  auto before = p.detach().clone();
+  AdamW opt({p}, AdamWOptions(0.1));
+  static_cast<AdamWOptions&>(opt.param_groups()[0].options()).betas({0.9, 1.0});  // set after construction
+  p.mutable_grad() = torch::randn({5});
+  try {
+    ct::adamw_step(opt);
+    FAIL() << "beta2 = 1 was accepted";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("betas"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(torch::equal(p.detach(), before)) << "the refused step must not move the parameter";
+  EXPECT_TRUE(opt.state().empty());
+}
+
+}  // namespace
