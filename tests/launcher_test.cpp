@@ -88,6 +88,29 @@ TEST(Launcher, StandalonePicksSeparatePortsAndKeepsUserOmp) {
   EXPECT_NE(env[0]["TORCHELASTIC_RUN_ID"], "none");  // --standalone makes one up, as torchrun does
 }
 
+// Workers get fixed malloc thresholds (launch/worker_env.hpp) unless the user
+// set glibc's variables or COHORT_MALLOC_TUNING=0.
+TEST(Launcher, WorkersGetMallocThresholdsUnlessTheUserSetThem) {
+  const std::map<std::string, std::string> clean{{"GLIBC_TUNABLES", ""}, {"MALLOC_TRIM_THRESHOLD_", ""}, {"MALLOC_MMAP_THRESHOLD_", ""}};
+  auto run = [&](std::map<std::string, std::string> extra) {
+    auto env = clean;
+    for (auto& [k, v] : extra) env[k] = v;
+    auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_env")}, env);
+    EXPECT_EQ(r.status, 0) << r.err;
+    auto by_rank = env_by_rank(r.out, 2);
+    EXPECT_EQ(by_rank.size(), 2u) << r.out;
+    return by_rank;
+  };
+  auto tuned = run({});
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(tuned[rank]["GLIBC_TUNABLES"].find("glibc.malloc.trim_threshold="), std::string::npos) << rank;
+    EXPECT_NE(tuned[rank]["GLIBC_TUNABLES"].find("glibc.malloc.mmap_threshold="), std::string::npos) << rank;
+  }
+  EXPECT_EQ(run({{"GLIBC_TUNABLES", "glibc.malloc.arena_max=2"}})[1]["GLIBC_TUNABLES"], "glibc.malloc.arena_max=2");
+  EXPECT_EQ(run({{"MALLOC_TRIM_THRESHOLD_", "1048576"}})[0]["GLIBC_TUNABLES"].find("malloc"), std::string::npos);
+  EXPECT_EQ(run({{"COHORT_MALLOC_TUNING", "0"}})[0]["GLIBC_TUNABLES"].find("malloc"), std::string::npos);
+}
+
 TEST(Launcher, ProgramArgumentsPassThroughUntouched) {
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "1", lt::prog("launch_env"), "--nproc-per-node", "5",
                     "-m", "--master-port=1", "--", "plain", "--help"});

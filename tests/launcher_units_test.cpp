@@ -149,6 +149,25 @@ TEST(WorkerEnv, MergeOverridesAndKeeps) {
   EXPECT_FALSE(omp_threads_default_needed(nullptr, 1));
 }
 
+TEST(WorkerEnv, MallocThresholdsUnlessTheUserSetThem) {
+  const std::string tuned = malloc_tunables_default(nullptr, nullptr, nullptr, true);
+  EXPECT_NE(tuned.find("glibc.malloc.mmap_threshold="), std::string::npos) << tuned;
+  EXPECT_NE(tuned.find("glibc.malloc.trim_threshold="), std::string::npos) << tuned;
+  EXPECT_EQ(malloc_tunables_default("", "", "", true), tuned) << "empty variables count as unset";
+  EXPECT_EQ(malloc_tunables_default("glibc.malloc.arena_max=2", nullptr, nullptr, true), "");
+  EXPECT_EQ(malloc_tunables_default(nullptr, "1000000", nullptr, true), "");
+  EXPECT_EQ(malloc_tunables_default(nullptr, nullptr, "1000000", true), "");
+  EXPECT_EQ(malloc_tunables_default(nullptr, nullptr, nullptr, false), "");
+
+  JobEnv job;
+  job.glibc_tunables = tuned;
+  std::map<std::string, std::string> m;
+  for (const auto& [k, v] : worker_env_vars(job, 0)) m[k] = v;
+  EXPECT_EQ(m["GLIBC_TUNABLES"], tuned);
+  job.glibc_tunables.clear();
+  for (const auto& [k, v] : worker_env_vars(job, 0)) EXPECT_NE(k, "GLIBC_TUNABLES");
+}
+
 TEST(Output, PrefixerKeepsPartialLinesWhole) {
   LinePrefixer p("[rank1]: ");
   std::string out;

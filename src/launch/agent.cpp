@@ -77,6 +77,7 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::str
   env.run_id = job.run_id;
   env.cohort_run_id = job.cohort_run_id;
   env.set_omp_threads = job.setup.set_omp;
+  env.glibc_tunables = job.setup.glibc_tunables;
   std::vector<WorkerPlan> plans;
   for (int lr = 0; lr < job.opts.nproc_per_node; ++lr) {
     WorkerPlan p;

@@ -211,6 +211,7 @@ class ElasticAgent {
       env.run_id = opts_.run_id;
       env.cohort_run_id = cohort_run_id_;
       env.set_omp_threads = job_.set_omp;
+      env.glibc_tunables = job_.glibc_tunables;
       std::vector<WorkerPlan> plans = plan_workers(opts_, job_, env);
 
       bool no_restart = false;

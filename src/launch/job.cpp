@@ -10,12 +10,19 @@
 
 #include "cohort/error.hpp"
 #include "core/cpu_layout.hpp"
+#include "core/env.hpp"
 #include "launch/output.hpp"
 
 extern char** environ;
 
 namespace cohort::launch {
 namespace {
+
+const core::Knob kMallocTuning{"COHORT_MALLOC_TUNING", "1",
+                               "cohort run: give the workers fixed glibc malloc thresholds (GLIBC_TUNABLES mmap 32 MiB, "
+                               "trim 256 MiB) so that memory freed every step is not returned to the kernel and faulted "
+                               "in again; 0: leave malloc alone (also left alone when GLIBC_TUNABLES or MALLOC_*_ is set)",
+                               core::KnobKind::Bool};
 
 std::string make_log_root(const LaunchOptions& opts) {
   if (!opts.log_dir.empty()) return opts.log_dir;
@@ -52,6 +59,8 @@ JobSetup prepare_job(const LaunchOptions& opts) {
                     opts.command[0]));
   job.host = this_host();
   job.set_omp = omp_threads_default_needed(std::getenv("OMP_NUM_THREADS"), opts.nproc_per_node);
+  job.glibc_tunables = malloc_tunables_default(std::getenv("GLIBC_TUNABLES"), std::getenv("MALLOC_TRIM_THRESHOLD_"),
+                                               std::getenv("MALLOC_MMAP_THRESHOLD_"), kMallocTuning.boolean());
   job.log_root = make_log_root(opts);
   job.bind_mode = parse_bind(opts.bind);
   job.bind = plan_binding(job.bind_mode, opts.nproc_per_node, core::read_cpu_layout(), core::current_affinity());

@@ -19,6 +19,7 @@ struct JobSetup {
   std::string log_root;  // empty: no log files
   std::string host;      // this host's name
   bool set_omp = false;  // OMP_NUM_THREADS=1 for the workers
+  std::string glibc_tunables;  // GLIBC_TUNABLES for the workers ("" : untouched)
   BindMode bind_mode = BindMode::None;
   BindPlan bind;
 };

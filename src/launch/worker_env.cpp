@@ -33,6 +33,7 @@ EnvVars worker_env_vars(const JobEnv& job, int local_rank) {
       {"COHORT_RUN_ID", job.cohort_run_id},
   };
   if (job.set_omp_threads) v.emplace_back("OMP_NUM_THREADS", "1");
+  if (!job.glibc_tunables.empty()) v.emplace_back("GLIBC_TUNABLES", job.glibc_tunables);
   return v;
 }
 
@@ -66,6 +67,13 @@ bool omp_threads_default_needed(const char* current_value, int nproc_per_node) {
 std::string omp_threads_notice(int nproc_per_node) {
   return fmt::format("cohort run: setting OMP_NUM_THREADS=1 for each of the {} workers per node (it was unset) so they "
                      "do not overload the CPUs; set it yourself to tune performance", nproc_per_node);
+}
+
+std::string malloc_tunables_default(const char* glibc_tunables, const char* malloc_trim, const char* malloc_mmap,
+                                    bool enabled) {
+  auto set = [](const char* v) { return v != nullptr && *v != '\0'; };
+  if (!enabled || set(glibc_tunables) || set(malloc_trim) || set(malloc_mmap)) return "";
+  return "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456";
 }
 
 }  // namespace cohort::launch

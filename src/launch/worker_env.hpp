@@ -25,6 +25,7 @@ struct JobEnv {
   std::string run_id;       // TORCHELASTIC_RUN_ID (the user's --rdzv-id)
   std::string cohort_run_id;  // COHORT_RUN_ID: unique per job, names /dev/shm/cohort-<id>-*
   bool set_omp_threads = false;  // OMP_NUM_THREADS=1 (see omp_threads_default_needed)
+  std::string glibc_tunables;    // GLIBC_TUNABLES for the workers; empty: untouched (see malloc_tunables_default)
   // Elastic rendezvous: nodes may run different numbers of workers, so the
   // global rank of local rank 0 and the world size come from the round.
   // -1: node_rank * nproc_per_node and nnodes * nproc_per_node.
@@ -46,5 +47,19 @@ std::vector<std::string> merge_environment(char** base, const EnvVars& vars);
 bool omp_threads_default_needed(const char* current_value, int nproc_per_node);
 // The one-line notice printed when it does so.
 std::string omp_threads_notice(int nproc_per_node);
+
+// glibc's malloc settings for the workers (GLIBC_TUNABLES), or "" to leave
+// the environment alone. By default glibc returns freed memory at the top of
+// the heap to the kernel once more than a trim threshold is free, and serves
+// big blocks with mmap; both thresholds start at 128 KiB and only grow when
+// the program happens to free a big mmapped block. A training step allocates
+// and frees the same activations every step, so with small thresholds every
+// step gives megabytes back and faults them in again (a plain LibTorch CNN
+// loop: ~2,800 page faults and 22% of its time per step, docs/performance.md).
+// Fixed thresholds (mmap 32 MiB, glibc's largest; trim 256 MiB) keep that
+// memory in the process. Left alone when the user set GLIBC_TUNABLES or one of
+// glibc's MALLOC_*_ variables, or turned it off (COHORT_MALLOC_TUNING=0).
+std::string malloc_tunables_default(const char* glibc_tunables, const char* malloc_trim, const char* malloc_mmap,
+                                    bool enabled);
 
 }  // namespace cohort::launch

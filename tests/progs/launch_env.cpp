@@ -8,7 +8,7 @@ int main(int argc, char** argv) {
                          "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
                          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
                          "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "COHORT_STORE_ADDR", "COHORT_STORE_PORT",
-                         "COHORT_RUN_ID", "COHORT_SECRET"};
+                         "COHORT_RUN_ID", "COHORT_SECRET", "GLIBC_TUNABLES"};
   for (const char* n : names) {
     const char* v = std::getenv(n);
     std::printf("%s=%s\n", n, v != nullptr ? v : "<unset>");
