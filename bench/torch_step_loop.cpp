@@ -12,24 +12,9 @@
 #include <cstdio>
 #include <cstdlib>
 
-namespace {
+#include "model.hpp"  // examples/fashion_mnist: the CNN
 
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(1, 32, 3))),
-        conv2(register_module("conv2", torch::nn::Conv2d(32, 64, 3))),
-        fc1(register_module("fc1", torch::nn::Linear(64 * 5 * 5, 128))),
-        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2->forward(x)), 2);
-    x = torch::relu(fc1->forward(x.flatten(1)));
-    return fc2->forward(x);
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(Net);
+namespace {
 
 long minor_faults() {
   rusage u{};
@@ -47,7 +32,7 @@ int main(int argc, char** argv) {
   }
   torch::set_num_threads(1);
   torch::manual_seed(0);
-  Net net;
+  Cnn net;
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const auto x = torch::rand({64, 1, 28, 28}) * 2.8 - 0.8;  // the range of normalised Fashion-MNIST pixels
   const auto y = torch::randint(0, 10, {64});

@@ -102,29 +102,23 @@ int train(const TrainConfig& cfg) {
   const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::function<void()> optimizer_step;  // cohort's fused step or the optimizer's own
-  if (cfg.optimizer == "adamw") {
-    auto owned = std::make_unique<torch::optim::AdamW>(model.module->parameters(),
-                                                       torch::optim::AdamWOptions(peak_lr).weight_decay(cfg.weight_decay));
-    auto* adamw = owned.get();
-    optimizer = std::move(owned);
-    optimizer_step = [adamw, fused = cfg.optimizer_step == "fused"] {
+  auto use = [&](auto owned, auto fused_step) {
+    optimizer_step = [o = owned.get(), fused_step, fused = cfg.optimizer_step == "fused"] {
       if (fused)
-        cohort::torch::adamw_step(*adamw);
+        fused_step(*o);
       else
-        adamw->step();
+        o->step();
     };
-  } else {
-    auto owned = std::make_unique<torch::optim::SGD>(
-        model.module->parameters(), torch::optim::SGDOptions(peak_lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
-    auto* sgd = owned.get();
     optimizer = std::move(owned);
-    optimizer_step = [sgd, fused = cfg.optimizer_step == "fused"] {
-      if (fused)
-        cohort::torch::sgd_step(*sgd);
-      else
-        sgd->step();
-    };
-  }
+  };
+  if (cfg.optimizer == "adamw")
+    use(std::make_unique<torch::optim::AdamW>(model.module->parameters(),
+                                              torch::optim::AdamWOptions(peak_lr).weight_decay(cfg.weight_decay)),
+        cohort::torch::adamw_step);
+  else
+    use(std::make_unique<torch::optim::SGD>(
+            model.module->parameters(), torch::optim::SGDOptions(peak_lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay)),
+        cohort::torch::sgd_step);
   torch::optim::Optimizer& opt = *optimizer;
 
   cohort::data::SamplerOptions so;

@@ -6,42 +6,18 @@
 
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
+#include "torch/optimizer_test_util.hpp"
 
 namespace {
 
 namespace ct = cohort::torch;
+using optimizer_test::clones;
+using optimizer_test::set_grads;
 using torch::optim::Adam;
 using torch::optim::AdamOptions;
 using torch::optim::AdamW;
 using torch::optim::AdamWOptions;
 
-// Sizes that leave vector remainders (7, 13, 1001) and one that does not (64).
-std::vector<torch::Tensor> make_params(torch::Dtype dtype = torch::kFloat) {
-  torch::manual_seed(11);
-  std::vector<torch::Tensor> ps;
-  for (auto shape : std::vector<std::vector<int64_t>>{{7}, {13, 1}, {64}, {1001}})
-    ps.push_back(torch::randn(shape, torch::dtype(dtype)).requires_grad_(true));
-  return ps;
-}
-
-std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ps) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
-  return out;
-}
-
-// Gradients of varying scale from step to step, so that amsgrad's maximum
-// and the bias corrections matter.
-void set_grads(std::vector<torch::Tensor>& ps, int step, bool skip_one) {
-  torch::manual_seed(200 + step);
-  for (size_t i = 0; i < ps.size(); ++i) {
-    if (skip_one && i == 1 && step % 2 == 1) {
-      ps[i].mutable_grad() = torch::Tensor();  // no gradient this step: the parameter must not move
-      continue;
-    }
-    ps[i].mutable_grad() = torch::randn_like(ps[i]) * (step % 3 == 0 ? 2.0 : 0.3);
-  }
-}
 
 template <class State, class Opt>
 const State* state_of(Opt& opt, const torch::Tensor& p) {
@@ -73,7 +49,7 @@ void expect_same_states(Opt& ref, Opt& fused, const std::vector<torch::Tensor>& 
 
 template <class Opt, class Options, class State>
 void expect_same_run(const Options& o, void (*step)(Opt&), bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
-  auto a = make_params(dtype);
+  auto a = optimizer_test::make_params(11, dtype);
   auto b = clones(a);
   Opt ref(a, o), fused(b, o);
   for (int s = 0; s < 8; ++s) {
@@ -105,7 +81,7 @@ TEST(AdamWStep, ParameterWithoutGradientStaysPut) { adamw(AdamWOptions(0.01).ams
 TEST(AdamWStep, DoubleParametersTakeLibTorchsOperations) { adamw(AdamWOptions(0.01).amsgrad(true), false, torch::kDouble); }
 
 TEST(AdamWStep, EachGroupUsesItsOwnOptions) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(11);
   auto b = clones(a);
   auto groups = [](std::vector<torch::Tensor>& ps) {
     std::vector<torch::optim::OptimizerParamGroup> g;
@@ -142,7 +118,7 @@ TEST(AdamStep, NonContiguousParameterTakesLibTorchsOperations) {
 // The state is LibTorch's own: after fused steps, step() and the checkpoint
 // helpers carry on from the same moments and step count.
 TEST(AdamWStep, StateIsTheOptimizersOwn) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(11);
   auto b = clones(a);
   const auto o = AdamWOptions(0.01).weight_decay(0.05);
   AdamW ref(a, o), mixed(b, o);

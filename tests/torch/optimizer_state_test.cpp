@@ -6,25 +6,15 @@
 
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
+#include "torch/optimizer_test_util.hpp"
 
 namespace {
 
 namespace ct = cohort::torch;
-
-std::vector<torch::Tensor> make_params() {
-  torch::manual_seed(3);
-  return {torch::randn({5, 3}).requires_grad_(true), torch::randn({17}).requires_grad_(true)};
-}
-
-std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ps) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
-  return out;
-}
+using optimizer_test::clones;
 
 void step_with_grads(torch::optim::Optimizer& opt, std::vector<torch::Tensor>& ps, int step) {
-  torch::manual_seed(50 + step);
-  for (auto& p : ps) p.mutable_grad() = torch::randn_like(p) * (step % 2 == 0 ? 1.5 : 0.2);
+  optimizer_test::set_grads(ps, step, false);
   opt.step();
 }
 
@@ -33,7 +23,7 @@ void step_with_grads(torch::optim::Optimizer& opt, std::vector<torch::Tensor>& p
 // on both: they must stay bit-identical.
 template <class Make>
 void expect_round_trip(Make make) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(3);
   auto opt_a = make(a);
   for (int s = 0; s < 3; ++s) step_with_grads(*opt_a, a, s);
   auto saved = ct::optimizer_state(*opt_a);
@@ -68,7 +58,7 @@ TEST(OptimizerState, AdamWWithAmsgradRoundTrip) {
 }
 
 TEST(OptimizerState, SgdStateIntoAdamWIsRefused) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(3);
   torch::optim::SGD sgd(a, torch::optim::SGDOptions(0.1).momentum(0.9));
   step_with_grads(sgd, a, 0);
   auto b = clones(a);
@@ -84,7 +74,7 @@ TEST(OptimizerState, SgdStateIntoAdamWIsRefused) {
 }
 
 TEST(OptimizerState, DamagedAdamStateNamesTheMissingTensor) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(3);
   torch::optim::Adam adam(a, torch::optim::AdamOptions(0.01));
   step_with_grads(adam, a, 0);
   auto saved = ct::optimizer_state(adam);
@@ -99,7 +89,7 @@ TEST(OptimizerState, DamagedAdamStateNamesTheMissingTensor) {
 }
 
 TEST(OptimizerState, UnsupportedOptimizerIsRefused) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(3);
   torch::optim::RMSprop rms(a, torch::optim::RMSpropOptions(0.01));
   EXPECT_THROW(ct::load_optimizer_state(rms, {}), cohort::InvalidArgument);
 }

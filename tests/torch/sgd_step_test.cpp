@@ -5,36 +5,14 @@
 
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
+#include "torch/optimizer_test_util.hpp"
 
 namespace {
 
 namespace ct = cohort::torch;
+using optimizer_test::clones;
+using optimizer_test::set_grads;
 
-// Sizes that leave vector remainders (7, 13, 1001) and one that does not (64).
-std::vector<torch::Tensor> make_params(torch::Dtype dtype = torch::kFloat) {
-  torch::manual_seed(7);
-  std::vector<torch::Tensor> ps;
-  for (auto shape : std::vector<std::vector<int64_t>>{{7}, {13, 1}, {64}, {1001}})
-    ps.push_back(torch::randn(shape, torch::dtype(dtype)).requires_grad_(true));
-  return ps;
-}
-
-std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& ps) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
-  return out;
-}
-
-void set_grads(std::vector<torch::Tensor>& ps, int step, bool skip_one) {
-  torch::manual_seed(100 + step);
-  for (size_t i = 0; i < ps.size(); ++i) {
-    if (skip_one && i == 1 && step % 2 == 1) {
-      ps[i].mutable_grad() = torch::Tensor();  // no gradient this step: the parameter must not move
-      continue;
-    }
-    ps[i].mutable_grad() = torch::randn_like(ps[i]);
-  }
-}
 
 torch::Tensor momentum_of(torch::optim::SGD& opt, const torch::Tensor& p) {
   auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
@@ -42,7 +20,7 @@ torch::Tensor momentum_of(torch::optim::SGD& opt, const torch::Tensor& p) {
 }
 
 void expect_same_run(const torch::optim::SGDOptions& o, bool skip_one = false, torch::Dtype dtype = torch::kFloat) {
-  auto a = make_params(dtype);
+  auto a = optimizer_test::make_params(7, dtype);
   auto b = clones(a);
   torch::optim::SGD ref(a, o), fused(b, o);
   for (int step = 0; step < 6; ++step) {
@@ -75,7 +53,7 @@ TEST(SgdStep, DoubleParametersTakeLibTorchsOperations) {
 }
 
 TEST(SgdStep, EachGroupUsesItsOwnOptions) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(7);
   auto b = clones(a);
   auto groups = [](std::vector<torch::Tensor>& ps) {
     std::vector<torch::optim::OptimizerParamGroup> g;
@@ -112,7 +90,7 @@ TEST(SgdStep, NonContiguousParameterTakesLibTorchsOperations) {
 // The state is LibTorch's own: after fused steps, SGD::step() and the
 // checkpoint helpers carry on from the same momentum buffers.
 TEST(SgdStep, StateIsTheOptimizersOwn) {
-  auto a = make_params();
+  auto a = optimizer_test::make_params(7);
   auto b = clones(a);
   const auto o = torch::optim::SGDOptions(0.05).momentum(0.9);
   torch::optim::SGD ref(a, o), mixed(b, o);
