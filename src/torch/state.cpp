@@ -40,7 +40,6 @@ void copy_into(::torch::Tensor& dst, const NamedTensor& src, const std::string& 
   dst.copy_(t);
 }
 
-
 // Adam's and AdamW's state have the same fields (LibTorch gives them two types).
 template <class State>
 void save_adam_state(const State& s, const std::string& pre, std::vector<NamedTensor>& out) {
