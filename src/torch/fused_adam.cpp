@@ -18,7 +18,6 @@
 // so results agree with step() within a rounding or two per operation. The
 // state (step, exp_avg, exp_avg_sq, max_exp_avg_sq) stays in the optimizer:
 // optimizer_state(), checkpoints and step() itself keep working on it.
-#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -54,7 +53,7 @@ inline void adam_scalar(float* p, const float* g, float* m, float* v, float* vma
   m[i] = mi;
   v[i] = vi;
   if (c.amsgrad) {
-    vi = std::max(vmax[i], vi);
+    vi = std::isnan(vi) || vi > vmax[i] ? vi : vmax[i];  // NaN propagates, as in torch::max and the vector loop
     vmax[i] = vi;
   }
   const float denom = std::sqrt(vi) / c.sqrt_bc2 + c.eps;
@@ -84,6 +83,8 @@ __attribute__((target("avx2,fma"))) void adam_avx2(float* p, const float* g, flo
     _mm256_storeu_ps(m + i, mv);
     _mm256_storeu_ps(v + i, vv);
     if (c.amsgrad) {
+      // maxps returns its second operand when either is NaN: a NaN second
+      // moment propagates (a NaN maximum only ever follows a NaN moment).
       vv = _mm256_max_ps(_mm256_loadu_ps(vmax + i), vv);
       _mm256_storeu_ps(vmax + i, vv);
     }

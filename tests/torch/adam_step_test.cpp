@@ -4,6 +4,9 @@
 // moments (and amsgrad's maximum) and the step count must agree.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
 #include "torch/optimizer_test_util.hpp"
@@ -134,6 +137,32 @@ TEST(AdamWStep, StateIsTheOptimizersOwn) {
   size_t moments = 0;
   for (const auto& t : saved) moments += t.name.find("exp_avg_sq") != std::string::npos;
   EXPECT_EQ(moments, a.size());
+}
+
+// A NaN gradient element poisons that element (parameter, moments, amsgrad's
+// maximum) exactly as step() does, in the vector loop and in its scalar tail.
+TEST(AdamWStep, NanGradientPropagatesAsInStep) {
+  auto a = optimizer_test::make_params(11);
+  auto b = clones(a);
+  const auto o = AdamWOptions(0.01).amsgrad(true);
+  AdamW ref(a, o), fused(b, o);
+  for (int s = 0; s < 3; ++s) {
+    set_grads(a, s, false);
+    set_grads(b, s, false);
+    if (s == 1)
+      for (auto* ps : {&a, &b})
+        for (auto& p : *ps) p.mutable_grad().view(-1)[3] = std::numeric_limits<float>::quiet_NaN();
+    ref.step();
+    ct::adamw_step(fused);
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-5, 1e-6, /*equal_nan=*/true)) << "parameter " << i;
+    EXPECT_TRUE(std::isnan(b[i].view(-1)[3].item<float>())) << "parameter " << i;
+    const auto* sa = state_of<torch::optim::AdamWParamState>(ref, a[i]);
+    const auto* sb = state_of<torch::optim::AdamWParamState>(fused, b[i]);
+    ASSERT_TRUE(sa != nullptr && sb != nullptr);
+    EXPECT_TRUE(torch::allclose(sa->max_exp_avg_sq(), sb->max_exp_avg_sq(), 1e-5, 1e-6, true)) << "parameter " << i;
+  }
 }
 
 TEST(AdamStep, SparseGradientIsRefused) {
