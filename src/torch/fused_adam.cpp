@@ -24,6 +24,7 @@
 
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
+#include "fused_step.hpp"
 #include "state_key.hpp"
 
 #if defined(__x86_64__)
@@ -93,11 +94,6 @@ __attribute__((target("avx2,fma"))) void adam_avx2(float* p, const float* g, flo
   }
   for (; i < n; ++i) adam_scalar(p, g, m, v, vmax, i, c);
 }
-
-bool have_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 void adam_fused(float* p, const float* g, float* m, float* v, float* vmax, int64_t n, const AdamConsts& c) {
@@ -105,11 +101,6 @@ void adam_fused(float* p, const float* g, float* m, float* v, float* vmax, int64
   if (have_avx2_fma()) return adam_avx2(p, g, m, v, vmax, n, c);
 #endif
   adam_portable(p, g, m, v, vmax, n, c);
-}
-
-bool is_plain_float(const ::torch::Tensor& t, int64_t numel) {
-  return t.device().is_cpu() && t.layout() == ::torch::kStrided && t.scalar_type() == ::torch::kFloat && t.is_contiguous() &&
-         t.numel() == numel;
 }
 
 // The same update with LibTorch's tensor operations, for what the loop does not

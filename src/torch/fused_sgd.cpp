@@ -19,6 +19,7 @@
 
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
+#include "fused_step.hpp"
 #include "state_key.hpp"
 
 #if defined(__x86_64__)
@@ -70,11 +71,6 @@ __attribute__((target("avx2,fma"))) void sgd_avx2(float* p, const float* g, floa
   }
   for (; i < n; ++i) sgd_scalar(p, g, buf, i, c, first);
 }
-
-bool have_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 void sgd_fused(float* p, const float* g, float* buf, int64_t n, const SgdConsts& c, bool first) {
@@ -88,11 +84,8 @@ void sgd_fused(float* p, const float* g, float* buf, int64_t n, const SgdConsts&
 // momentum buffer (if any) of the same kind. Anything else takes LibTorch's
 // own operations, in SGD::step()'s order.
 bool fusable(const ::torch::Tensor& p, const ::torch::Tensor& g, const ::torch::Tensor& buf) {
-  auto ok = [&](const ::torch::Tensor& t) {
-    return t.device().is_cpu() && t.layout() == ::torch::kStrided && t.scalar_type() == ::torch::kFloat &&
-           t.is_contiguous() && t.numel() == p.numel();
-  };
-  return ok(p) && ok(g) && (!buf.defined() || ok(buf));
+  const int64_t n = p.numel();
+  return is_plain_float(p, n) && is_plain_float(g, n) && (!buf.defined() || is_plain_float(buf, n));
 }
 
 // `buf`: the momentum buffer (undefined before the first step, or without momentum).
