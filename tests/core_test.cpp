@@ -1,6 +1,7 @@
 // Pure functions: reduction kernels, half conversions, env parsing, the tuner.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -8,6 +9,7 @@
 
 #include "cohort/cohort.hpp"
 #include "collectives/tuner.hpp"
+#include "core/clock.hpp"
 #include "core/env.hpp"
 #include "core/reduce.hpp"
 
@@ -153,6 +155,31 @@ TEST(Env, ParsesSizesAndDurations) {
   EXPECT_DOUBLE_EQ(*core::parse_seconds("500ms"), 0.5);
   EXPECT_DOUBLE_EQ(*core::parse_seconds("5m"), 300.0);
   EXPECT_FALSE(core::parse_seconds("soon"));
+  EXPECT_FALSE(core::parse_seconds("inf"));  // strtod reads these; a timeout cannot use them
+  EXPECT_FALSE(core::parse_seconds("nan"));
+  EXPECT_FALSE(core::parse_seconds("-5s"));
+}
+
+TEST(Env, DurationKnobsInMillisecondsRoundUpAndSaturate) {
+  static const core::Knob k{"COHORT_TEST_ONLY_DURATION", "2s", "a duration knob that only this test reads",
+                            core::KnobKind::Seconds};
+  EXPECT_EQ(k.millis(), std::chrono::milliseconds(2000));
+  setenv("COHORT_TEST_ONLY_DURATION", "500us", 1);  // not 0 ms: that would mean "time out at once"
+  EXPECT_EQ(k.millis(), std::chrono::milliseconds(1));
+  setenv("COHORT_TEST_ONLY_DURATION", "1e300", 1);
+  EXPECT_EQ(k.millis(), core::kLongestWait);
+  setenv("COHORT_TEST_ONLY_DURATION", "inf", 1);
+  EXPECT_THROW((void)k.millis(), InvalidArgument);
+  unsetenv("COHORT_TEST_ONLY_DURATION");
+}
+
+TEST(Clock, DeadlinesTooFarAwayNeverPass) {
+  // milliseconds::max() in nanoseconds overflows; the deadline must not land in the past.
+  EXPECT_FALSE(core::Deadline::after(std::chrono::milliseconds::max()).passed());
+  EXPECT_FALSE(core::Deadline::after(std::chrono::duration<double>(1e300)).passed());
+  EXPECT_FALSE(core::Deadline::after(core::kLongestWait).passed());
+  EXPECT_GT(core::Deadline::after(core::kLongestWait).remaining_ms(), 1000000);
+  EXPECT_TRUE(core::Deadline::after(std::chrono::milliseconds(-1)).passed());
 }
 
 TEST(Env, BadKnobValueNamesTheKnob) {

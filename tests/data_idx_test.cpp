@@ -11,6 +11,7 @@
 
 #include "cohort/data.hpp"
 #include "cohort/error.hpp"
+#include "data/file_bytes.hpp"
 
 namespace cohort::data {
 namespace {
@@ -156,7 +157,7 @@ TEST_F(IdxFiles, DamagedGzip) {
   std::string cut = write("cut.gz", Bytes(good.begin(), good.begin() + good.size() / 2));
   std::string e = error_of(cut);
   EXPECT_HAS(e, cut + ": the gzip stream ends early");
-  EXPECT_HAS(e, "the file is truncated");
+  EXPECT_HAS(e, "the file is truncated or damaged");
 
   Bytes bad_crc = good;
   bad_crc[bad_crc.size() - 6] ^= 0xff;  // inside the CRC-32 trailer
@@ -167,6 +168,39 @@ TEST_F(IdxFiles, DamagedGzip) {
   trailing.insert(trailing.end(), {'j', 'u', 'n', 'k'});
   EXPECT_HAS(error_of(write("trailing.gz", trailing)),
              "4 bytes that are not gzip data follow the gzip stream");
+}
+
+TEST_F(IdxFiles, GzipThatExpandsPastItsHeaderStopsThere) {
+  // 3x2x2 declared, then 64 MiB of zeros: about 64 KiB compressed. The reader
+  // stops one byte past the declared 28 bytes instead of inflating it all.
+  Bytes raw = idx_bytes(0x08, {3, 2, 2}, iota_bytes(12));
+  raw.resize(raw.size() + (size_t{64} << 20));
+  const std::string path = write("bomb.gz", gz(raw));
+  EXPECT_HAS(error_of(path), path + " (after gunzip): the data goes on past the 28 bytes its header declares "
+                                    "(16-byte header + 3x2x2 u8 elements)");
+
+  bool cut = false;
+  const Bytes head = gunzip(gz(raw), "mem.gz", 100, &cut);
+  EXPECT_EQ(head.size(), 100u);
+  EXPECT_TRUE(cut);
+  EXPECT_EQ(Bytes(head.begin(), head.begin() + 28), Bytes(raw.begin(), raw.begin() + 28));
+  const Bytes whole = gunzip(gz(Bytes(raw.begin(), raw.begin() + 28)), "mem.gz", 29, &cut);
+  EXPECT_EQ(whole.size(), 28u);
+  EXPECT_FALSE(cut);
+}
+
+TEST_F(IdxFiles, GzipInsideGzipIsNamed) {
+  const std::string path = write("twice.gz", gz(gz(idx_bytes(0x08, {4}, iota_bytes(4)))));
+  EXPECT_HAS(error_of(path), "these bytes are gzip data again: the file was compressed twice");
+}
+
+TEST_F(IdxFiles, ReadKeepsNoSpareCapacity) {
+  // The file is sized by fstat and end of file found by a small probe read: the
+  // buffer (moved into IdxArray::data for plain files) is not twice the file.
+  const Bytes raw = idx_bytes(0x08, {1000, 10}, iota_bytes(10000));
+  const Bytes bytes = read_file_bytes(write("plain", raw));
+  EXPECT_EQ(bytes, raw);
+  EXPECT_EQ(bytes.capacity(), bytes.size());
 }
 
 // ---------------------------------------------------------------- Fashion-MNIST

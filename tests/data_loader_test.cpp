@@ -208,6 +208,26 @@ TEST(Loader, NextTimesOutWhileTheWorkerIsStuck) {
   EXPECT_EQ(batch->indices, (std::vector<int64_t>{1, 2}));
 }
 
+TEST(Loader, HugeTimeoutMeansWaitAsLongAsItTakes) {
+  CountingDataset ds(10);
+  // milliseconds::max() (a common "forever") used to overflow into a deadline in the past.
+  Loader loader(ds, {1, 2, 3}, {.batch_size = 2, .timeout = std::chrono::milliseconds::max()});
+  auto batch = loader.next();
+  ASSERT_TRUE(batch);
+  EXPECT_EQ(batch->indices, (std::vector<int64_t>{1, 2}));
+  ::setenv("COHORT_LOADER_TIMEOUT", "1e300", 1);
+  Loader from_knob(ds, {4, 5}, {.batch_size = 2});
+  EXPECT_TRUE(from_knob.next());
+  ::setenv("COHORT_LOADER_TIMEOUT", "0", 1);  // every batch would time out: refused, naming the knob
+  try {
+    Loader zero(ds, {4, 5}, {.batch_size = 2});
+    ADD_FAILURE() << "COHORT_LOADER_TIMEOUT=0 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("COHORT_LOADER_TIMEOUT=0"), std::string::npos) << e.what();
+  }
+  ::unsetenv("COHORT_LOADER_TIMEOUT");
+}
+
 TEST(Loader, BatchFnProducer) {
   auto square = [](std::span<const int64_t> indices, Batch& out) {
     out.x_shape = {static_cast<int64_t>(indices.size())};

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <type_traits>
 
 namespace cohort::core {
 
@@ -11,7 +12,16 @@ using Clock = std::chrono::steady_clock;
 struct Deadline {
   Clock::time_point at;
 
-  static Deadline after(std::chrono::nanoseconds d) { return Deadline{Clock::now() + d}; }
+  // d from now. Saturating: a timeout too long for the clock (milliseconds::max()
+  // as "forever", a knob of 1e300 s) is a deadline that never passes, not an
+  // overflow into the past.
+  template <class Rep, class Period>
+  static Deadline after(std::chrono::duration<Rep, Period> d) {
+    const auto now = Clock::now();
+    const std::chrono::duration<double> room = Clock::time_point::max() - now;
+    if (!(std::chrono::duration<double>(d) < room)) return never();
+    return Deadline{now + std::chrono::duration_cast<Clock::duration>(d)};
+  }
   static Deadline never() { return Deadline{Clock::time_point::max()}; }
   bool passed() const { return Clock::now() >= at; }
   bool passed(Clock::time_point now) const { return now >= at; }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 
@@ -74,6 +75,12 @@ double Knob::seconds() const {
   return *s;
 }
 
+std::chrono::milliseconds Knob::millis() const {
+  const double ms = std::ceil(seconds() * 1000.0);
+  if (ms >= static_cast<double>(kLongestWait.count())) return kLongestWait;
+  return std::chrono::milliseconds(static_cast<int64_t>(ms));
+}
+
 std::vector<const Knob*> all_knobs() {
   std::lock_guard<std::mutex> g(registry_mutex());
   auto r = registry();
@@ -103,7 +110,7 @@ std::optional<double> parse_seconds(const std::string& s) {
   if (s.empty()) return std::nullopt;
   char* end = nullptr;
   double x = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || x < 0) return std::nullopt;
+  if (end == s.c_str() || !std::isfinite(x) || x < 0) return std::nullopt;  // also "inf" and "nan"
   std::string unit = lower(std::string(end));
   if (unit.empty() || unit == "s") return x;
   if (unit == "ms") return x / 1000.0;

@@ -7,6 +7,7 @@
 // hot read once and cache).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -30,6 +31,9 @@ class Knob {
   uint64_t bytes() const;       // accepts 4096, 64K, 1M, 2G (binary units)
   bool boolean() const;         // 1/0, true/false, yes/no, on/off
   double seconds() const;       // accepts 30, 30s, 500ms, 5m
+  // The duration in whole milliseconds: a positive value below 1 ms counts as
+  // 1 ms (not 0), and anything longer than kLongestWait is cut to it.
+  std::chrono::milliseconds millis() const;
 
  private:
   const char* name_;
@@ -37,6 +41,10 @@ class Knob {
   const char* help_;
   KnobKind kind_;
 };
+
+// The longest timeout cohort keeps (about 31.7 years): longer ones, "forever"
+// in effect, are cut to it so that now + timeout stays within the clock.
+inline constexpr std::chrono::milliseconds kLongestWait{1'000'000'000'000LL};
 
 // Every knob registered so far (all of libcohort's, since it is a shared library).
 std::vector<const Knob*> all_knobs();

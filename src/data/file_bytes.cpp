@@ -62,23 +62,29 @@ std::vector<uint8_t> read_file_bytes(const std::string& path) {
   if (::fstat(fd.get(), &st) != 0) throw IoError(fmt::format("cannot stat {}: {}", path, std::strerror(errno)));
   if (S_ISDIR(st.st_mode)) throw IoError(fmt::format("cannot read {}: it is a directory, not a file", path));
 
+  // Sized from fstat; a file that is longer by now (or not a regular file) is
+  // found by a small probe read once the buffer is full, and only then grows.
   std::vector<uint8_t> bytes(static_cast<size_t>(std::max<off_t>(st.st_size, 0)));
   size_t got = 0;
+  uint8_t probe[4096];
   for (;;) {
-    if (got == bytes.size()) bytes.resize(std::max<size_t>(4096, bytes.size() * 2));  // grew, or not a regular file
-    ssize_t n = ::read(fd.get(), bytes.data() + got, bytes.size() - got);
+    const bool full = got == bytes.size();
+    uint8_t* dst = full ? probe : bytes.data() + got;
+    ssize_t n = ::read(fd.get(), dst, full ? sizeof probe : bytes.size() - got);
     if (n < 0) {
       if (errno == EINTR) continue;
       throw IoError(fmt::format("cannot read {} (after {} bytes): {}", path, got, std::strerror(errno)));
     }
     if (n == 0) break;
+    if (full) bytes.insert(bytes.end(), probe, probe + n);
     got += static_cast<size_t>(n);
   }
   bytes.resize(got);
   return bytes;
 }
 
-std::vector<uint8_t> gunzip(std::span<const uint8_t> in, const std::string& name) {
+std::vector<uint8_t> gunzip(std::span<const uint8_t> in, const std::string& name, size_t limit, bool* cut) {
+  if (cut != nullptr) *cut = false;
   Inflater inflater;
   z_stream* s = inflater.init(name);
 
@@ -91,7 +97,7 @@ std::vector<uint8_t> gunzip(std::span<const uint8_t> in, const std::string& name
     guess = (uint32_t{t[0]} | uint32_t{t[1]} << 8 | uint32_t{t[2]} << 16 | uint32_t{t[3]} << 24) + size_t{1};
     guess = std::min(guess, in.size() * 1032);  // deflate's best ratio: a damaged trailer cannot ask for 4 GiB
   }
-  std::vector<uint8_t> out(std::max<size_t>(guess, 4096));
+  std::vector<uint8_t> out(std::min(std::max<size_t>(guess, 4096), limit));
   size_t in_pos = 0, produced = 0;
 
   for (;;) {
@@ -101,7 +107,11 @@ std::vector<uint8_t> gunzip(std::span<const uint8_t> in, const std::string& name
       s->avail_in = static_cast<uInt>(chunk);
       in_pos += chunk;
     }
-    if (produced == out.size()) out.resize(out.size() * 2);
+    if (produced == limit) {  // the caller asked for no more
+      if (cut != nullptr) *cut = true;
+      break;
+    }
+    if (produced == out.size()) out.resize(std::min(out.size() * 2, limit));
     s->next_out = out.data() + produced;
     s->avail_out = static_cast<uInt>(std::min(out.size() - produced, kMaxZlibChunk));
     const uInt room = s->avail_out;
@@ -124,8 +134,8 @@ std::vector<uint8_t> gunzip(std::span<const uint8_t> in, const std::string& name
     if (rc == Z_BUF_ERROR) {  // no progress: output full (grow), input empty (refill), or no input left
       if (s->avail_out == 0 || (s->avail_in == 0 && in_pos < in.size())) continue;
       throw IoError(fmt::format(
-          "{}: the gzip stream ends early, after {} compressed and {} decompressed bytes (the file is truncated); "
-          "download or reinstall it",
+          "{}: the gzip stream ends early, after {} compressed and {} decompressed bytes (the file is truncated or "
+          "damaged); download or reinstall it",
           name, in.size(), produced));
     }
     if (rc == Z_DATA_ERROR || rc == Z_NEED_DICT)

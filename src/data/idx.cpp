@@ -11,6 +11,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
 #include "cohort/data.hpp"
 #include "cohort/error.hpp"
 #include "data/file_bytes.hpp"
@@ -19,6 +23,7 @@ namespace cohort::data {
 namespace {
 
 constexpr uint8_t kTypeU8 = 0x08;
+constexpr std::string_view kAfterGunzip = " (after gunzip)";  // added to the name of a .gz file's contents
 
 const char* type_name(uint8_t type) {
   switch (type) {
@@ -36,8 +41,12 @@ uint32_t read_be32(const uint8_t* p) {
   return uint32_t{p[0]} << 24 | uint32_t{p[1]} << 16 | uint32_t{p[2]} << 8 | uint32_t{p[3]};
 }
 
-// Validates the header against the file's length; fills dims and returns the header's size.
-size_t check_idx(std::span<const uint8_t> bytes, const std::string& name, std::vector<int64_t>& dims) {
+constexpr size_t kMaxHeader = 4 + 4 * 255;  // ndims is one byte
+
+// Validates the header (magic, type, dimensions); fills dims and numel
+// (nullopt: more than 2^64 elements) and returns the header's size.
+size_t check_idx_header(std::span<const uint8_t> bytes, const std::string& name, std::vector<int64_t>& dims,
+                        std::optional<uint64_t>& numel) {
   if (bytes.size() < 4)
     throw IoError(fmt::format("{}: not an IDX file: it has {} bytes, fewer than the 4-byte magic number "
                               "00 00 <type> <ndims>; is it the right file, completely downloaded?",
@@ -46,7 +55,11 @@ size_t check_idx(std::span<const uint8_t> bytes, const std::string& name, std::v
     throw IoError(fmt::format("{}: not an IDX file: it starts with {:02x} {:02x} {:02x} {:02x}, expected 00 00 "
                               "<type> <ndims>{}; is it the right file?",
                               name, bytes[0], bytes[1], bytes[2], bytes[3],
-                              is_gzip(bytes) ? " (these bytes are gzip data: read the file with read_idx)" : ""));
+                              !is_gzip(bytes) ? ""
+                              : name.ends_with(kAfterGunzip)
+                                  ? " (these bytes are gzip data again: the file was compressed twice; gunzip it once "
+                                    "and read the result)"
+                                  : " (these bytes are gzip data: read the file with read_idx)"));
   const uint8_t type = bytes[2];
   if (type != kTypeU8) {
     const char* known = type_name(type);
@@ -70,13 +83,23 @@ size_t check_idx(std::span<const uint8_t> bytes, const std::string& name, std::v
                               name, ndims, header, bytes.size()));
 
   dims.clear();
-  uint64_t numel = 1;
+  uint64_t n = 1;
   bool too_big = false;
   for (size_t d = 0; d < ndims; ++d) {
     const uint32_t dim = read_be32(bytes.data() + 4 + 4 * d);
     dims.push_back(dim);
-    too_big = too_big || __builtin_mul_overflow(numel, uint64_t{dim}, &numel);
+    too_big = too_big || __builtin_mul_overflow(n, uint64_t{dim}, &n);
   }
+  numel = too_big ? std::nullopt : std::optional<uint64_t>(n);
+  return header;
+}
+
+// Validates the header against the file's length; fills dims and returns the header's size.
+size_t check_idx(std::span<const uint8_t> bytes, const std::string& name, std::vector<int64_t>& dims) {
+  std::optional<uint64_t> declared;
+  const size_t header = check_idx_header(bytes, name, dims, declared);
+  const bool too_big = !declared;
+  const uint64_t numel = declared.value_or(0);
   const size_t found = bytes.size() - header;
   if (too_big || numel != found)
     throw IoError(fmt::format(
@@ -101,8 +124,20 @@ IdxArray read_idx(const std::string& path) {
   std::vector<uint8_t> bytes = read_file_bytes(path);
   std::string name = path;
   if (is_gzip(bytes)) {
-    bytes = gunzip(bytes, path);
-    name += " (after gunzip)";
+    name += kAfterGunzip;
+    // The header first, then no more than it declares (and one byte to see an
+    // excess): a small damaged or hostile .gz must not expand to gigabytes
+    // before it is rejected.
+    std::vector<int64_t> dims;
+    std::optional<uint64_t> numel;
+    const size_t header = check_idx_header(gunzip(bytes, path, kMaxHeader), name, dims, numel);
+    const uint64_t limit = (numel && *numel <= SIZE_MAX - header - 1) ? header + *numel : SIZE_MAX - 1;
+    bool cut = false;
+    bytes = gunzip(bytes, path, limit + 1, &cut);
+    if (cut)
+      throw IoError(fmt::format("{}: the data goes on past the {} bytes its header declares ({}-byte header + {} u8 "
+                                "elements); the file is damaged or not what its header says: download or reinstall it",
+                                name, limit, header, fmt::join(dims, "x")));
   }
   IdxArray out;
   const size_t header = check_idx(bytes, name, out.dims);

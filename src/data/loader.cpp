@@ -50,8 +50,13 @@ std::chrono::milliseconds next_timeout(const LoaderOptions& o) {
   if (o.timeout.count() < 0)
     throw InvalidArgument(fmt::format("Loader: timeout is {} ms; use a positive value, or 0 for COHORT_LOADER_TIMEOUT",
                                       o.timeout.count()));
-  if (o.timeout.count() > 0) return o.timeout;
-  return std::chrono::milliseconds(static_cast<int64_t>(kLoaderTimeout.seconds() * 1000.0));
+  if (o.timeout.count() > 0) return std::min(o.timeout, core::kLongestWait);  // milliseconds::max(): "forever"
+  const std::chrono::milliseconds t = kLoaderTimeout.millis();
+  if (t.count() == 0)
+    throw InvalidArgument(fmt::format("COHORT_LOADER_TIMEOUT={} would time out every batch; use a positive duration "
+                                      "such as 300s (the default), or a very large one to wait as long as it takes",
+                                      kLoaderTimeout.str()));
+  return t;
 }
 
 // A malformed batch from a user's BatchFn would surface far away (a wrong

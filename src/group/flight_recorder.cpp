@@ -90,7 +90,7 @@ size_t FlightRecorder::configured_entries() {
 }
 
 int64_t FlightRecorder::configured_heartbeat_ms() {
-  return static_cast<int64_t>(kHeartbeat.seconds() * 1000.0);
+  return kHeartbeat.millis().count();
 }
 
 int64_t FlightRecorder::now_ns() {

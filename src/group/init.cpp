@@ -1,6 +1,7 @@
 // init_process_group: read the launcher's environment (launch_env.hpp), reach the store, build the world group.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <random>
 
@@ -36,7 +37,7 @@ std::string env_or(const char* name, const char* dflt) {
 
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
-  Millis timeout = opts.timeout.count() > 0 ? opts.timeout : Millis(static_cast<int64_t>(kTimeout.seconds() * 1000));
+  Millis timeout = opts.timeout.count() > 0 ? std::min(opts.timeout, core::kLongestWait) : kTimeout.millis();
   // MPI knows rank and size itself and needs no store (group/mpi/, docs/mpi.md).
   if (backend == "mpi") return group::create_mpi_group(opts.rank, opts.world_size, timeout);
   // torchrun's, cohort run's, Open MPI's, PMI's or Slurm's variables (group/launch_env.hpp).

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include <fmt/format.h>
@@ -35,7 +36,7 @@ void WorkImpl::wait(Millis timeout) {
     while (!done_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) sched_yield();
   }
   if (!done_.load(std::memory_order_acquire)) {
-    Millis t = timeout.count() > 0 ? timeout : default_timeout_;
+    Millis t = std::min(timeout.count() > 0 ? timeout : default_timeout_, core::kLongestWait);
     std::unique_lock<std::mutex> lk(mu_);
     // The operation has its own deadline (its transport waits); this bound
     // only protects a caller whose operation is stuck behind others.

@@ -46,7 +46,7 @@ const core::Knob kRdzvFinishTimeout{
     core::KnobKind::Seconds};
 
 std::chrono::milliseconds knob_ms(const core::Knob& k) {
-  return std::chrono::milliseconds(static_cast<long long>(k.seconds() * 1000.0));
+  return k.millis();
 }
 
 void say(const std::string& line) { std::fprintf(stderr, "cohort run: %s\n", line.c_str()); }

@@ -253,7 +253,7 @@ void probe_one(PeerProbe& pr, std::chrono::milliseconds per_probe) {
 std::vector<PeerProbe> probe_peers(Store& store, int me, int world_size, core::Deadline deadline) {
   using Ms = std::chrono::milliseconds;
   constexpr size_t kParallel = 16;
-  const auto per_probe = Ms(static_cast<int64_t>(kConnectTimeout.seconds() * 1000));
+  const auto per_probe = kConnectTimeout.millis();
   std::vector<PeerProbe> out;
   for (int p = 0; p < world_size; ++p) {
     if (p == me) continue;

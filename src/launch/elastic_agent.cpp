@@ -46,11 +46,11 @@ const core::Knob kHeartbeatTimeout{
 std::chrono::milliseconds knob_ms(const char* name) {
   for (const core::Knob* k : core::all_knobs())
     if (std::strcmp(k->name(), name) == 0)
-      return std::chrono::milliseconds(static_cast<long long>(k->seconds() * 1000.0));
+      return k->millis();
   throw std::logic_error(fmt::format("knob {} is not registered", name));
 }
 std::chrono::milliseconds knob_ms(const core::Knob& k) {
-  return std::chrono::milliseconds(static_cast<long long>(k.seconds() * 1000.0));
+  return k.millis();
 }
 
 void say(const std::string& line) {
