@@ -46,6 +46,16 @@ void expect_same_files(const Files& want, const std::map<std::string, std::vecto
   for (const auto& [name, tensors] : want) EXPECT_TRUE(same_tensors(tensors, got.at(name))) << name;
 }
 
+// A manifest edited by a test, with its manifest_crc32c made to match again
+// (the CRC32C of the text with those 8 digits written as zeros).
+std::string signed_manifest(nlohmann::json j) {
+  j["manifest_crc32c"] = "00000000";
+  std::string text = j.dump(2) + "\n";
+  const size_t at = text.find("\"manifest_crc32c\": \"00000000\"") + std::string("\"manifest_crc32c\": \"").size();
+  const std::string crc = fmt::format("{:08x}", crc32c(text.data(), text.size(), 0));
+  return text.replace(at, 8, crc);
+}
+
 std::string load_error(const std::string& path) {
   try {
     load_checkpoint(path);
@@ -64,7 +74,7 @@ TEST(Checkpoint, RoundTripWithEveryManifestField) {
   LoadedCheckpoint c = load_checkpoint(path);
   EXPECT_EQ(c.path, path);
   EXPECT_EQ(c.step, 1234);
-  EXPECT_EQ(c.format_version, 1);
+  EXPECT_EQ(c.format_version, 2);
   Manifest want = sample_manifest(0);
   EXPECT_EQ(c.manifest.epoch, want.epoch);
   EXPECT_EQ(c.manifest.sampler_position, want.sampler_position);
@@ -212,7 +222,7 @@ TEST(Checkpoint, ManifestProblemsAreNamed) {
   std::ifstream in(manifest);
   const auto good = nlohmann::json::parse(in);
   auto expect_error = [&](nlohmann::json j, const std::string& want) {
-    std::ofstream(manifest) << j.dump();
+    std::ofstream(manifest) << signed_manifest(j);  // so that the edit itself is what gets reported
     std::string msg = load_error(path);
     EXPECT_NE(msg.find(want), std::string::npos) << msg;
     EXPECT_NE(msg.find(manifest), std::string::npos) << msg;
@@ -232,8 +242,92 @@ TEST(Checkpoint, ManifestProblemsAreNamed) {
   j = good;
   j["rng_states"]["torch_cpu"] = "not base64!";
   expect_error(j, "not a base64 string");
+  j = good;
+  j["sampler_position"] = -640;  // refused at save time; must be refused at load time too
+  expect_error(j, "sampler_position (-640) must be >= 0");
+  j = good;
+  nlohmann::json deep = 0;
+  for (int i = 0; i < 100; ++i) deep = nlohmann::json::array({deep});
+  j["lr_schedule"] = deep;
+  expect_error(j, "nests deeper than 64 levels");
   std::ofstream(manifest) << "{ \"truncated\": ";
   EXPECT_NE(load_error(path).find("not a JSON object"), std::string::npos);
+}
+
+TEST(Checkpoint, TheManifestCarriesItsOwnChecksum) {
+  TempDir dir;
+  save_checkpoint(dir.path(), 4, sample_files(0), sample_manifest(0));
+  std::string path = save_checkpoint(dir.path(), 5, sample_files(1), sample_manifest(1));
+  const std::string manifest = path + "/manifest.json";
+  std::string text;
+  {
+    std::ifstream in(manifest);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // One flipped bit in a field no other check covers: the epoch 4 -> 5.
+  const size_t at = text.find("\"epoch\": 4");
+  ASSERT_NE(at, std::string::npos) << text;
+  text[at + 9] ^= 0x01;
+  std::ofstream(manifest) << text;
+  const std::string msg = load_error(path);
+  EXPECT_NE(msg.find("its CRC32C is"), std::string::npos) << msg;
+  EXPECT_EQ(load_latest_valid(dir.path())->step, 4);  // falls back past it
+
+  // A NUL byte in a manifest is damage too (a JSON parser may stop there).
+  text[at + 9] ^= 0x01;
+  text.insert(text.size() - 2, std::string("\0junk", 5));
+  std::ofstream(manifest) << text;
+  EXPECT_NE(load_error(path).find("NUL byte"), std::string::npos);
+}
+
+TEST(Checkpoint, AStepMovedAsideByACrashedResaveIsFoundAndRestored) {
+  // A re-save of step 20 renames the committed step_20 to step_20.tmp-<pid>-old
+  // and then the new copy into place; a crash between the two leaves both
+  // under temporary names. Reproduce that state by hand.
+  TempDir dir;
+  save_checkpoint(dir.path(), 20, sample_files(2), sample_manifest(2));
+  const std::string aside = dir.path() + "/" + ckpt::temp_dir_name(20, 4242, "old");
+  fs::rename(dir.path() + "/step_000000020", aside);
+  fs::create_directory(dir.path() + "/" + ckpt::temp_dir_name(20, 4242));  // the unfinished new copy
+  auto c = load_latest_valid(dir.path());
+  ASSERT_TRUE(c) << "the committed step 20 must still count";
+  EXPECT_EQ(c->step, 20);
+  EXPECT_EQ(c->path, aside);
+  expect_same_files(sample_files(2), c->files);
+  // The next save (keep_last 1, as the example can run) puts it back rather than deleting it.
+  save_checkpoint(dir.path(), 10, sample_files(1), sample_manifest(1), {.keep_last = 1});
+  EXPECT_TRUE(fs::is_directory(dir.path() + "/step_000000020"));
+  EXPECT_FALSE(fs::exists(aside));
+  EXPECT_EQ(load_latest_valid(dir.path())->step, 20);
+}
+
+TEST(Checkpoint, OnlyCanonicalStepNamesCount) {
+  TempDir dir;
+  save_checkpoint(dir.path(), 10, sample_files(1), sample_manifest(1));
+  fs::copy(dir.path() + "/step_000000010", dir.path() + "/step_11");  // a hand-made name
+  EXPECT_EQ(list_checkpoint_steps(dir.path()), std::vector<int64_t>{10});
+}
+
+TEST(Checkpoint, RetentionCountsOnlyCheckpointsWhoseFilesAreThere) {
+  TempDir dir;
+  save_checkpoint(dir.path(), 10, sample_files(1), sample_manifest(1));
+  std::string step20 = save_checkpoint(dir.path(), 20, sample_files(2), sample_manifest(2));
+  fs::resize_file(step20 + "/model.safetensors", 10);  // its manifest still parses
+  save_checkpoint(dir.path(), 30, sample_files(3), sample_manifest(3), {.keep_last = 2});
+  // Two loadable checkpoints are kept: 30 and 10 (20 is damaged, not counted).
+  EXPECT_TRUE(fs::exists(dir.path() + "/step_000000010"));
+  fs::remove_all(dir.path() + "/step_000000030");
+  EXPECT_EQ(load_latest_valid(dir.path())->step, 10);
+}
+
+TEST(Checkpoint, ResavingAStepThatIsASymlinkRemovesTheLinkNotItsTarget) {
+  TempDir dir, archive;
+  std::string kept = save_checkpoint(archive.path(), 10, sample_files(1), sample_manifest(1));
+  fs::create_directories(dir.path());
+  fs::create_directory_symlink(kept, dir.path() + "/step_000000010");
+  save_checkpoint(dir.path(), 10, sample_files(2), sample_manifest(2));
+  expect_same_files(sample_files(1), load_checkpoint(kept).files);  // the archive is intact
+  expect_same_files(sample_files(2), load_checkpoint(dir.path() + "/step_000000010").files);
 }
 
 TEST(Checkpoint, BadArgumentsThrowBeforeWritingAnything) {

@@ -65,6 +65,8 @@ class Filesystem {
   // True if `path` names an existing file or directory; never throws for a missing path.
   virtual bool exists(const std::string& path) = 0;
   virtual bool is_dir(const std::string& path) = 0;
+  // True if `path` itself is a symbolic link (lstat). File systems without links keep the default.
+  virtual bool is_symlink(const std::string& /*path*/) { return false; }
 };
 
 // The operating system's file system (open/pwrite/pread/fsync/rename/unlink/rmdir).
@@ -72,7 +74,7 @@ Filesystem& posix_filesystem();
 
 // Removes `path` and, if it is a directory, everything below it, through `fs`
 // (so each removal is one operation a test can fail). Missing path: no-op.
-// Symbolic links below `path` are removed, never followed.
+// Symbolic links are removed, never followed: `path` itself included.
 void remove_all(Filesystem& fs, const std::string& path);
 
 }  // namespace cohort

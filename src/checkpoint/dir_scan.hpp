@@ -15,11 +15,14 @@ std::string join_path(const std::string& dir, std::string_view name);
 
 struct StepDir {
   int64_t step = 0;
-  std::string name;  // "step_000001234"
+  std::string name;          // "step_000001234", or its moved-aside name
+  bool moved_aside = false;  // "step_000001234.tmp-<pid>-old" (see below)
 };
 
-// The step_* subdirectories of `dir` (symbolic links and *.tmp-* excluded), by
-// ascending step. A missing `dir` gives an empty list.
+// The step_* subdirectories of `dir` by ascending step: canonical names only
+// (step_dir_name), no symbolic links, no *.tmp-*, except that a step whose only
+// copy is a moved-aside one (a re-save of that step crashed between its two
+// renames, save.cpp) is listed under that name. A missing `dir` gives an empty list.
 std::vector<StepDir> list_step_dirs(Filesystem& fs, const std::string& dir);
 
 // The subdirectories of `dir` with temporary names (*.tmp-*).
@@ -28,5 +31,9 @@ std::vector<std::string> list_temp_dirs(Filesystem& fs, const std::string& dir);
 // Reads and parses step_dir/manifest.json (at most 64 MiB). Throws FormatError
 // if it is missing, too large or invalid; IoError if it cannot be read.
 ParsedManifest read_manifest(Filesystem& fs, const std::string& step_dir);
+
+// A cheap validity test (no checksums): the manifest parses and every file it
+// lists exists with the size it gives. Retention counts only such checkpoints.
+bool looks_complete(Filesystem& fs, const std::string& step_dir) noexcept;
 
 }  // namespace cohort::ckpt

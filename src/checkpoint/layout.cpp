@@ -19,7 +19,16 @@ std::optional<int64_t> parse_step_dir_name(std::string_view name) {
     if (c < '0' || c > '9') return std::nullopt;
     if (__builtin_mul_overflow(step, 10, &step) || __builtin_add_overflow(step, c - '0', &step)) return std::nullopt;
   }
+  // Only the name step_dir_name() gives: "step_10" beside "step_000000010"
+  // would be two directories for one step.
+  if (name != step_dir_name(step)) return std::nullopt;
   return step;
+}
+
+std::optional<int64_t> parse_moved_aside_name(std::string_view name) {
+  const size_t tmp = name.find(".tmp-");
+  if (tmp == std::string_view::npos || !name.ends_with("-old")) return std::nullopt;
+  return parse_step_dir_name(name.substr(0, tmp));
 }
 
 bool is_temp_name(std::string_view name) { return name.find(".tmp-") != std::string_view::npos; }

@@ -13,7 +13,7 @@
 
 namespace cohort::ckpt {
 
-inline constexpr int kFormatVersion = 1;
+inline constexpr int kFormatVersion = 2;  // 2: manifest_crc32c (1 is still read)
 inline constexpr std::string_view kManifestName = "manifest.json";
 inline constexpr std::string_view kTensorFileSuffix = ".safetensors";
 
@@ -21,6 +21,9 @@ inline constexpr std::string_view kTensorFileSuffix = ".safetensors";
 std::string step_dir_name(int64_t step);
 // The step of a "step_<digits>" name; nullopt for anything else (temporary names included).
 std::optional<int64_t> parse_step_dir_name(std::string_view name);
+// The step of a checkpoint that a save of the same step moved aside
+// ("step_<digits>.tmp-<pid>-old", save.cpp step 5); nullopt for other names.
+std::optional<int64_t> parse_moved_aside_name(std::string_view name);
 // True for the temporary names the loader ignores and the next save removes.
 bool is_temp_name(std::string_view name);
 std::string temp_dir_name(int64_t step, long pid, std::string_view tag = {});

@@ -1,12 +1,14 @@
 #include "checkpoint/manifest.hpp"
 
 #include <charconv>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/base64.hpp"
 #include "checkpoint/layout.hpp"
+#include "cohort/checkpoint.hpp"
 #include "cohort/error.hpp"
 
 namespace cohort::ckpt {
@@ -16,6 +18,12 @@ using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;
 
 constexpr std::string_view kFormatName = "cohort-checkpoint";
+// The manifest's own checksum (format_version 2): CRC32C of the file's bytes
+// with these 8 hex digits written as "00000000". Written last, so that the
+// placeholder and the value have the same length and position.
+constexpr std::string_view kCrcKey = "manifest_crc32c";
+constexpr std::string_view kCrcPlaceholder = "00000000";
+constexpr int kMaxDepth = 64;  // the free-form config and lr_schedule may nest, not without bound
 
 [[noreturn]] void bad(const std::string& path, const std::string& problem) {
   throw FormatError(fmt::format("checkpoint manifest '{}': {}", path, problem));
@@ -32,6 +40,29 @@ int64_t int_field(const json& root, const char* key, const std::string& path) {
   if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
     bad(path, fmt::format("\"{}\" must be an integer, not {}", key, v.dump()));
   return v.get<int64_t>();
+}
+
+// Format 2: the manifest's bytes match the CRC32C it carries.
+void check_own_crc(std::string_view text, const json& value, const std::string& path) {
+  std::optional<uint32_t> want;
+  if (value.is_string() && value.get_ref<const std::string&>().size() == 8) {
+    const std::string& hex = value.get_ref<const std::string&>();
+    uint32_t v = 0;
+    auto [p, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), v, 16);
+    if (ec == std::errc() && p == hex.data() + hex.size()) want = v;
+  }
+  if (!want) bad(path, fmt::format("\"{}\" must be 8 hex digits, not {}", kCrcKey, value.dump()));
+  const std::string field = fmt::format("\"{}\": \"{:08x}\"", kCrcKey, *want);
+  const size_t at = text.rfind(field);
+  if (at == std::string_view::npos || text.find(field) != at)
+    bad(path, fmt::format("\"{}\" is not written the way cohort writes it: was the file edited by hand?", kCrcKey));
+  std::string zeroed(text);
+  zeroed.replace(at + field.size() - 1 - kCrcPlaceholder.size(), kCrcPlaceholder.size(), kCrcPlaceholder);
+  const uint32_t got = crc32c(zeroed.data(), zeroed.size(), 0);
+  if (got != *want)
+    bad(path, fmt::format("its CRC32C is {:08x} but it says {:08x}: the file is corrupt (damaged on disk or modified "
+                          "after the save); use an older checkpoint",
+                          got, *want));
 }
 
 }  // namespace
@@ -70,17 +101,31 @@ std::string encode_manifest(int64_t step, const Manifest& m, const std::map<std:
   j["files"] = f;
   j["writer"] = "cohort " COHORT_VERSION;
   j["complete"] = true;
+  j[std::string(kCrcKey)] = std::string(kCrcPlaceholder);
+  std::string text;
   try {
-    return j.dump(2) + "\n";
+    text = j.dump(2) + "\n";
   } catch (const ordered_json::exception& e) {
     throw InvalidArgument(fmt::format("checkpoint manifest: an RNG state name is not valid UTF-8 ({})", e.what()));
   }
+  const std::string field = fmt::format("\"{}\": \"{}\"", kCrcKey, kCrcPlaceholder);
+  const size_t at = text.rfind(field);
+  const uint32_t crc = crc32c(text.data(), text.size(), 0);
+  text.replace(at + field.size() - 1 - kCrcPlaceholder.size(), kCrcPlaceholder.size(), fmt::format("{:08x}", crc));
+  return text;
 }
 
 ParsedManifest parse_manifest(std::string_view text, const std::string& path) {
-  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object())
-    bad(path, "not a JSON object: the file is corrupt (the save completed, so the disk or a later writer damaged it)");
+  constexpr const char* kCorrupt = "the file is corrupt (the save completed, so the disk or a later writer damaged it)";
+  if (text.find('\0') != std::string_view::npos) bad(path, fmt::format("it contains a NUL byte: {}", kCorrupt));
+  bool too_deep = false;
+  const json::parser_callback_t depth_limit = [&](int depth, json::parse_event_t, json&) {
+    too_deep = too_deep || depth > kMaxDepth;
+    return !too_deep;
+  };
+  json root = json::parse(text.begin(), text.end(), depth_limit, /*allow_exceptions=*/false);
+  if (too_deep) bad(path, fmt::format("it nests deeper than {} levels: {}", kMaxDepth, kCorrupt));
+  if (root.is_discarded() || !root.is_object()) bad(path, fmt::format("not a JSON object: {}", kCorrupt));
   ParsedManifest out;
   const json& format = field(root, "format", path);
   if (format != std::string(kFormatName)) bad(path, fmt::format("\"format\" is {}, not \"{}\"", format.dump(), kFormatName));
@@ -90,10 +135,14 @@ ParsedManifest parse_manifest(std::string_view text, const std::string& path) {
                           "upgrade cohort to load it", out.format_version, kFormatVersion));
   const json& complete = field(root, "complete", path);
   if (complete != true) bad(path, "\"complete\" is not true: the save that wrote it did not finish");
+  if (out.format_version >= 2) check_own_crc(text, field(root, std::string(kCrcKey).c_str(), path), path);
   out.step = int_field(root, "step", path);
   Manifest& m = out.manifest;
   m.epoch = int_field(root, "epoch", path);
   m.sampler_position = int_field(root, "sampler_position", path);
+  if (out.step < 0 || m.epoch < 0 || m.sampler_position < 0)
+    bad(path, fmt::format("step ({}), epoch ({}) and sampler_position ({}) must be >= 0", out.step, m.epoch,
+                          m.sampler_position));
   int64_t world = int_field(root, "world_size", path);
   if (world < 1 || world > INT32_MAX) bad(path, fmt::format("world_size {} is out of range", world));
   m.world_size = static_cast<int>(world);

@@ -175,6 +175,11 @@ class PosixFilesystem final : public Filesystem {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
   }
+
+  bool is_symlink(const std::string& path) override {
+    struct stat st;
+    return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+  }
 };
 
 }  // namespace
@@ -185,6 +190,10 @@ Filesystem& posix_filesystem() {
 }
 
 void remove_all(Filesystem& fs, const std::string& path) {
+  if (fs.is_symlink(path)) {  // a link to a directory: the link goes, what it points to stays
+    fs.remove_file(path);
+    return;
+  }
   if (!fs.exists(path)) return;
   if (!fs.is_dir(path)) {
     fs.remove_file(path);

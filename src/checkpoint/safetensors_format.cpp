@@ -51,6 +51,9 @@ std::string shape_str(const std::vector<int64_t>& shape) { return fmt::format("[
 
 // Parses JSON, rejecting duplicate keys at any level and nesting deeper than a header needs.
 json parse_strict(std::string_view text, const std::string& file) {
+  // The JSON parser would stop at a NUL and ignore what follows it.
+  if (size_t nul = text.find('\0'); nul != std::string_view::npos)
+    bad(file, fmt::format("the JSON header has a NUL byte at offset {}; padding after the JSON must be spaces", nul));
   std::vector<std::set<std::string>> keys;  // one set per open object
   auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
     if (depth > 16) bad(file, "the JSON header nests deeper than 16 levels; a safetensors header needs 3");

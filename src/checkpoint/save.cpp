@@ -6,7 +6,8 @@
 //      throws here, before the disk is touched.
 //   2. Create ckpt_dir (and its missing parents, each fsync'ed into its own
 //      parent), then remove *.tmp-* directories left by crashed saves (a
-//      failure to remove one is logged, not thrown).
+//      failure to remove one is logged, not thrown), except a step moved aside
+//      by step 5 and never replaced: that one is renamed back.
 //   3. mkdir step_X.tmp-<pid>/ and write each <name>.safetensors into it, each
 //      fsync'ed and closed. Nothing is visible yet.
 //   4. Write manifest.json last (fsync, close): it holds each file's size and
@@ -15,9 +16,12 @@
 //   5. rename step_X.tmp-<pid> -> step_X (atomic), then fsync ckpt_dir so the
 //      rename itself survives a power loss. This is the commit point. If step_X
 //      already existed it is first renamed to step_X.tmp-<pid>-old and removed
-//      after the commit (a crash between those two renames loses step X, never
-//      an older step).
-//   6. Retention (keep_last): rename each expired step_Y to a temporary name,
+//      after the commit. A crash between those two renames leaves the old
+//      step X only under that name: the loader still finds it there, and the
+//      next save renames it back (step 2) instead of deleting it.
+//   6. Retention (keep_last): counting only checkpoints whose manifest parses
+//      and whose files exist with the sizes it lists, rename each expired
+//      step_Y to a temporary name,
 //      fsync ckpt_dir, then remove it. A checkpoint is never half-deleted
 //      under its visible name. Failures here are logged, not thrown: the new
 //      checkpoint is already safe.
@@ -76,20 +80,36 @@ void write_file(Filesystem& fs, const std::string& path, const std::string& byte
   f->close();
 }
 
+// Step 2: a committed step X that a crashed re-save of X moved aside and never
+// replaced goes back under its name (true), rather than being deleted as a
+// leftover. True also when it cannot be moved back: then it stays for the
+// loader (which reads it under that name) and the next save.
+bool restore_moved_aside(Filesystem& fs, const std::string& dir, const std::string& name) noexcept {
+  try {
+    const std::optional<int64_t> step = parse_moved_aside_name(name);
+    if (!step) return false;
+    const std::string canonical = join_path(dir, step_dir_name(*step));
+    if (fs.exists(canonical) || fs.is_symlink(canonical)) return false;  // step X was saved again: a leftover
+    try {
+      fs.rename(join_path(dir, name), canonical);
+      fs.sync_dir(dir);
+      COHORT_INFO(kInit, "checkpoint: restored '{}' from '{}', moved aside by a save that did not finish", canonical,
+                  name);
+    } catch (const std::exception& e) {
+      COHORT_WARN(kInit, "checkpoint: could not restore '{}' from '{}': {}", canonical, name, e.what());
+    }
+    return true;
+  } catch (...) {
+    return true;  // when in doubt, keep it
+  }
+}
+
 // Step 6. Never throws: the new checkpoint is committed already.
 void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, int keep_last) {
   try {
     std::vector<StepDir> dirs = list_step_dirs(fs, dir);
     std::vector<StepState> states;
-    for (const StepDir& d : dirs) {
-      bool valid = true;
-      try {
-        read_manifest(fs, join_path(dir, d.name));
-      } catch (const IoError&) {
-        valid = false;
-      }
-      states.push_back({d.step, valid});
-    }
+    for (const StepDir& d : dirs) states.push_back({d.step, looks_complete(fs, join_path(dir, d.name))});
     std::vector<int64_t> expired = steps_to_delete(states, saved, keep_last);
     std::vector<std::string> trash;
     for (const StepDir& d : dirs) {
@@ -136,6 +156,7 @@ std::string save_checkpoint(const std::string& dir_arg, int64_t step,
   // 2. The directory, and the leftovers of crashed saves.
   make_dirs(fs, dir);
   for (const std::string& t : list_temp_dirs(fs, dir)) {
+    if (restore_moved_aside(fs, dir, t)) continue;
     // A leftover we cannot remove must not stop this save: it is logged and retried next time.
     COHORT_INFO(kInit, "checkpoint: removing '{}', left by an earlier save that did not finish", join_path(dir, t));
     remove_quietly(fs, join_path(dir, t));

@@ -76,6 +76,10 @@ class FaultFs final : public Filesystem {
     check_alive();
     return base_.is_dir(path);
   }
+  bool is_symlink(const std::string& path) override {
+    check_alive();
+    return base_.is_symlink(path);
+  }
 
  private:
   class File final : public WritableFile {
