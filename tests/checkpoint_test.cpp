@@ -382,3 +382,20 @@ TEST(Checkpoint, PlainPythonVerifiesAndReadsACheckpoint) {
 }
 
 }  // namespace
+
+TEST(Checkpoint, ACheckpointWithoutARequiredFileIsSkipped) {
+  TempDir dir;
+  save_checkpoint(dir.path(), 1, sample_files(1), sample_manifest(1));
+  std::string two = save_checkpoint(dir.path(), 2, {{"model", sample_files(2).at("model")}}, sample_manifest(2));
+  const LoadOptions need{.required_files = {"model", "optimizer"}};
+  try {
+    load_checkpoint(two, need);
+    ADD_FAILURE() << "loaded a checkpoint without optimizer.safetensors";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no optimizer.safetensors (its manifest lists: model.safetensors)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(load_latest_valid(dir.path(), need)->step, 1);
+  EXPECT_EQ(load_latest_valid(dir.path())->step, 2);
+}

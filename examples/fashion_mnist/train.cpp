@@ -147,24 +147,50 @@ int train(const TrainConfig& cfg) {
           restart_count, cfg.ckpt_dir.c_str());
   }
   int64_t step = 0, start_epoch = 0, position = 0;
+  int64_t schedule_offset = 0;  // the LR schedule's step is step + this (non-zero after a world-size change)
+  if (!resume && !cfg.ckpt_dir.empty()) {
+    // A fresh run must not share a directory with an earlier run's checkpoints:
+    // after a restart it would resume from whichever step is highest, theirs or ours.
+    const auto steps = cohort::list_checkpoint_steps(cfg.ckpt_dir);
+    if (!steps.empty())
+      throw cohort::InvalidArgument(fmt::format(
+          "--checkpoint-dir {} already holds checkpoints of an earlier run (newest: step {}); pass --resume to "
+          "continue that run, or give an empty or new directory (or delete those checkpoints) to start over",
+          cfg.ckpt_dir, steps.back()));
+  }
   if (resume && !cfg.ckpt_dir.empty()) {
     // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
-    int64_t chosen = -1;
+    const cohort::LoadOptions lopts{.required_files = {"model", "optimizer"}};
+    std::string chosen;
     if (lead) {
-      auto latest = cohort::load_latest_valid(cfg.ckpt_dir);
+      auto latest = cohort::load_latest_valid(cfg.ckpt_dir, lopts);
       if (latest) {
-        chosen = latest->step;
+        chosen = latest->path;
         for (const auto& s : latest->skipped) std::printf("resume: skipped %s\n", s.c_str());
       }
     }
-    pg->broadcast(cohort::Buffer{&chosen, 1, cohort::DType::I64})->wait();
-    if (chosen >= 0) {
-      auto ck = cohort::load_checkpoint(fmt::format("{}/step_{:09d}", cfg.ckpt_dir, chosen));
+    chosen = cohort::torch::broadcast_string(*pg, chosen, 0);
+    if (!chosen.empty()) {
+      auto ck = cohort::load_checkpoint(chosen, lopts);
       cohort::torch::load_module_state(*model.module, ck.files.at("model"));
       cohort::torch::load_optimizer_state(opt, ck.files.at("optimizer"));
       step = ck.step;
       start_epoch = ck.manifest.epoch;
-      position = ck.manifest.world_size == world ? ck.manifest.sampler_position : 0;
+      position = ck.manifest.sampler_position;
+      if (ck.manifest.world_size != world) {
+        // Every rank of the old world took sampler_position samples of the
+        // epoch's permutation, together its first sampler_position x old world
+        // entries; here each rank skips its share of those (a few may repeat).
+        // The LR schedule continues from the same point of the run.
+        const int64_t seen = position * ck.manifest.world_size;
+        position = std::min<int64_t>(seen / world, sampler.size());
+        schedule_offset = start_epoch * steps_per_epoch + (position + cfg.batch_size - 1) / cfg.batch_size - step;
+        if (lead)
+          std::printf("resume: the checkpoint was written by %d ranks, this run has %d: the epoch continues after its "
+                      "first %lld samples, the learning-rate schedule at its step %lld of %lld\n",
+                      ck.manifest.world_size, world, static_cast<long long>(seen),
+                      static_cast<long long>(step + schedule_offset), static_cast<long long>(total_steps));
+      }
       if (auto it = ck.manifest.rng_states.find("torch_cpu"); it != ck.manifest.rng_states.end())
         cohort::torch::set_cpu_rng_state(it->second);
       if (lead)
@@ -238,7 +264,7 @@ int train(const TrainConfig& cfg) {
       const int64_t b = batch->size();
       auto x = torch::from_blob(batch->x.data(), {b, 1, 28, 28});
       auto y = torch::from_blob(batch->y.data(), {b}, torch::kLong);
-      opt.param_groups()[0].options().set_lr(cohort::torch::warmup_cosine_lr(step, cfg.warmup_steps, total_steps, peak_lr));
+      opt.param_groups()[0].options().set_lr(cohort::torch::warmup_cosine_lr(step + schedule_offset, cfg.warmup_steps, total_steps, peak_lr));
       cohort::torch::zero_grad(opt);  // set to none: backward hands over fresh gradients (no zeroing pass)
       ddp.pre_forward();
       torch::Tensor loss;
@@ -296,7 +322,8 @@ int train(const TrainConfig& cfg) {
                     loss_sum / loss_n, rate, eta(secs(epoch_start, t1) / std::max(done, 1e-9) * (1 - done)).c_str());
         std::fflush(stdout);
       }
-      if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0) save(epoch, pos);
+      // At the epoch's last step the save after the epoch (epoch + 1, position 0) follows: one save, not two of one step.
+      if (cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0 && pos < sampler.size()) save(epoch, pos);
       if (rank == cfg.fault_rank && step == cfg.fault_step && restart_count == 0) {
         std::fflush(stdout);
         raise(SIGKILL);

@@ -116,6 +116,9 @@ struct SaveOptions {
 struct LoadOptions {
   bool verify_checksums = true;  // false skips the CRC32C pass (sizes are still checked)
   Filesystem* fs = nullptr;      // nullptr: posix_filesystem()
+  // Files (names without ".safetensors") a checkpoint must have: one without
+  // them is a FormatError, so load_latest_valid falls back past it.
+  std::vector<std::string> required_files;
 };
 
 struct FileInfo {

@@ -105,4 +105,7 @@ DType to_dtype(::torch::ScalarType t);
 // Averages a scalar (loss, accuracy counts) across the group.
 double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op = ReduceOp::Sum);
 
+// `root`'s string on every rank (a checkpoint path chosen by rank 0, ...).
+std::string broadcast_string(ProcessGroup& group, std::string value, int root = 0);
+
 }  // namespace cohort::torch

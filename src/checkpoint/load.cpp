@@ -74,6 +74,14 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
   if (auto dir_step = parse_step_dir_name(base); dir_step && *dir_step != pm.step)
     throw FormatError(fmt::format("checkpoint '{}': the manifest says step {} but the directory is named for step {}; "
                                   "was it renamed by hand?", path, pm.step, *dir_step));
+  for (const std::string& name : options.required_files)
+    if (!pm.files.contains(name + std::string(kTensorFileSuffix))) {
+      std::string have;
+      for (const auto& [file, info] : pm.files) have += (have.empty() ? "" : ", ") + file;
+      throw FormatError(fmt::format("checkpoint '{}' has no {}{} (its manifest lists: {}); it was written by another "
+                                    "program or edited",
+                                    path, name, kTensorFileSuffix, have.empty() ? "no files" : have));
+    }
   LoadedCheckpoint out;
   out.path = path;
   out.step = pm.step;

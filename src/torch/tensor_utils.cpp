@@ -97,4 +97,12 @@ double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op) {
   return value;
 }
 
+std::string broadcast_string(ProcessGroup& group, std::string value, int root) {
+  int64_t n = static_cast<int64_t>(value.size());
+  group.broadcast(Buffer{&n, 1, DType::I64}, {.root = root})->wait();
+  value.resize(static_cast<size_t>(n));
+  if (n > 0) group.broadcast(Buffer{value.data(), static_cast<size_t>(n), DType::U8}, {.root = root})->wait();
+  return value;
+}
+
 }  // namespace cohort::torch

@@ -104,3 +104,35 @@ TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
 }
 
 }  // namespace
+
+TEST(Resume, AFreshRunRefusesADirectoryWithAnEarlierRunsCheckpoints) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);
+  // Without --resume a second run would mix its checkpoints with the first's
+  // (and a restart would resume from whichever step is highest): refused.
+  auto again = lt::run(job(base + "/a", {}, 25), env, 600);
+  EXPECT_NE(again.status, 0);
+  EXPECT_NE(again.err.find("already holds checkpoints of an earlier run (newest: step 20); pass --resume"),
+            std::string::npos)
+      << again.err;
+  fs::remove_all(base);
+}
+
+TEST(Resume, AnotherWorldSizeContinuesTheEpochWhereTheOldWorldStopped) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // 2 ranks: checkpoint at step 20
+  std::vector<std::string> one = job(base + "/a", {"--resume"}, 24);
+  one[3] = "1";  // --nproc-per-node 1
+  auto r = lt::run(one, env, 600);
+  ASSERT_EQ(r.status, 0) << r.err;
+  // 20 steps x 64 images x 2 ranks = 2560 samples of epoch 0 were trained: one rank continues after them.
+  EXPECT_NE(r.out.find("written by 2 ranks, this run has 1: the epoch continues after its first 2560 samples"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("epoch 0, step 20, sample 2560 of the epoch"), std::string::npos) << r.out;
+  fs::remove_all(base);
+}
