@@ -256,6 +256,8 @@ class Reducer {
   bool finalize();
 
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  // True while a no_sync() guard is alive.
+  bool in_no_sync() const;
 
   // The parameter's gradient storage changed (or became nullptr).
   void set_grad(size_t param, void* grad);

@@ -437,6 +437,11 @@ void Reducer::enter_no_sync() {
   ++s.no_sync_depth;
 }
 
+bool Reducer::in_no_sync() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->no_sync_depth > 0;
+}
+
 void Reducer::leave_no_sync() {
   std::lock_guard<std::mutex> g(impl_->mu);
   --impl_->no_sync_depth;

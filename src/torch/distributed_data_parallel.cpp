@@ -11,6 +11,8 @@
 // backward completes and calls Reducer::finalize(): waits for every bucket's
 // allreduce and writes the averages into .grad. So loss.backward() returns
 // with averaged gradients, as in PyTorch.
+#include <cstring>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -44,8 +46,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
     : module_(std::move(module)), group_(std::move(group)), opts_(std::move(opts)) {
   if (!module_) throw InvalidArgument("DistributedDataParallel: the module is null");
   if (!group_) throw InvalidArgument("DistributedDataParallel: the process group is null (call cohort::init_process_group())");
+  std::vector<::torch::Tensor> frozen;  // not trained here, but every replica must start from rank 0's values
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
+    if (!item.value().requires_grad()) {
+      frozen.push_back(item.value());
+      continue;
+    }
     if (!item.value().is_contiguous())
       throw InvalidArgument(fmt::format("DistributedDataParallel: parameter '{}' is not contiguous", item.key()));
     names_.push_back(item.key());
@@ -55,6 +61,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
 
   check_same_parameters(*group_, names_, params_);
   std::vector<::torch::Tensor> all = params_;
+  all.insert(all.end(), frozen.begin(), frozen.end());
   all.insert(all.end(), buffers_.begin(), buffers_.end());
   broadcast_tensors(*group_, all, 0);
 
@@ -96,6 +103,19 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
 
 DistributedDataParallel::~DistributedDataParallel() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  // A .grad that is a view of a bucket (gradient_as_bucket_view) would point
+  // into freed memory once the reducer goes: it keeps its values in a copy.
+  try {
+    ::torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto& g = params_[i].mutable_grad();
+      if (g.defined() && g.numel() > 0 && g.data_ptr() == reducer_->bucket_slot(i)) g = g.clone();
+    }
+  } catch (...) {
+    // Out of memory while copying: drop the gradients rather than leave them dangling.
+    for (auto& p : params_)
+      if (p.grad().defined() && p.grad().numel() > 0) p.mutable_grad().reset();
+  }
 }
 
 void DistributedDataParallel::pre_forward() {
@@ -105,7 +125,10 @@ void DistributedDataParallel::pre_forward() {
 }
 
 void DistributedDataParallel::on_grad_ready(size_t i) {
-  if (!callback_queued_.exchange(true)) {
+  // Under no_sync there is nothing to finalize, and a backward that fails
+  // never runs its callbacks: queueing one there could leave the flag set and
+  // skip the next synced backward's finalize (gradients never averaged).
+  if (!reducer_->in_no_sync() && !callback_queued_.exchange(true)) {
     ::torch::autograd::Engine::get_default_engine().queue_callback([this] {
       callback_queued_.store(false);
       finalize();
@@ -113,10 +136,17 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   }
   const auto& g = params_[i].grad();
   if (!g.defined()) {
-    reducer_->set_grad(i, nullptr);
-    reducer_->mark_ready(i, nullptr);
+    // The hook can fire without a gradient (a custom Function returned an
+    // undefined one for this parameter): that counts as zeros, as in PyTorch.
+    void* slot = reducer_->bucket_slot(i);
+    if (!reducer_->in_no_sync() && params_[i].numel() > 0) std::memset(slot, 0, params_[i].nbytes());
+    reducer_->mark_ready(i, slot);
     return;
   }
+  if (g.is_sparse())
+    throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is sparse (an Embedding with "
+                                      "sparse=true?); cohort averages dense gradients only: make it dense",
+                                      names_[i]));
   if (!g.is_contiguous() || g.scalar_type() != params_[i].scalar_type())
     throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is not a contiguous {} tensor",
                                       names_[i], c10::toString(params_[i].scalar_type())));

@@ -2,13 +2,15 @@
 // check that every rank built the same model.
 #include <fmt/format.h>
 
+#include <optional>
 #include <sstream>
 
 #include "cohort/torch.hpp"
 
 namespace cohort::torch {
 
-DType to_dtype(::torch::ScalarType t) {
+namespace {
+std::optional<DType> known_dtype(::torch::ScalarType t) {
   switch (t) {
     case ::torch::kFloat: return DType::F32;
     case ::torch::kDouble: return DType::F64;
@@ -18,11 +20,16 @@ DType to_dtype(::torch::ScalarType t) {
     case ::torch::kByte: return DType::U8;
     case ::torch::kInt: return DType::I32;
     case ::torch::kLong: return DType::I64;
-    default:
-      throw InvalidArgument(fmt::format("tensor dtype {} cannot be communicated; use float, double, half, bfloat16 or an "
-                                        "integer type",
-                                        c10::toString(t)));
+    default: return std::nullopt;
   }
+}
+}  // namespace
+
+DType to_dtype(::torch::ScalarType t) {
+  if (auto d = known_dtype(t)) return *d;
+  throw InvalidArgument(fmt::format("tensor dtype {} cannot be communicated; use float, double, half, bfloat16 or an "
+                                    "integer type",
+                                    c10::toString(t)));
 }
 
 void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root) {
@@ -32,8 +39,11 @@ void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& 
     if (t.numel() == 0) continue;
     ::torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
     if (!t.is_contiguous()) copies.emplace_back(t, c);
-    works.push_back(group.broadcast(Buffer{c.data_ptr(), static_cast<size_t>(c.numel()), to_dtype(c.scalar_type())},
-                                    {.root = root}));
+    // A broadcast reduces nothing: bool, int16, complex, ... travel as their bytes.
+    const std::optional<DType> d = known_dtype(c.scalar_type());
+    const Buffer buf = d ? Buffer{c.data_ptr(), static_cast<size_t>(c.numel()), *d}
+                         : Buffer{c.data_ptr(), static_cast<size_t>(c.nbytes()), DType::U8};
+    works.push_back(group.broadcast(buf, {.root = root}));
   }
   for (auto& w : works) w->wait();
   ::torch::NoGradGuard no_grad;

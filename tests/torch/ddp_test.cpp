@@ -405,6 +405,113 @@ TEST(DdpErrors, BroadcastMakesReplicasEqual) {
   });
 }
 
+// Frozen parameters (requires_grad false) are not reduced, but every replica
+// must still start from rank 0's values, as PyTorch's broadcast of the state does.
+// A bool buffer (a mask) is broadcast too, as its bytes.
+TEST(DdpErrors, FrozenParametersAndBoolBuffersAreBroadcast) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    Net net;
+    auto emb = net->register_parameter("emb", torch::full({4}, pg.rank() + 1.0), /*requires_grad=*/false);
+    auto mask = net->register_buffer("mask", torch::ones({3, 3}, torch::kBool).tril(pg.rank() == 0 ? 0 : -1));
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    EXPECT_TRUE(torch::equal(emb, torch::full({4}, 1.0))) << "rank " << pg.rank();
+    EXPECT_TRUE(torch::equal(mask, torch::ones({3, 3}, torch::kBool).tril())) << "rank " << pg.rank();
+  });
+}
+
+// With gradient_as_bucket_view .grad is a view of a bucket: destroying the DDP
+// object must leave the module with gradients it owns, not dangling views.
+TEST(DdpErrors, GradientsOutliveTheDdpObject) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    Net net;
+    std::vector<torch::Tensor> inside;
+    std::vector<void*> views;
+    {
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, ddp_options(/*bucket_view=*/true));
+      ddp.pre_forward();
+      torch::mse_loss(net->forward(inputs(pg.rank() * kLocal, kLocal)), targets(pg.rank() * kLocal, kLocal)).backward();
+      inside = grads_of(*net);
+      for (auto& p : net->parameters()) views.push_back(p.grad().data_ptr());
+    }
+    std::vector<torch::Tensor> after;
+    for (auto& p : net->parameters()) after.push_back(p.grad());
+    for (size_t i = 0; i < after.size(); ++i)
+      EXPECT_NE(after[i].data_ptr(), views[i]) << "param " << i << " still points into the freed bucket";
+    expect_close(after, inside, 1e-12, pg.rank());
+  });
+}
+
+// A gradient that arrives undefined (a custom Function returns none for it)
+// counts as zeros, as in PyTorch: not an error, and with gradient_as_bucket_view
+// not the previous step's average left in the bucket.
+struct NoGradForWeight : torch::autograd::Function<NoGradForWeight> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor w) {
+    ctx->save_for_backward({w});
+    return x * w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    return {g[0] * ctx->get_saved_variables()[0], torch::Tensor()};
+  }
+};
+TEST(DdpErrors, UndefinedGradientsCountAsZeros) {
+  for (bool bucket_view : {false, true}) {
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      auto pgp = borrowed(pg);
+      auto m = std::make_shared<torch::nn::Module>();
+      auto w = m->register_parameter("w", torch::ones({3}));
+      cohort::torch::DistributedDataParallel ddp(m, pgp, ddp_options(bucket_view));
+      torch::optim::SGD opt({w}, torch::optim::SGDOptions(0.0));
+      auto x = torch::ones({3}, torch::requires_grad());
+      ddp.pre_forward();
+      (w * (pg.rank() + 1.0)).sum().backward();  // a real gradient first: the average is 1.5
+      EXPECT_TRUE(torch::allclose(w.grad(), torch::full({3}, 1.5)));
+      cohort::torch::zero_grad(opt);
+      ddp.pre_forward();
+      NoGradForWeight::apply(x, w).sum().backward();
+      ASSERT_TRUE(w.grad().defined()) << "rank " << pg.rank();
+      EXPECT_TRUE(torch::equal(w.grad(), torch::zeros({3}))) << "rank " << pg.rank() << ": " << w.grad();
+    });
+  }
+}
+
+// A backward that fails under no_sync (the user skips that micro-batch) must
+// not leave DDP unable to average the next synced backward.
+TEST(DdpErrors, AFailedNoSyncBackwardDoesNotSkipTheNextAverage) {
+  const auto want = reference_grads(kLocal * 2, 1);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    Net net;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    const int64_t from = pg.rank() * kLocal;
+    {
+      auto guard = ddp.no_sync();
+      auto h = torch::tanh(net->fc1->forward(inputs(from, kLocal)));
+      h.register_hook([](torch::Tensor) -> torch::Tensor { throw std::runtime_error("bad batch"); });
+      EXPECT_THROW(torch::mse_loss(net->fc2->forward(h), targets(from, kLocal)).backward(), std::exception);
+    }
+    for (auto& p : net->parameters()) p.mutable_grad().reset();  // drop the half-done micro-batch
+    torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+    expect_close(grads_of(*net), want, 1e-5, pg.rank());
+  });
+}
+
+TEST(DdpErrors, SparseGradientsAreNamed) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    auto emb = torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
+    cohort::torch::DistributedDataParallel ddp(emb.ptr(), pgp);
+    try {
+      emb->forward(torch::tensor({1, 2}, torch::kLong)).sum().backward();
+      ADD_FAILURE() << "a sparse gradient was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("the gradient of 'weight' is sparse"), std::string::npos) << e.what();
+    }
+  });
+}
+
 TEST(TrainUtils, WarmupCosineAndClipping) {
   EXPECT_DOUBLE_EQ(cohort::torch::warmup_cosine_lr(0, 10, 110, 1.0), 0.1);
   EXPECT_DOUBLE_EQ(cohort::torch::warmup_cosine_lr(9, 10, 110, 1.0), 1.0);
