@@ -258,6 +258,11 @@ class Reducer {
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
   // True while a no_sync() guard is alive.
   bool in_no_sync() const;
+  // With find_unused_parameters, after a finalize() that returned true: false
+  // when no rank had a gradient for the parameter in that iteration (its
+  // result is zeros; PyTorch leaves such a .grad as it was, none stays none).
+  // Always true without find_unused_parameters.
+  bool used_anywhere(size_t param) const;
 
   // The parameter's gradient storage changed (or became nullptr).
   void set_grad(size_t param, void* grad);

@@ -72,6 +72,9 @@ struct Reducer::Impl {
   mutable std::mutex mu;
   bool open = false;  // a synced iteration began and was not finalized
   std::vector<char> ready;
+  // find_unused_parameters: after finalize, 1 where some rank had a gradient
+  // for the parameter this iteration (PyTorch's local_used_map, allreduced).
+  std::vector<uint8_t> used_anywhere;
   size_t ready_count = 0;
   size_t next_launch = 0;
   size_t next_poll = 0;  // buckets before it were seen complete (collectives complete in issue order)
@@ -91,7 +94,8 @@ struct Reducer::Impl {
         bucket_of(params.size()),
         offset_of(params.size()),
         hook(opts.comm_hook ? opts.comm_hook : allreduce_avg_hook()),
-        ready(params.size(), 0) {
+        ready(params.size(), 0),
+        used_anywhere(params.size(), 1) {
     std::vector<size_t> at(plan.size());
     size_t total = 0;
     for (size_t b = 0; b < plan.size(); ++b) {
@@ -304,6 +308,11 @@ struct Reducer::Impl {
       return false;
     }
     std::vector<size_t> unused = unready();
+    // Which parameters had a gradient here (marked, or accumulated under
+    // no_sync): every rank sends its map with the buckets, so that a
+    // parameter no rank used can keep "no gradient" (the optimizer skips it).
+    std::vector<uint8_t> used(params.size(), 1);
+    for (size_t p : unused) used[p] = params[p].grad != nullptr;
     if (!unused.empty()) {
       if (!opts.find_unused_parameters) {
         std::string m = msg::unready_at_finalize(group.rank(), stats.iteration, params, unused);
@@ -327,6 +336,18 @@ struct Reducer::Impl {
     }
     COHORT_ASSERT(next_launch == buckets.size(), "finalize: every bucket is complete but not every bucket launched");
     stats.wait_started = std::chrono::steady_clock::now();
+    if (opts.find_unused_parameters && !params.empty()) {
+      try {
+        group.allreduce(Buffer{used.data(), used.size(), DType::U8}, {.op = ReduceOp::Max, .timeout = opts.timeout})
+            ->wait(opts.timeout);
+      } catch (const std::exception& e) {
+        failed = fmt::format("rank {}: this reducer can no longer be used: exchanging which parameters were used in "
+                             "iteration {} failed: {}",
+                             group.rank(), stats.iteration, e.what());
+        throw;
+      }
+      used_anywhere = std::move(used);
+    }
 
     for (size_t b = 0; b < buckets.size(); ++b) {
       CommFuture& f = buckets[b].future;
@@ -435,6 +456,12 @@ void Reducer::enter_no_sync() {
     throw Error(msg::no_sync_mid_backward(s.group.rank(), s.stats.iteration, s.ready_count, s.params.size()));
   s.open = false;  // a prepare_for_backward() with no marks yet: that pass is now unsynced
   ++s.no_sync_depth;
+}
+
+bool Reducer::used_anywhere(size_t param) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->check_param(param, "used_anywhere");
+  return impl_->used_anywhere[param] != 0;
 }
 
 bool Reducer::in_no_sync() const {

@@ -182,16 +182,19 @@ void DistributedDataParallel::finalize() {
   for (size_t i = 0; i < params_.size(); ++i) {
     void* slot = reducer_->bucket_slot(i);
     auto& g = params_[i].mutable_grad();
+    // No rank had a gradient for it (find_unused_parameters): none stays
+    // none, as in PyTorch, so the optimizer leaves it alone on every replica.
+    if (!g.defined() && !reducer_->used_anywhere(i)) continue;
     if (opts_.gradient_as_bucket_view) {
       // A fresh tensor from autograd (gradients set to none), or none at all
-      // (unused here): point .grad back at its slot, which holds the result.
+      // (unused here, used elsewhere): point .grad back at its slot, which holds the result.
       if (!g.defined() || g.data_ptr() != slot) {
         g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options());
         reducer_->set_grad(i, slot);
       }
     } else if (!g.defined()) {
-      // Unused on this rank with its gradient set to none: it still gets the
-      // average (zeros if no rank used it), so every replica takes the same step.
+      // Unused on this rank with its gradient set to none, used on another:
+      // it gets the average, so every replica takes the same step.
       g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options()).clone();
       reducer_->set_grad(i, g.data_ptr());
     }
