@@ -123,6 +123,21 @@ TEST(Launcher, ProgramArgumentsPassThroughUntouched) {
   EXPECT_EQ(env[0]["WORLD_SIZE"], "1");
 }
 
+// torchrun reads every flag's default from PET_<FLAG> (Kubeflow's PyTorchJob
+// configures it that way); the command line still wins.
+TEST(Launcher, PetEnvironmentVariablesAreFlagDefaults) {
+  auto r = lt::run({"run", lt::prog("launch_env")},
+                   {{"PET_NPROC_PER_NODE", "2"}, {"PET_STANDALONE", "1"}, {"PET_ROLE", "trainer"}});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto env = env_by_rank(r.out, 2);
+  EXPECT_EQ(env[1]["WORLD_SIZE"], "2");
+  EXPECT_EQ(env[1]["ROLE_NAME"], "trainer");
+  auto flag_wins = lt::run({"run", "--nproc-per-node", "1", lt::prog("launch_env")},
+                           {{"PET_NPROC_PER_NODE", "2"}, {"PET_STANDALONE", "1"}});
+  ASSERT_EQ(flag_wins.status, 0) << flag_wins.err;
+  EXPECT_EQ(env_by_rank(flag_wins.out, 1)[0]["WORLD_SIZE"], "1");
+}
+
 TEST(Launcher, PythonScriptsAndModulesRunWithPython) {
   if (system("python3 -c pass >/dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
   std::string dir = lt::temp_dir();
@@ -198,6 +213,34 @@ TEST(Launcher, SigtermToLauncherStopsWorkers) {
   EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
   EXPECT_TRUE(contains(r.err, "received SIGTERM; stopped 2 worker(s)")) << r.err;
   for (pid_t pid : pids) EXPECT_TRUE(lt::wait_gone(pid));
+  fs::remove_all(dir);
+}
+
+// Slurm and Kubernetes signal every process of a job at once: a worker that
+// fails just before the launcher's SIGTERM arrives must not turn the stop
+// into a restart (exit 143, not "restarting the workers").
+TEST(Launcher, AStopSignalDuringAFailureIsNotARestart) {
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "/bin/sh", "-c",
+              "if [ \"$LOCAL_RANK\" = 0 ]; then (sleep 0.03; kill -TERM $PPID) & exit 3; fi; exec sleep 60"},
+             {{"COHORT_TERM_TIMEOUT", "2s"}});
+  auto r = p.wait(60);
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  EXPECT_FALSE(contains(r.err, "restarting the workers")) << r.err;
+}
+
+// Children a worker left behind that ignore SIGTERM are SIGKILLed with its
+// process group when the launcher stops the job, even after the worker exited.
+TEST(Launcher, LeftoverChildrenIgnoringSigtermAreKilled) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", "/bin/sh", "-c",
+              "sh -c 'trap \"\" TERM; exec sleep 37' & echo $! > " + dir +
+                  "/$LOCAL_RANK.pid; if [ \"$LOCAL_RANK\" = 0 ]; then sleep 0.3; exit 1; fi; exec sleep 60"},
+             {{"COHORT_TERM_TIMEOUT", "500ms"}});
+  auto r = p.wait(60);
+  EXPECT_EQ(r.status, 1) << r.err;
+  auto pids = lt::wait_pid_files(dir, 2);
+  ASSERT_EQ(pids.size(), 2u);
+  for (pid_t pid : pids) EXPECT_TRUE(lt::wait_gone(pid)) << "child pid " << pid << " outlived the launcher";
   fs::remove_all(dir);
 }
 

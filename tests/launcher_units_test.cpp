@@ -50,6 +50,16 @@ TEST(LaunchOptions, Endpoint) {
     EXPECT_THROW(parse_endpoint(bad, 9), InvalidArgument) << bad;
 }
 
+TEST(LaunchOptions, BracketedIpv6MasterAddrReachesWorkersBare) {
+  LaunchOptions o;
+  o.command = {"prog"};
+  o.master_addr = "[::1]";  // torchrun's help asks for brackets; MASTER_ADDR must be the bare address
+  o.master_addr_given = true;
+  EXPECT_EQ(resolve_endpoints(o).master_addr, "::1");
+  o.standalone = true;
+  EXPECT_EQ(resolve_endpoints(o).master_addr, "::1");
+}
+
 TEST(LaunchOptions, EndpointsKeepTheStoreOffMasterPort) {
   LaunchOptions o;
   o.command = {"prog"};

@@ -68,39 +68,60 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->footer(kFooter);
   cmd->prefix_command();  // stop at PROGRAM; it and its arguments land in remaining()
 
+  // As torchrun, every torchrun flag can also come from PET_<FLAG> (Kubeflow's
+  // PyTorchJob sets PET_NNODES, PET_NODE_RANK, ...); a flag on the command line wins.
   cmd->add_option("--nproc-per-node,--nproc_per_node", f->nproc,
-                  "workers on this node: a number, or auto / cpu (one per CPU)")->capture_default_str();
+                  "workers on this node: a number, or auto / cpu (one per CPU)")->capture_default_str()
+      ->envname("PET_NPROC_PER_NODE");
   cmd->add_option("--nnodes", f->nnodes,
                   "number of nodes, N or MIN:MAX (MIN < MAX: elastic, needs --rdzv-backend c10d)")
-      ->capture_default_str();
-  cmd->add_option("--node-rank,--node_rank", f->node_rank, "rank of this node, 0..nnodes-1")->capture_default_str();
+      ->capture_default_str()
+      ->envname("PET_NNODES");
+  cmd->add_option("--node-rank,--node_rank", f->node_rank, "rank of this node, 0..nnodes-1")->capture_default_str()
+      ->envname("PET_NODE_RANK");
   cmd->add_option("--master-addr,--master_addr", f->master_addr, "MASTER_ADDR for the program (node 0's address)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->envname("PET_MASTER_ADDR");
   cmd->add_option("--master-port,--master_port", f->master_port,
-                  "MASTER_PORT for the program; the launcher's store uses MASTER_PORT+1")->capture_default_str();
-  cmd->add_flag("--standalone", f->standalone, "one node; pick free ports for the program and the launcher's store");
+                  "MASTER_PORT for the program; the launcher's store uses MASTER_PORT+1")->capture_default_str()
+      ->envname("PET_MASTER_PORT");
+  cmd->add_flag("--standalone", f->standalone, "one node; pick free ports for the program and the launcher's store")
+      ->envname("PET_STANDALONE");
   cmd->add_option("--rdzv-endpoint,--rdzv_endpoint", f->rdzv_endpoint,
-                  "HOST:PORT of the launcher's store, hosted by node 0 (default MASTER_ADDR:MASTER_PORT+1)");
+                  "HOST:PORT of the launcher's store, hosted by node 0 (default MASTER_ADDR:MASTER_PORT+1)")
+      ->envname("PET_RDZV_ENDPOINT");
   cmd->add_option("--rdzv-backend,--rdzv_backend", f->rdzv_backend,
                   "static (node 0 hosts the store, --node-rank given) or c10d (dynamic: ranks assigned, any start "
                   "order, MIN:MAX)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->envname("PET_RDZV_BACKEND");
   cmd->add_option("--rdzv-id,--rdzv_id,--run-id,--run_id", f->run_id, "job id, TORCHELASTIC_RUN_ID")
-      ->capture_default_str();
-  cmd->add_option("--role", f->role, "ROLE_NAME of the workers")->capture_default_str();
+      ->capture_default_str()
+      ->envname("PET_RDZV_ID");
+  cmd->add_option("--role", f->role, "ROLE_NAME of the workers")->capture_default_str()
+      ->envname("PET_ROLE");
   cmd->add_option("--max-restarts,--max_restarts", f->max_restarts,
-                  "restart all workers up to this many times after a failure")->capture_default_str();
+                  "restart all workers up to this many times after a failure")->capture_default_str()
+      ->envname("PET_MAX_RESTARTS");
   cmd->add_option("--log-dir,--log_dir", f->log_dir,
-                  "write each worker's stdout/stderr to DIR/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log");
+                  "write each worker's stdout/stderr to DIR/<run id>/attempt_<k>/<rank>/{stdout,stderr}.log")
+      ->envname("PET_LOG_DIR");
   cmd->add_option("-t,--tee", f->tee, "also write these streams to log files: 0 none, 1 stdout, 2 stderr, 3 both; "
-                                      "or per local rank, e.g. 0:3,1:2")->capture_default_str();
+                                      "or per local rank, e.g. 0:3,1:2")->capture_default_str()
+      ->envname("PET_TEE");
   cmd->add_option("-r,--redirects", f->redirects,
-                  "send these streams to log files instead of the console (values as --tee)")->capture_default_str();
-  cmd->add_flag("--no-python,--no_python", f->no_python, "run PROGRAM directly even when it ends in .py");
-  cmd->add_flag("-m,--module", f->module, "PROGRAM is a python module: run `python3 -u -m PROGRAM`");
-  cmd->add_option("--monitor-interval,--monitor_interval", f->monitor_interval, "accepted for torchrun; ignored");
-  cmd->add_option("--start-method,--start_method", f->start_method, "accepted for torchrun; ignored");
-  cmd->add_option("--rdzv-conf,--rdzv_conf", f->rdzv_conf, "accepted for torchrun; ignored");
+                  "send these streams to log files instead of the console (values as --tee)")->capture_default_str()
+      ->envname("PET_REDIRECTS");
+  cmd->add_flag("--no-python,--no_python", f->no_python, "run PROGRAM directly even when it ends in .py")
+      ->envname("PET_NO_PYTHON");
+  cmd->add_flag("-m,--module", f->module, "PROGRAM is a python module: run `python3 -u -m PROGRAM`")
+      ->envname("PET_MODULE");
+  cmd->add_option("--monitor-interval,--monitor_interval", f->monitor_interval, "accepted for torchrun; ignored")
+      ->envname("PET_MONITOR_INTERVAL");
+  cmd->add_option("--start-method,--start_method", f->start_method, "accepted for torchrun; ignored")
+      ->envname("PET_START_METHOD");
+  cmd->add_option("--rdzv-conf,--rdzv_conf", f->rdzv_conf, "accepted for torchrun; ignored")
+      ->envname("PET_RDZV_CONF");
   cmd->add_option("--bind", f->bind, "pin each local rank: auto (core when 2 <= local ranks <= cores, else none), "
                                      "none, numa (the CPUs of one NUMA node) or core (its own cores)")
       ->capture_default_str();

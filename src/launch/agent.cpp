@@ -88,7 +88,7 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::str
     if (!job.setup.bind.cpus.empty()) p.spawn.cpus = job.setup.bind.cpus[static_cast<size_t>(lr)];
     p.spawn.env = merge_environment(environ, worker_env_vars(env, lr));
     p.route = route_streams(job.opts, lr);
-    if (!job.setup.log_root.empty()) p.log_dir = worker_log_dir(job.setup.log_root, job.cohort_run_id, attempt, lr);
+    if (!job.setup.log_root.empty()) p.log_dir = worker_log_dir(job.setup.log_root, job.cohort_run_id, attempt, p.global_rank);
     plans.push_back(std::move(p));
   }
   return plans;
@@ -114,9 +114,13 @@ class Agent {
 
   int run() {
     if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
-    start_stores();
+    try {
+      start_stores();
+    } catch (const Interrupted& e) {
+      say(fmt::format("received {} while waiting for the store; stopping", signal_name(e.signal())));
+      return 128 + e.signal();
+    }
     if (job_.setup.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
-    if (!job_.setup.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.setup.log_root, job_.cohort_run_id));
     COHORT_INFO(kLaunch, "{}", describe_binding(job_.setup.bind_mode, job_.setup.bind));
     if (job_.setup.bind.oversubscribed)
       COHORT_WARN(kLaunch, "--bind core with {} local ranks on {} usable core(s): ranks share cores; --bind none lets "
@@ -172,6 +176,9 @@ class Agent {
         rdzv_->join(attempt, job_.cohort_run_id);
         joined_ = true;
       }
+      // After the join: a node other than 0 takes node 0's run id there.
+      if (attempt == 0 && !job_.setup.log_root.empty())
+        say(fmt::format("worker logs go to {}/{}", job_.setup.log_root, job_.cohort_run_id));
       if (attempt == 0 && opts_.preflight)
         if (int code = preflight(attempt); code >= 0) return code;
       std::vector<WorkerPlan> plans = plan_attempt(job_, attempt, job_.setup.exe, job_.setup.argv);

@@ -120,7 +120,12 @@ class ElasticAgent {
 
   int run() {
     if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
-    connect();
+    try {
+      connect();
+    } catch (const Interrupted& e) {
+      say(fmt::format("received {} while waiting for the store; stopping", signal_name(e.signal())));
+      return 128 + e.signal();
+    }
     if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
     if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, cohort_run_id_));
     COHORT_INFO(kLaunch, "{}", describe_binding(job_.bind_mode, job_.bind));

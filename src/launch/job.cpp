@@ -78,7 +78,7 @@ std::vector<WorkerPlan> plan_workers(const LaunchOptions& opts, const JobSetup& 
     if (!job.bind.cpus.empty()) p.spawn.cpus = job.bind.cpus[static_cast<size_t>(lr)];
     p.spawn.env = merge_environment(environ, worker_env_vars(env, lr));
     p.route = route_streams(opts, lr);
-    if (!job.log_root.empty()) p.log_dir = worker_log_dir(job.log_root, env.cohort_run_id, env.restart_count, lr);
+    if (!job.log_root.empty()) p.log_dir = worker_log_dir(job.log_root, env.cohort_run_id, env.restart_count, p.global_rank);
     plans.push_back(std::move(p));
   }
   return plans;

@@ -1,5 +1,6 @@
 #include "launch/monitor.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/wait.h>
@@ -7,9 +8,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <memory>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -32,6 +36,33 @@ using Outcome = AttemptResult::Outcome;
 // A poll timeout that caps every sleep, so a lost wake-up costs a second, not a hang.
 constexpr int kMaxSleepMs = 1000;
 constexpr int kFailureGraceMs = 100;
+
+// True if process group `pgid` has a member that is not a zombie. kill(-pgid, 0)
+// alone counts zombies too, and in a container whose init does not reap,
+// orphaned zombies linger; they need no signal.
+bool group_has_live_members(pid_t pgid) {
+  if (::kill(-pgid, 0) != 0 && errno != EPERM) return false;  // no member at all
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return true;
+  bool live = false;
+  while (dirent* e = ::readdir(proc)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    std::ifstream f(fmt::format("/proc/{}/stat", e->d_name));
+    std::string stat;
+    std::getline(f, stat);
+    const size_t close = stat.rfind(')');  // the command name may contain spaces and parentheses
+    if (close == std::string::npos) continue;
+    char state = 0;
+    long ppid = 0, pgrp = 0;
+    if (std::sscanf(stat.c_str() + close + 1, " %c %ld %ld", &state, &ppid, &pgrp) == 3 && pgrp == pgid &&
+        state != 'Z' && state != 'X') {
+      live = true;
+      break;
+    }
+  }
+  ::closedir(proc);
+  return live;
+}
 
 struct Worker {
   WorkerPlan* plan = nullptr;
@@ -127,6 +158,13 @@ class Monitor {
                 opts_.term_timeout.count());
   }
 
+  // True if a worker's process group still has a live member (the worker
+  // itself or what it started).
+  bool any_group_alive() const {
+    return std::any_of(workers_.begin(), workers_.end(),
+                       [](const Worker& w) { return w.pid > 0 && group_has_live_members(w.pid); });
+  }
+
   void kill_all(Clock::time_point now) {
     for (auto& w : workers_)
       if (w.pid > 0) signal_group(w.pid, SIGKILL);
@@ -178,6 +216,10 @@ class Monitor {
       COHORT_INFO(kLaunch, "received {}", signal_name(sig));
       if (result_.signal == 0) result_.signal = sig;
       result_.outcome = Outcome::Interrupted;
+      // A failure still in its grace period (reap) must not turn the stop into
+      // a restart: a scheduler that signals every process of a job at once
+      // often finds one worker already exiting.
+      pending_ = nullptr;
       auto now = Clock::now();
       if (stopping_ && !killed_) kill_all(now);  // asked twice: do not wait out the grace period
       begin_stop(now);
@@ -234,14 +276,18 @@ class Monitor {
                                   [](const Worker& w) { return w.pipe_fd[0] >= 0 || w.pipe_fd[1] >= 0; });
       if (!any_running) {
         if (!all_exited_at) all_exited_at = now;
-        if (!any_pipe) break;
-        if (now >= *all_exited_at + opts_.drain_timeout) {
+        // When stopping, children the workers left behind that ignore SIGTERM
+        // get SIGKILL at kill_at_ like the workers would have, instead of
+        // outliving the launcher (or running on through a restart).
+        const bool leftovers = stopping_ && !killed_ && any_group_alive();
+        if (!any_pipe && !leftovers) break;
+        if (any_pipe && now >= *all_exited_at + opts_.drain_timeout) {
           // Something the workers started still holds their output open: stop listening.
           COHORT_INFO(kLaunch, "worker output still open {} ms after the last exit; closing it",
                       opts_.drain_timeout.count());
           for (auto& w : workers_)
             for (int s = 0; s < 2; ++s) close_pipe(w, s);
-          break;
+          if (!leftovers) break;
         }
       }
       if (stopping_ && !killed_ && now >= kill_at_) kill_all(now);

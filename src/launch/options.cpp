@@ -204,19 +204,27 @@ void validate(const LaunchOptions& o) {
     throw InvalidArgument(fmt::format("--min-busbw {} applies to the pre-flight check only: add --preflight", o.min_busbw));
 }
 
+// "[::1]" -> "::1": torchrun's help writes IPv6 addresses in brackets, and
+// programs (gloo, our store) want the bare address in MASTER_ADDR.
+static std::string unbracketed(const std::string& addr) {
+  if (addr.size() >= 2 && addr.front() == '[' && addr.back() == ']') return addr.substr(1, addr.size() - 2);
+  return addr;
+}
+
 Endpoints resolve_endpoints(const LaunchOptions& o) {
   Endpoints e;
+  const std::string master_addr = unbracketed(o.master_addr);
   if (o.standalone) {
-    e.master_addr = o.master_addr_given ? o.master_addr : "127.0.0.1";
+    e.master_addr = o.master_addr_given ? master_addr : "127.0.0.1";
     e.store_bind = e.store_addr = "127.0.0.1";
     return e;  // ports 0: chosen by the agent
   }
-  HostPort store{o.master_addr, o.master_port + 1};
+  HostPort store{master_addr, o.master_port + 1};
   if (!o.rdzv_endpoint.empty()) store = parse_endpoint(o.rdzv_endpoint, o.master_port + 1);
   if (store.port > 65535)
     throw InvalidArgument(fmt::format("--master-port {} leaves no room for the launcher's store on port {}; "
                                       "use a lower port or give --rdzv-endpoint HOST:PORT", o.master_port, store.port));
-  e.master_addr = o.master_addr_given || o.rdzv_endpoint.empty() ? o.master_addr : store.host;
+  e.master_addr = o.master_addr_given || o.rdzv_endpoint.empty() ? master_addr : store.host;
   e.master_port = o.master_port;
   if (e.master_port == store.port) {
     if (o.master_port_given)

@@ -1,6 +1,7 @@
 #include "launch/output.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -48,6 +49,11 @@ bool write_all(int fd, std::string_view data) {
     ssize_t n = ::write(fd, data.data(), data.size());
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {  // a non-blocking stdout that is full: wait, never drop
+        pollfd p{fd, POLLOUT, 0};
+        ::poll(&p, 1, 100);
+        continue;
+      }
       return false;
     }
     data.remove_prefix(static_cast<size_t>(n));
@@ -107,8 +113,8 @@ StreamRoute route_streams(const LaunchOptions& opts, int local_rank) {
   return r;
 }
 
-std::string worker_log_dir(const std::string& log_root, const std::string& run_id, int attempt, int local_rank) {
-  return fmt::format("{}/{}/attempt_{}/{}", log_root, run_id, attempt, local_rank);
+std::string worker_log_dir(const std::string& log_root, const std::string& run_id, int attempt, int global_rank) {
+  return fmt::format("{}/{}/attempt_{}/{}", log_root, run_id, attempt, global_rank);
 }
 
 }  // namespace cohort::launch

@@ -66,7 +66,9 @@ struct StreamRoute {
 };
 StreamRoute route_streams(const LaunchOptions& opts, int local_rank);
 
-// DIR/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log without the file name.
-std::string worker_log_dir(const std::string& log_root, const std::string& run_id, int attempt, int local_rank);
+// DIR/<run_id>/attempt_<k>/<global rank>/{stdout,stderr}.log without the file
+// name. The global rank, not the local one: with several nodes on a shared
+// file system their launchers write into the same DIR/<run_id>.
+std::string worker_log_dir(const std::string& log_root, const std::string& run_id, int attempt, int global_rank);
 
 }  // namespace cohort::launch
