@@ -101,6 +101,77 @@ TEST_P(Collectives, ManyAsyncOpsCompleteInOrder) {
   run_ranks(n, transport, check_many_async_ops_complete_in_order);
 }
 
+// Two messages to (and from) the same peer in one batch: they go in order,
+// not interleaved on the connection (sizes straddling the slot and chunk sizes).
+TEST_P(Collectives, BatchWithTwoMessagesToTheSamePeer) {
+  auto [transport_name, n] = GetParam();
+  if (n == 1) GTEST_SKIP() << "needs a peer";
+  run_ranks(n, base_transport(transport_name), [](ProcessGroup& pg) {
+    const int me = pg.rank(), right = (me + 1) % pg.size(), left = (me + pg.size() - 1) % pg.size();
+    for (size_t count : {size_t{16}, size_t{70000}, size_t{3000000}}) {
+      std::vector<float> a(count), b(2 * count), ra(count, -1), rb(2 * count, -1);
+      for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(me * 1000 + i % 997);
+      for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(-me * 1000 - static_cast<float>(i % 991));
+      pg.batch_isend_irecv({{P2POp::Send, buffer(a), right}, {P2POp::Send, buffer(b), right},
+                            {P2POp::Recv, buffer(ra), left}, {P2POp::Recv, buffer(rb), left}})
+          ->wait();
+      for (size_t i = 0; i < ra.size(); ++i)
+        ASSERT_EQ(ra[i], static_cast<float>(left * 1000 + i % 997)) << "first message, element " << i;
+      for (size_t i = 0; i < rb.size(); ++i)
+        ASSERT_EQ(rb[i], static_cast<float>(-left * 1000 - static_cast<float>(i % 991))) << "second, element " << i;
+    }
+    std::vector<float> x(8, 1.0f);
+    pg.allreduce(buffer(x))->wait();  // the connection is still in step
+    EXPECT_EQ(x[0], static_cast<float>(pg.size()));
+  });
+}
+
+// Point-to-point calls are not numbered with the collectives: a rank that
+// sent, one that received and one that did neither then agree on the
+// collective that follows (a pipeline's first, middle and last stage).
+TEST_P(Collectives, PointToPointDoesNotShiftCollectiveNumbers) {
+  auto [transport_name, n] = GetParam();
+  if (n < 3) GTEST_SKIP() << "needs a rank that takes no part";
+  run_ranks(n, base_transport(transport_name), [](ProcessGroup& pg) {
+    std::vector<int32_t> v(4, 7);
+    if (pg.rank() == 0) pg.send(buffer(v), 1)->wait();
+    if (pg.rank() == 1) pg.recv(buffer(v), 0)->wait();
+    std::vector<float> x(8, 1.0f);
+    pg.allreduce(buffer(x))->wait();
+    EXPECT_EQ(x[0], static_cast<float>(pg.size()));
+  });
+}
+
+// Scatter off the root may pass no send buffer at all; in place or
+// overlapping buffers give the same results as separate ones.
+TEST_P(Collectives, ScatterWithoutSendOffRootAndOverlappingBuffers) {
+  auto [transport_name, n] = GetParam();
+  run_ranks(n, base_transport(transport_name), [n = n](ProcessGroup& pg) {
+    const size_t per = 5, total = per * n;
+    std::vector<int32_t> all(total), part(per, -1);
+    for (size_t i = 0; i < total; ++i) all[i] = static_cast<int32_t>(i);
+    pg.scatter(pg.rank() == 0 ? buffer(all) : Buffer{}, buffer(part), {.root = 0})->wait();
+    for (size_t i = 0; i < per; ++i) ASSERT_EQ(part[i], static_cast<int32_t>(pg.rank() * per + i));
+
+    // reduce_scatter with recv at the start of send (not this rank's block).
+    std::vector<float> buf(total);
+    for (size_t i = 0; i < total; ++i) buf[i] = static_cast<float>(i);
+    pg.reduce_scatter(buffer(buf), Buffer{buf.data(), per, DType::F32})->wait();
+    for (size_t i = 0; i < per; ++i)
+      ASSERT_EQ(buf[i], static_cast<float>(n * (pg.rank() * per + i))) << "reduce_scatter element " << i;
+    // allgather in place (this rank's block already in recv), and alltoall in place.
+    std::vector<float> g(total, -1);
+    for (size_t i = 0; i < per; ++i) g[pg.rank() * per + i] = static_cast<float>(pg.rank());
+    pg.allgather(Buffer{g.data() + pg.rank() * per, per, DType::F32}, buffer(g))->wait();
+    for (size_t i = 0; i < total; ++i) ASSERT_EQ(g[i], static_cast<float>(i / per)) << "allgather element " << i;
+    std::vector<float> t(total);
+    for (size_t i = 0; i < total; ++i) t[i] = static_cast<float>(pg.rank() * 100 + i / per);
+    pg.alltoall(buffer(t), buffer(t))->wait();
+    for (size_t i = 0; i < total; ++i)
+      ASSERT_EQ(t[i], static_cast<float>((i / per) * 100 + pg.rank())) << "alltoall element " << i;
+  });
+}
+
 std::vector<Param> params() {
   std::vector<Param> p;
   for (std::string t : {"shm", "tcp"})

@@ -111,6 +111,40 @@ TEST(Half, ArrayConversionsMatchTheScalarOnes) {
   EXPECT_TRUE(std::isnan(core::half_to_float(nan_half)));
 }
 
+// Min and Max keep a NaN from either operand, so that ranks combining the same
+// data in different orders (recursive doubling: "mine op theirs" on both
+// sides) all end with NaN. Vector parts (n >= 8) and scalar tails, every float type.
+TEST(Reduce, MinAndMaxPropagateANaNFromEitherSide) {
+  const size_t n = 19;
+  for (DType t : {DType::F32, DType::F64, DType::F16, DType::BF16})
+    for (ReduceOp op : {ReduceOp::Min, ReduceOp::Max})
+      for (size_t at : {size_t{0}, size_t{9}, size_t{18}})
+        for (bool nan_left : {true, false}) {
+          std::vector<float> fa(n, 2.0f), fb(n, 3.0f);
+          (nan_left ? fa : fb)[at] = NAN;
+          const size_t es = dtype_size(t);
+          std::vector<uint8_t> a(n * es), b(n * es), d(n * es);
+          auto put = [&](const std::vector<float>& f, std::vector<uint8_t>& out) {
+            if (t == DType::F32) std::memcpy(out.data(), f.data(), n * 4);
+            if (t == DType::F64)
+              for (size_t i = 0; i < n; ++i) reinterpret_cast<double*>(out.data())[i] = f[i];
+            if (t == DType::F16 || t == DType::BF16) core::floats_to_half(f.data(), reinterpret_cast<uint16_t*>(out.data()), n, t);
+          };
+          put(fa, a);
+          put(fb, b);
+          core::reduce(d.data(), a.data(), b.data(), n, t, op);
+          auto get = [&](size_t i) -> double {
+            if (t == DType::F32) return reinterpret_cast<float*>(d.data())[i];
+            if (t == DType::F64) return reinterpret_cast<double*>(d.data())[i];
+            const uint16_t h = reinterpret_cast<uint16_t*>(d.data())[i];
+            return t == DType::F16 ? core::half_to_float(h) : core::bf16_to_float(h);
+          };
+          EXPECT_TRUE(std::isnan(get(at))) << dtype_name(t) << (op == ReduceOp::Min ? " min" : " max") << " element "
+                                           << at << (nan_left ? " NaN on the left" : " NaN on the right");
+          EXPECT_EQ(get(at == 0 ? 1 : 0), op == ReduceOp::Min ? 2.0 : 3.0) << dtype_name(t);
+        }
+}
+
 TEST(Reduce, VectorisedHalfReductionsMatchTheScalarOnes) {
   const std::vector<float> fa = awkward_floats();
   std::vector<float> fb(fa.rbegin(), fa.rend());  // pairs every value with another

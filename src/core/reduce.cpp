@@ -66,8 +66,15 @@ namespace {
 
 struct OpSum { template <class T> static T apply(T a, T b) { return a + b; } };
 struct OpProd { template <class T> static T apply(T a, T b) { return a * b; } };
-struct OpMin { template <class T> static T apply(T a, T b) { return b < a ? b : a; } };
-struct OpMax { template <class T> static T apply(T a, T b) { return a < b ? b : a; } };
+// Min and Max propagate a NaN from either side (as torch.minimum/maximum do),
+// so that every rank ends with the same value whatever order an algorithm
+// combines the ranks' data in (a plain b < a ? b : a keeps a NaN only on the left).
+template <class T>
+inline bool is_nan(T x) {
+  return x != x;  // false for integers
+}
+struct OpMin { template <class T> static T apply(T a, T b) { return is_nan(a) ? a : is_nan(b) ? b : b < a ? b : a; } };
+struct OpMax { template <class T> static T apply(T a, T b) { return is_nan(a) ? a : is_nan(b) ? b : a < b ? b : a; } };
 
 // Plain loops over T: GCC vectorises them at -O3 (with a runtime alias check).
 template <class T, class Op>
@@ -132,9 +139,18 @@ __attribute__((target("avx,f16c"))) size_t loop_f16c(uint16_t* dst, const uint16
 // The vector ops, as functors with the same target (so they inline into loop_f16c).
 struct VSum { __attribute__((target("avx"))) __m256 operator()(__m256 x, __m256 y) const { return _mm256_add_ps(x, y); } };
 struct VProd { __attribute__((target("avx"))) __m256 operator()(__m256 x, __m256 y) const { return _mm256_mul_ps(x, y); } };
-// OpMin(a, b) = b < a ? b : a, which is min_ps(b, a); OpMax likewise max_ps(b, a).
-struct VMin { __attribute__((target("avx"))) __m256 operator()(__m256 x, __m256 y) const { return _mm256_min_ps(y, x); } };
-struct VMax { __attribute__((target("avx"))) __m256 operator()(__m256 x, __m256 y) const { return _mm256_max_ps(y, x); } };
+// As OpMin / OpMax: min_ps(y, x) returns x when either is NaN (x's NaN kept);
+// a NaN in y alone is then put back by the unordered-compare blend.
+struct VMin {
+  __attribute__((target("avx"))) __m256 operator()(__m256 x, __m256 y) const {
+    return _mm256_blendv_ps(_mm256_min_ps(y, x), y, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+  }
+};
+struct VMax {
+  __attribute__((target("avx"))) __m256 operator()(__m256 x, __m256 y) const {
+    return _mm256_blendv_ps(_mm256_max_ps(y, x), y, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+  }
+};
 
 // The vector part of an f16 reduction, or 0 where the CPU has no F16C.
 size_t reduce_f16_vector(uint16_t* dst, const uint16_t* a, const uint16_t* b, size_t n, ReduceOp op) {

@@ -38,6 +38,11 @@ std::string env_or(const char* name, const char* dflt) {
 std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   std::string backend = opts.backend == "native" ? kBackend.str() : opts.backend;
   Millis timeout = opts.timeout.count() > 0 ? std::min(opts.timeout, core::kLongestWait) : kTimeout.millis();
+  if (timeout.count() == 0)
+    throw InvalidArgument(fmt::format("COHORT_TIMEOUT={} would time out every operation at once; use a positive "
+                                      "duration such as 300s (the default), or a very large one to wait as long as it "
+                                      "takes",
+                                      kTimeout.str()));
   // MPI knows rank and size itself and needs no store (group/mpi/, docs/mpi.md).
   if (backend == "mpi") return group::create_mpi_group(opts.rank, opts.world_size, timeout);
   // torchrun's, cohort run's, Open MPI's, PMI's or Slurm's variables (group/launch_env.hpp).

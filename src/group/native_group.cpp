@@ -25,6 +25,8 @@ const core::Knob kPipelineSeg{"COHORT_PIPELINE_BYTES", "256K", "segment size of 
 using collectives::Algo;
 using collectives::Coll;
 
+bool is_p2p(Coll c) { return c == Coll::Send || c == Coll::Recv || c == Coll::P2PBatch; }
+
 std::string describe_key(const transport::MsgKey& k) {
   if (k.kind == 1) return fmt::format("point-to-point message #{} (tag {})", k.seq, k.tag);
   return describe_call(k.seq, k.tag, k.count);
@@ -32,6 +34,10 @@ std::string describe_key(const transport::MsgKey& k) {
 
 // Both calls, by name: the heart of desync diagnosis.
 std::string mismatch_message(const transport::MessageMismatch& m) {
+  if (m.got == m.want && m.want.kind == 1)  // point-to-point keys carry no count: the sizes are the users'
+    return fmt::format("rank {} sent {} bytes for {} where this rank receives {} bytes; HINT: the send and the matching "
+                       "recv must have the same count and dtype",
+                       m.peer(), m.got_bytes, describe_key(m.want), m.want_bytes);
   if (m.got == m.want)
     return fmt::format("rank {} sent {} bytes for {} where this rank expected {} bytes; HINT: this is a cohort bug or "
                        "memory corruption",
@@ -84,9 +90,14 @@ WorkPtr NativeGroup::submit(OpDesc d) {
   validate(d, setup_.rank, setup_.size);
   std::unique_lock<std::mutex> lk(mu_);
   if (stopping_) throw Error(fmt::format("{}: the process group was shut down", collectives::coll_name(d.coll)));
-  d.seq = next_seq_++;
+  // Collectives are numbered alike on every rank (message keys, the flight
+  // recorder, hang verdicts); point-to-point calls are not (the two ends, and
+  // ranks that take no part, issue different numbers of them), so they have
+  // their own count and stay out of the recorder.
+  const bool p2p = is_p2p(d.coll);
+  d.seq = p2p ? next_p2p_seq_++ : next_seq_++;
   const bool run_inline = queue_.empty() && !busy_ && d.bytes() <= inline_max_;
-  recorder_.called(d.seq, d.fingerprint(), d.call_count(), run_inline);
+  if (!p2p) recorder_.called(d.seq, d.fingerprint(), d.call_count(), run_inline);
   if (run_inline) {
     auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
     run_locked(lk, d, *w);
@@ -105,14 +116,15 @@ void NativeGroup::run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkIm
   busy_ = true;
   lk.unlock();
   std::exception_ptr err;
-  recorder_.started(d.seq);
+  const bool recorded = !is_p2p(d.coll);
+  if (recorded) recorder_.started(d.seq);
   const int64_t t0 = core::timeline::enabled() ? core::timeline::now_ns() : 0;
   try {
     execute(d);
   } catch (...) {
     err = std::current_exception();
   }
-  recorder_.finished(d.seq, !err);
+  if (recorded) recorder_.finished(d.seq, !err);
   if (t0 != 0) record_op(setup_.group_id, setup_.rank, d, t0, core::timeline::now_ns(), err != nullptr);
   w.complete(err);
   lk.lock();
@@ -176,7 +188,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   const ReduceOp op = d.op == ReduceOp::Avg ? ReduceOp::Sum : d.op;
   const int n = setup_.size;
 
-  if (d.coll == Coll::Send || d.coll == Coll::Recv || d.coll == Coll::P2PBatch) {
+  if (is_p2p(d.coll)) {
     run_p2p(d, deadline);
     return;
   }
@@ -192,6 +204,17 @@ void NativeGroup::run_algorithm(OpDesc& d) {
                                       "COHORT_ALGO or name another allreduce algorithm",
                                       single_copy_why_));
   d.algo = c::algo_name(a);
+  // In place, or one buffer inside the other: the algorithms below read their
+  // input while they write their output, so they get a copy of the input
+  // (allreduce handles in place itself; partial overlap is refused there).
+  std::vector<uint8_t> input_copy;
+  const bool copy_input = d.coll == Coll::ReduceScatter || d.coll == Coll::Allgather || d.coll == Coll::Gather ||
+                          d.coll == Coll::Alltoall || d.coll == Coll::Reduce || d.coll == Coll::Scatter;
+  if (copy_input && sp != nullptr && rp != nullptr && d.send.bytes() > 0 && d.recv.bytes() > 0 &&
+      sp < rp + d.recv.bytes() && rp < sp + d.send.bytes()) {
+    input_copy.assign(sp, sp + d.send.bytes());
+    sp = input_copy.data();
+  }
   // Below allreduce_single_copy_min (and not forced by COHORT_ALGO), single copy runs only when every
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
   const bool shared_only = a == Algo::SingleCopy && !forced && d.bytes() < thresholds_.allreduce_single_copy_min;
@@ -234,16 +257,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       return;
     case Coll::Gather: c::gather_linear(comm, sp, rp, d.send.bytes(), d.root); return;
     case Coll::Scatter: c::scatter_linear(comm, sp, rp, d.recv.bytes(), d.root); return;
-    case Coll::Alltoall: {
-      const size_t b = d.send.bytes() / n;
-      if (sp == rp) {  // in place: the algorithm needs the input intact while it writes the output
-        uint8_t* copy = comm.scratch(d.send.bytes());
-        std::memcpy(copy, sp, d.send.bytes());
-        sp = copy;
-      }
-      c::alltoall_direct(comm, sp, rp, b);
-      return;
-    }
+    case Coll::Alltoall: c::alltoall_direct(comm, sp, rp, d.send.bytes() / n); return;
     case Coll::Barrier: c::barrier_dissemination(comm); return;
     case Coll::Send:
     case Coll::Recv:

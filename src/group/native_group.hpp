@@ -111,7 +111,8 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   bool busy_ = false;
   bool stopping_ = false;
   std::thread thread_;
-  uint64_t next_seq_ = 0;
+  uint64_t next_seq_ = 0;      // collectives
+  uint64_t next_p2p_seq_ = 0;  // send, recv, batches (numbered apart: see submit)
   std::vector<uint64_t> p2p_sent_, p2p_recvd_;
   std::exception_ptr broken_;
   int subgroups_ = 0;

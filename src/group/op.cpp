@@ -19,7 +19,9 @@ size_t OpDesc::bytes() const {
 }
 
 std::string OpDesc::describe() const {
-  const Buffer& b = (coll == Coll::Recv || coll == Coll::Broadcast) ? recv : send;
+  // The buffer whose count every rank gives alike (call_count, fingerprint).
+  const Buffer& b =
+      (coll == Coll::Recv || coll == Coll::Broadcast || coll == Coll::ReduceScatter || coll == Coll::Scatter) ? recv : send;
   std::string extra;
   switch (coll) {
     case Coll::Allreduce:
@@ -51,7 +53,9 @@ uint64_t OpDesc::call_count() const {
 }
 
 uint32_t OpDesc::fingerprint() const {
-  const Buffer& b = (coll == Coll::Recv || coll == Coll::Broadcast || coll == Coll::ReduceScatter) ? recv : send;
+  // Scatter: send is ignored (and may be empty) off the root.
+  const Buffer& b =
+      (coll == Coll::Recv || coll == Coll::Broadcast || coll == Coll::ReduceScatter || coll == Coll::Scatter) ? recv : send;
   const bool reduces = coll == Coll::Allreduce || coll == Coll::Reduce || coll == Coll::ReduceScatter;
   const bool rooted = coll == Coll::Broadcast || coll == Coll::Reduce || coll == Coll::Gather || coll == Coll::Scatter;
   uint32_t dt = coll == Coll::Barrier ? 0 : static_cast<uint32_t>(b.dtype);

@@ -37,17 +37,32 @@ Engine::Engine(Waiter* shm_waiter)
       spin_us_(static_cast<int>(kSpinUs.integer())),
       yield_us_(static_cast<int>(kYieldUs.integer())) {}
 
+namespace {
+// True if an op before ops[i] on the same connection is still incomplete. A
+// connection carries one message per direction at a time (the TCP stream and
+// the shm FIFO would interleave two), so a batch with two messages to or from
+// the same peer moves them in the order given.
+template <class Op>
+bool behind_same_peer(std::span<Op> ops, size_t i) {
+  for (size_t j = 0; j < i; ++j)
+    if (!ops[j].complete && ops[j].conn == ops[i].conn) return true;
+  return false;
+}
+}  // namespace
+
 bool Engine::progress_all(std::span<SendOp> sends, std::span<RecvOp> recvs, bool& all_done) {
   bool moved = false;
   all_done = true;
-  for (auto& s : sends) {
+  for (size_t i = 0; i < sends.size(); ++i) {
+    SendOp& s = sends[i];
     if (s.complete) continue;
-    moved |= s.conn->progress_send(s);
+    if (!behind_same_peer(sends, i)) moved |= s.conn->progress_send(s);
     all_done &= s.complete;
   }
-  for (auto& r : recvs) {
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    RecvOp& r = recvs[i];
     if (r.complete) continue;
-    moved |= r.conn->progress_recv(r);
+    if (!behind_same_peer(recvs, i)) moved |= r.conn->progress_recv(r);
     all_done &= r.complete;
   }
   return moved;
