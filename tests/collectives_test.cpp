@@ -2,6 +2,9 @@
 // threads, closed-form expected values (DESIGN.md habit 7).
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "collective_checks.hpp"
 #include "test_util.hpp"
 
@@ -169,6 +172,23 @@ TEST_P(Collectives, ScatterWithoutSendOffRootAndOverlappingBuffers) {
     pg.alltoall(buffer(t), buffer(t))->wait();
     for (size_t i = 0; i < total; ++i)
       ASSERT_EQ(t[i], static_cast<float>((i / per) * 100 + pg.rank())) << "alltoall element " << i;
+  });
+}
+
+// wait(timeout) returns after the caller's timeout, not the operation's; the
+// operation goes on and a later wait() sees it complete.
+TEST(Work, WaitWithATimeoutOfItsOwn) {
+  run_ranks(2, "shm", [](ProcessGroup& pg) {
+    std::vector<float> x(1 << 20, 1.0f);  // 4 MiB: queued, not run inline
+    if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    auto w = pg.allreduce(buffer(x));
+    if (pg.rank() == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_THROW(w->wait(std::chrono::milliseconds(200)), TimeoutError);
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1200));
+    }
+    w->wait();
+    EXPECT_EQ(x[0], 2.0f);
   });
 }
 

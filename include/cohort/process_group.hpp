@@ -29,8 +29,9 @@ class Work {
   virtual ~Work() = default;
   virtual bool is_completed() const = 0;
   // Blocks until the operation completes and rethrows its error, if any. A
-  // timeout of zero means the group's timeout. Throws TimeoutError if the
-  // operation has not completed in time (the operation itself keeps its own deadline).
+  // timeout of zero means the operation's own (its options' timeout, else the
+  // group's). Throws TimeoutError if the operation has not completed in time;
+  // the operation itself keeps its own deadline, so waiting again can succeed.
   virtual void wait(Millis timeout = Millis(0)) = 0;
   // The error the operation failed with, or nullptr (also while still running).
   virtual std::exception_ptr error() const = 0;

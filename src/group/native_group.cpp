@@ -99,12 +99,12 @@ WorkPtr NativeGroup::submit(OpDesc d) {
   const bool run_inline = queue_.empty() && !busy_ && d.bytes() <= inline_max_;
   if (!p2p) recorder_.called(d.seq, d.fingerprint(), d.call_count(), run_inline);
   if (run_inline) {
-    auto w = std::make_shared<WorkImpl>(d, setup_.timeout);
+    auto w = std::make_shared<WorkImpl>(d, d.timeout.count() > 0 ? d.timeout : setup_.timeout);
     run_locked(lk, d, *w);
     return w;
   }
   if (core::timeline::enabled()) d.queued_ns = core::timeline::now_ns();
-  auto w = std::make_shared<WorkImpl>(d, setup_.timeout, std::weak_ptr<WorkRunner>(weak_from_this()));
+  auto w = std::make_shared<WorkImpl>(d, d.timeout.count() > 0 ? d.timeout : setup_.timeout, std::weak_ptr<WorkRunner>(weak_from_this()));
   queue_.emplace_back(std::move(d), w);
   if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
   lk.unlock();

@@ -27,7 +27,9 @@ const core::Knob kWaitSpinUs{"COHORT_WAIT_SPIN_US", "20",
 }
 
 void WorkImpl::wait(Millis timeout) {
-  if (!done_.load(std::memory_order_acquire)) {
+  // Running the operation here would bind this wait to the operation's own
+  // deadline: with a timeout of its own the caller waits instead.
+  if (!done_.load(std::memory_order_acquire) && timeout.count() <= 0) {
     if (auto r = runner_.lock()) r->run_if_next(this);
   }
   if (!done_.load(std::memory_order_acquire)) {
@@ -41,9 +43,13 @@ void WorkImpl::wait(Millis timeout) {
     // The operation has its own deadline (its transport waits); this bound
     // only protects a caller whose operation is stuck behind others.
     // The slack lets a timed-out operation finish its hang verdict (hang_verdict.hpp) and report it.
-    if (!cv_.wait_for(lk, t + std::chrono::seconds(5), [&] { return done_.load(std::memory_order_acquire); }))
+    // Without a timeout of the caller's, the operation's own deadline ends it
+    // first; the slack lets it finish its hang verdict (hang_verdict.hpp) and
+    // report that. A caller's timeout is kept as given.
+    const Millis bound = timeout.count() > 0 ? t : t + std::chrono::seconds(5);
+    if (!cv_.wait_for(lk, bound, [&] { return done_.load(std::memory_order_acquire); }))
       throw TimeoutError(fmt::format("Work::wait timed out after {} ms on {}; the operation is still running",
-                                     t.count(), desc_.describe()));
+                                     bound.count(), desc_.describe()));
   }
   std::lock_guard<std::mutex> g(mu_);
   if (err_) std::rethrow_exception(err_);
