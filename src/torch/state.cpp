@@ -1,8 +1,10 @@
 // Modules and optimizers <-> named tensors for checkpoints (safetensors).
+#include <cstdio>
 #include <cstring>
 #include <map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
@@ -150,6 +152,34 @@ std::vector<NamedTensor> optimizer_state(::torch::optim::Optimizer& optimizer) {
   return out;
 }
 
+namespace {
+// State is saved by position (group<g>.param<k>.<field>): a checkpoint of
+// another model or another parameter grouping would otherwise hand one
+// parameter's moments to another. Every per-parameter tensor must name a
+// parameter the optimizer has and (except the step count) have its shape.
+void check_state_fits(const std::vector<NamedTensor>& tensors, const std::vector<::torch::optim::OptimizerParamGroup>& groups) {
+  for (const NamedTensor& t : tensors) {
+    size_t g = 0, k = 0;
+    int used = 0;
+    if (std::sscanf(t.name.c_str(), "group%zu.param%zu.%n", &g, &k, &used) != 2 || used == 0) continue;
+    const std::string field = t.name.substr(static_cast<size_t>(used));
+    if (g >= groups.size() || k >= groups[g].params().size())
+      throw InvalidArgument(fmt::format("load_optimizer_state: the saved state has '{}', but the optimizer has {} "
+                                        "group(s){}; was the checkpoint made for another model or parameter grouping?",
+                                        t.name, groups.size(),
+                                        g < groups.size() ? fmt::format(" and group {} has {} parameter(s)", g,
+                                                                        groups[g].params().size())
+                                                          : std::string()));
+    if (field == "step") continue;
+    const auto want = groups[g].params()[k].sizes().vec();
+    if (t.shape != want)
+      throw InvalidArgument(fmt::format("load_optimizer_state: '{}' has shape [{}] but parameter {} of group {} has "
+                                        "[{}]; was the checkpoint made for another model?",
+                                        t.name, fmt::join(t.shape, ", "), k, g, fmt::join(want, ", ")));
+  }
+}
+}  // namespace
+
 void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& tensors) {
   std::map<std::string, const NamedTensor*> by_name;
   for (const auto& t : tensors) by_name[t.name] = &t;
@@ -166,6 +196,7 @@ void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vecto
                                       kind == "sgd" ? "SGD" : "Adam/AdamW",
                                       kind == "sgd" ? "momentum buffers" : "moments and step counts",
                                       is_sgd ? "SGD" : (is_adamw ? "AdamW" : "Adam")));
+  check_state_fits(tensors, groups);
   for (size_t g = 0; g < groups.size(); ++g) {
     if (auto it = by_name.find(fmt::format("group{}.lr", g)); it != by_name.end())
       groups[g].options().set_lr(from_named(*it->second).item<double>());

@@ -88,6 +88,34 @@ TEST(OptimizerState, DamagedAdamStateNamesTheMissingTensor) {
   }
 }
 
+// State is saved by position: a state of another model (more parameters, or
+// other shapes at the same positions) is refused instead of handing one
+// parameter's momentum to another.
+TEST(OptimizerState, StateOfAnotherModelIsRefused) {
+  auto a = optimizer_test::make_params(3);
+  torch::optim::SGD sgd(a, torch::optim::SGDOptions(0.1).momentum(0.9));
+  step_with_grads(sgd, a, 0);
+  const auto saved = ct::optimizer_state(sgd);
+  auto fewer = clones(a);
+  fewer.pop_back();
+  torch::optim::SGD sgd_fewer(fewer, torch::optim::SGDOptions(0.1).momentum(0.9));
+  try {
+    ct::load_optimizer_state(sgd_fewer, saved);
+    FAIL() << "the state of 4 parameters was loaded into an optimizer of 3";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("group 0 has 3 parameter(s)"), std::string::npos) << e.what();
+  }
+  std::vector<torch::Tensor> reshaped;
+  for (auto& p : a) reshaped.push_back(torch::zeros({p.numel() + 1}));
+  torch::optim::SGD sgd_other(reshaped, torch::optim::SGDOptions(0.1).momentum(0.9));
+  try {
+    ct::load_optimizer_state(sgd_other, saved);
+    FAIL() << "momentum of another shape was loaded";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("another model"), std::string::npos) << e.what();
+  }
+}
+
 TEST(OptimizerState, UnsupportedOptimizerIsRefused) {
   auto a = optimizer_test::make_params(3);
   torch::optim::RMSprop rms(a, torch::optim::RMSpropOptions(0.01));
