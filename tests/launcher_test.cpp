@@ -138,6 +138,18 @@ TEST(Launcher, PetEnvironmentVariablesAreFlagDefaults) {
   EXPECT_EQ(env_by_rank(flag_wins.out, 1)[0]["WORLD_SIZE"], "1");
 }
 
+// torchrun's recipe for several single-node jobs on one machine: a c10d
+// rendezvous on port 0. Each job gets free ports of its own.
+TEST(Launcher, OneNodeC10dPicksFreePortsLikeStandalone) {
+  std::vector<std::string> ports;
+  for (int job = 0; job < 2; ++job) {
+    auto r = lt::run({"run", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1", lt::prog("launch_env")});
+    ASSERT_EQ(r.status, 0) << r.err;
+    ports.push_back(env_by_rank(r.out, 1)[0]["MASTER_PORT"]);
+    EXPECT_NE(ports.back(), "29500");
+  }
+}
+
 TEST(Launcher, PythonScriptsAndModulesRunWithPython) {
   if (system("python3 -c pass >/dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
   std::string dir = lt::temp_dir();

@@ -144,6 +144,13 @@ void add_run_command(CLI::App& app, int& exit_code) {
     o.standalone = f->standalone;
     o.rdzv_endpoint = f->rdzv_endpoint;
     o.rdzv_backend = f->rdzv_backend;
+    // torchrun with a c10d rendezvous on one node picks free ports (its docs
+    // suggest --rdzv-endpoint localhost:0 to run several such jobs on one
+    // machine): that is --standalone here; the endpoint has no one to meet.
+    if (o.rdzv_backend == "c10d" && o.nnodes == 1 && o.min_nnodes == 1 && !o.standalone) {
+      o.standalone = true;
+      o.rdzv_endpoint.clear();
+    }
     o.run_id = f->run_id;
     o.role = f->role;
     o.max_restarts = f->max_restarts;
