@@ -85,6 +85,21 @@ TEST(BadArgs, DifferentCollectivesAtTheSameStepAreReported) {
       << errs[0];
 }
 
+TEST(BadArgs, SubgroupListsThatDifferBetweenRanksAreNamed) {
+  testing::run_ranks(2, "shm", [](ProcessGroup& pg) {
+    // Rank 0 passes {0, 1}, rank 1 {1, 0}: each would think itself the new rank 0.
+    try {
+      pg.new_group(pg.rank() == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0});
+      ADD_FAILURE() << "different lists were accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(pg.rank() == 0 ? "passed [0,1] but rank 1 passed [1,0]"
+                                                          : "passed [1,0] but rank 0 passed [0,1]"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 TEST(BadArgs, SubgroupsWorkAndNonMembersGetNull) {
   testing::run_ranks(4, "shm", [](ProcessGroup& pg) {
     auto evens = pg.new_group({0, 2});

@@ -7,6 +7,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "collectives/tuner.hpp"
 #include "core/env.hpp"
@@ -168,6 +169,27 @@ std::shared_ptr<ProcessGroup> NativeGroup::new_group(const std::vector<int>& ran
   s.world_ranks.clear();
   for (int r : ranks) s.world_ranks.push_back(setup_.world_ranks[r]);
   s.store = std::make_shared<PrefixStore>("g" + id, setup_.root_store);
+  // Every member must pass the same list: each publishes its own (by its rank
+  // here) and reads the other members', so a mismatch is named instead of
+  // ending in a store timeout deep inside the setup.
+  const std::string mine = fmt::format("{}", fmt::join(ranks, ","));
+  s.store->set_string(fmt::format("members/{}", setup_.rank), mine);
+  for (int r : ranks) {
+    if (r == setup_.rank) continue;
+    std::string theirs;
+    try {
+      theirs = s.store->get_string(fmt::format("members/{}", r), setup_.timeout);
+    } catch (const TimeoutError&) {
+      throw TimeoutError(fmt::format(
+          "new_group #{} of group {}: rank {} is in this rank's list [{}] but did not make the same new_group call "
+          "within {} ms; HINT: every rank calls new_group in the same order, members or not, with the same list",
+          subgroups_, setup_.group_id, r, mine, setup_.timeout.count()));
+    }
+    if (theirs != mine)
+      throw InvalidArgument(fmt::format("new_group #{} of group {}: this rank (rank {}) passed [{}] but rank {} passed "
+                                        "[{}]; every rank must pass the same list, in the same order",
+                                        subgroups_, setup_.group_id, setup_.rank, mine, r, theirs));
+  }
   return NativeGroup::create(std::move(s));
 }
 
