@@ -25,7 +25,7 @@ test: build
 # the 2-rank allreduce benchmark, checked element by element.
 DEMO_EPOCHS ?= 5
 demo: build
-	rm -rf $(BUILD)/demo-ckpt  # a fresh run; the example refuses a directory holding an earlier run's checkpoints
+	rm -rf $(BUILD)/demo-ckpt  # a fresh run each time
 	$(BUILD)/cohort run --nproc-per-node 2 $(BUILD)/fashion_mnist --epochs $(DEMO_EPOCHS) --checkpoint-dir $(BUILD)/demo-ckpt
 	$(BUILD)/cohort run --nproc-per-node 2 $(BUILD)/cohort bench allreduce -b 8 -e 64M -f 8 -c 1
 

@@ -147,7 +147,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
     // torchrun with a c10d rendezvous on one node picks free ports (its docs
     // suggest --rdzv-endpoint localhost:0 to run several such jobs on one
     // machine): that is --standalone here; the endpoint has no one to meet.
-    if (o.rdzv_backend == "c10d" && o.nnodes == 1 && o.min_nnodes == 1 && !o.standalone) {
+    const bool any_endpoint = o.rdzv_endpoint.empty() || o.rdzv_endpoint.ends_with(":0");
+    if (o.rdzv_backend == "c10d" && o.nnodes == 1 && o.min_nnodes == 1 && !o.standalone && any_endpoint &&
+        !o.master_port_given) {
       o.standalone = true;
       o.rdzv_endpoint.clear();
     }

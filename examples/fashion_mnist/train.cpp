@@ -148,25 +148,46 @@ int train(const TrainConfig& cfg) {
   }
   int64_t step = 0, start_epoch = 0, position = 0;
   int64_t schedule_offset = 0;  // the LR schedule's step is step + this (non-zero after a world-size change)
-  if (!resume && !cfg.ckpt_dir.empty()) {
-    // A fresh run must not share a directory with an earlier run's checkpoints:
-    // after a restart it would resume from whichever step is highest, theirs or ours.
+  // The job's id, the same in every restart (cohort run's COHORT_RUN_ID, else
+  // torchrun's TORCHELASTIC_RUN_ID): saved with each checkpoint, so that a
+  // restart resumes this job's checkpoints only, never an earlier run's left
+  // in the same directory (which may have a higher step).
+  const char* run_env = std::getenv("COHORT_RUN_ID") ? std::getenv("COHORT_RUN_ID") : std::getenv("TORCHELASTIC_RUN_ID");
+  const std::string run_id = run_env != nullptr ? run_env : "";
+  if (!resume && !cfg.ckpt_dir.empty() && lead) {
     const auto steps = cohort::list_checkpoint_steps(cfg.ckpt_dir);
     if (!steps.empty())
-      throw cohort::InvalidArgument(fmt::format(
-          "--checkpoint-dir {} already holds checkpoints of an earlier run (newest: step {}); pass --resume to "
-          "continue that run, or give an empty or new directory (or delete those checkpoints) to start over",
-          cfg.ckpt_dir, steps.back()));
+      std::printf("note: --checkpoint-dir %s holds checkpoints of an earlier run (newest: step %lld); this run saves "
+                  "beside them and a restart resumes only its own (pass --resume to continue that run instead)\n",
+                  cfg.ckpt_dir.c_str(), static_cast<long long>(steps.back()));
   }
   if (resume && !cfg.ckpt_dir.empty()) {
     // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
     const cohort::LoadOptions lopts{.required_files = {"model", "optimizer"}};
     std::string chosen;
     if (lead) {
+      // --resume: the newest valid checkpoint. A restart: the newest of this job's.
       auto latest = cohort::load_latest_valid(cfg.ckpt_dir, lopts);
       if (latest) {
-        chosen = latest->path;
         for (const auto& s : latest->skipped) std::printf("resume: skipped %s\n", s.c_str());
+        if (cfg.resume || run_id.empty()) {
+          chosen = latest->path;
+        } else {
+          const auto steps = cohort::list_checkpoint_steps(cfg.ckpt_dir);
+          for (auto at = steps.rbegin(); at != steps.rend() && chosen.empty(); ++at) {
+            if (*at > latest->step) continue;
+            try {
+              auto c = *at == latest->step ? std::move(*latest)
+                                           : cohort::load_checkpoint(fmt::format("{}/step_{:09d}", cfg.ckpt_dir, *at), lopts);
+              if (nlohmann::json::parse(c.manifest.config).value("run", std::string()) == run_id)
+                chosen = c.path;
+              else
+                std::printf("resume: skipped %s: written by another run\n", c.path.c_str());
+            } catch (const cohort::IoError& e) {
+              std::printf("resume: skipped step %lld: %s\n", static_cast<long long>(*at), e.what());
+            }
+          }
+        }
       }
     }
     chosen = cohort::torch::broadcast_string(*pg, chosen, 0);
@@ -177,6 +198,9 @@ int train(const TrainConfig& cfg) {
       step = ck.step;
       start_epoch = ck.manifest.epoch;
       position = ck.manifest.sampler_position;
+      // The schedule's own step (it differs from `step` after an earlier change of world size).
+      if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object())
+        schedule_offset = sched.value("step", step) - step;
       if (ck.manifest.world_size != world) {
         // Every rank of the old world took sampler_position samples of the
         // epoch's permutation, together its first sampler_position x old world
@@ -218,9 +242,9 @@ int train(const TrainConfig& cfg) {
       m.sampler_position = pos;
       m.world_size = world;
       m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
-      m.lr_schedule = nlohmann::json{{"step", step}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
+      m.lr_schedule = nlohmann::json{{"step", step + schedule_offset}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
       m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr}, {"optimizer", cfg.optimizer},
-                                {"seed", cfg.seed}, {"world_size", world}}.dump();
+                                {"seed", cfg.seed}, {"world_size", world}, {"run", run_id}}.dump();
       cohort::save_checkpoint(cfg.ckpt_dir, step,
                               {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
                               m, {.keep_last = cfg.keep});

@@ -1,5 +1,6 @@
 #include "checkpoint/manifest.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <optional>
 
@@ -77,6 +78,18 @@ void check_manifest(const Manifest& m) {
   if (!config.is_object())
     throw InvalidArgument(fmt::format("checkpoint manifest: config must be the text of a JSON object (e.g. "
                                       "{{\"lr\": 0.1}}), not '{}'", m.config.substr(0, 200)));
+  // What parse_manifest accepts back (its depth limit), checked before anything is written.
+  for (const std::string* text : {&m.config, &m.lr_schedule}) {
+    int deepest = 0;
+    const json::parser_callback_t depth = [&](int d, json::parse_event_t, json&) {
+      deepest = std::max(deepest, d);
+      return true;
+    };
+    (void)json::parse(*text, depth, /*allow_exceptions=*/false);
+    if (deepest > kMaxDepth - 2)
+      throw InvalidArgument(fmt::format("checkpoint manifest: config and lr_schedule may nest at most {} levels",
+                                        kMaxDepth - 2));
+  }
   json lr = json::parse(m.lr_schedule, nullptr, /*allow_exceptions=*/false);
   if (lr.is_discarded())
     throw InvalidArgument(fmt::format("checkpoint manifest: lr_schedule must be JSON text (e.g. {{\"last_epoch\": "

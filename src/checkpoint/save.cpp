@@ -194,12 +194,23 @@ std::string save_checkpoint(const std::string& dir_arg, int64_t step,
       try {
         if (!fs.exists(final_dir)) fs.rename(old_dir, final_dir);
       } catch (...) {
-        // The next save removes old_dir; step X is lost, older steps are not.
+        // old_dir stays: the loader reads it under that name and the next save restores it.
       }
     }
     throw;
   }
-  if (moved_old) remove_quietly(fs, old_dir);
+  if (moved_old) {
+    // Renamed to a trash name first: a "-old" name left behind (its removal
+    // failed) would later be taken for a step moved aside by a crash and restored.
+    const std::string trash = join_path(dir, temp_dir_name(step, ::getpid(), "trash"));
+    try {
+      fs.rename(old_dir, trash);
+      remove_quietly(fs, trash);
+    } catch (const std::exception& e) {
+      COHORT_WARN(kInit, "checkpoint: could not rename '{}' away after the new step {} was saved: {}", old_dir, step,
+                  e.what());
+    }
+  }
   COHORT_INFO(kInit, "checkpoint: saved step {} to '{}'", step, final_dir);
 
   // 6. Retention.

@@ -131,7 +131,14 @@ IdxArray read_idx(const std::string& path) {
     std::vector<int64_t> dims;
     std::optional<uint64_t> numel;
     const size_t header = check_idx_header(gunzip(bytes, path, kMaxHeader), name, dims, numel);
-    const uint64_t limit = (numel && *numel <= SIZE_MAX - header - 1) ? header + *numel : SIZE_MAX - 1;
+    // Deflate expands at most ~1032:1: a header declaring more than that is refused before inflating.
+    const uint64_t most = static_cast<uint64_t>(bytes.size()) * 1032 + 1024;
+    if (!numel || *numel > most)
+      throw IoError(fmt::format("{}: its header declares {} u8 elements ({}), more than {} compressed bytes can hold; "
+                                "the file is damaged or not what its header says: download or reinstall it",
+                                name, numel ? std::to_string(*numel) : std::string("more than 2^64"),
+                                fmt::join(dims, "x"), bytes.size()));
+    const uint64_t limit = header + *numel;
     bool cut = false;
     bytes = gunzip(bytes, path, limit + 1, &cut);
     if (cut)

@@ -207,13 +207,26 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   // In place, or one buffer inside the other: the algorithms below read their
   // input while they write their output, so they get a copy of the input
   // (allreduce handles in place itself; partial overlap is refused there).
+  // The in-place layouts the algorithms handle themselves need no copy:
+  // reduce with send == recv, reduce_scatter with recv = send's block of this
+  // rank, allgather / gather with send = recv's block of this rank.
   std::vector<uint8_t> input_copy;
+  const size_t me = static_cast<size_t>(setup_.rank);
+  const bool supported_in_place = (d.coll == Coll::Reduce && sp == rp) ||
+                                  (d.coll == Coll::ReduceScatter && rp == sp + me * d.recv.bytes()) ||
+                                  ((d.coll == Coll::Allgather || d.coll == Coll::Gather) && sp == rp + me * d.send.bytes());
   const bool copy_input = d.coll == Coll::ReduceScatter || d.coll == Coll::Allgather || d.coll == Coll::Gather ||
                           d.coll == Coll::Alltoall || d.coll == Coll::Reduce || d.coll == Coll::Scatter;
-  if (copy_input && sp != nullptr && rp != nullptr && d.send.bytes() > 0 && d.recv.bytes() > 0 &&
-      sp < rp + d.recv.bytes() && rp < sp + d.send.bytes()) {
-    input_copy.assign(sp, sp + d.send.bytes());
-    sp = input_copy.data();
+  if (copy_input && !supported_in_place && sp != nullptr && rp != nullptr && d.send.bytes() > 0 &&
+      d.recv.bytes() > 0 && sp < rp + d.recv.bytes() && rp < sp + d.send.bytes()) {
+    if (d.coll == Coll::Alltoall) {  // alltoall_direct does not use the scratch buffer
+      uint8_t* copy = comm.scratch(d.send.bytes());
+      std::memcpy(copy, sp, d.send.bytes());
+      sp = copy;
+    } else {
+      input_copy.assign(sp, sp + d.send.bytes());
+      sp = input_copy.data();
+    }
   }
   // Below allreduce_single_copy_min (and not forced by COHORT_ALGO), single copy runs only when every
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.

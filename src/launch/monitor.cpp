@@ -299,7 +299,7 @@ class Monitor {
       auto wake = now + std::chrono::milliseconds(kMaxSleepMs);
       if (stopping_ && !killed_) wake = std::min(wake, kill_at_);
       if (killed_) wake = std::min(wake, give_up_at_);
-      if (all_exited_at) wake = std::min(wake, *all_exited_at + opts_.drain_timeout);
+      if (all_exited_at && any_pipe) wake = std::min(wake, *all_exited_at + opts_.drain_timeout);
       if (opts_.check_remote && !stopping_) wake = std::min(wake, next_remote_);
       if (pending_ != nullptr) wake = std::min(wake, pending_until_);
       int timeout_ms = core::Deadline{wake}.remaining_ms(kMaxSleepMs);

@@ -3,6 +3,7 @@
 // uninterrupted run for the steps after the checkpoint.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <regex>
@@ -105,18 +106,21 @@ TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
 
 }  // namespace
 
-TEST(Resume, AFreshRunRefusesADirectoryWithAnEarlierRunsCheckpoints) {
+// A new job in a directory that holds an earlier run's checkpoints (with a
+// higher step): after a restart it resumes its own checkpoint, not theirs.
+TEST(Resume, ARestartResumesThisJobsCheckpointNotAnEarlierRunsHigherOne) {
   if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
-  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);
-  // Without --resume a second run would mix its checkpoints with the first's
-  // (and a restart would resume from whichever step is highest): refused.
-  auto again = lt::run(job(base + "/a", {}, 25), env, 600);
-  EXPECT_NE(again.status, 0);
-  EXPECT_NE(again.err.find("already holds checkpoints of an earlier run (newest: step 20); pass --resume"),
-            std::string::npos)
-      << again.err;
+  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // the earlier run: step 20 saved
+  std::vector<std::string> again = job(base + "/a", {"--fault-kill-rank", "1", "--fault-at-step", "6"}, 12);
+  *(std::find(again.begin(), again.end(), "--checkpoint-every") + 1) = "4";
+  again.insert(again.begin() + 1, {"--max-restarts", "1"});
+  auto r = lt::run(again, env, 600);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("holds checkpoints of an earlier run (newest: step 20)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("written by another run"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step_000000004: epoch 0, step 4"), std::string::npos) << r.out;
   fs::remove_all(base);
 }
 
