@@ -181,21 +181,23 @@ inline bool wait_gone(pid_t pid, double timeout_s = 20) {
 
 // A port p such that p and p+1 were both free a moment ago (for --master-port,
 // whose +1 the launcher's store takes).
+// Two consecutive free loopback ports, below Linux's ephemeral range
+// (32768-60999): a port the kernel hands out for outgoing connections could be
+// taken by some process's connect() between this check and the launcher's bind.
 inline int free_port_pair() {
-  for (int attempt = 0; attempt < 50; ++attempt) {
+  static unsigned seed = static_cast<unsigned>(::getpid()) * 2654435761u;
+  for (int attempt = 0; attempt < 200; ++attempt) {
     int fds[2] = {-1, -1};
-    int base = 0;
+    seed = seed * 1103515245u + 12345u;
+    const int base = 20000 + static_cast<int>((seed >> 8) % 12000);
     bool ok = true;
     for (int i = 0; i < 2 && ok; ++i) {
       fds[i] = socket(AF_INET, SOCK_STREAM, 0);
       sockaddr_in a{};
       a.sin_family = AF_INET;
       a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      a.sin_port = htons(static_cast<uint16_t>(i == 0 ? 0 : base + 1));
-      socklen_t len = sizeof(a);
-      ok = bind(fds[i], reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-           getsockname(fds[i], reinterpret_cast<sockaddr*>(&a), &len) == 0;
-      if (ok && i == 0) base = ntohs(a.sin_port);
+      a.sin_port = htons(static_cast<uint16_t>(base + i));
+      ok = bind(fds[i], reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
     }
     for (int fd : fds)
       if (fd >= 0) close(fd);

@@ -7,6 +7,8 @@
 
 #include <fstream>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "cohort/store.hpp"
 #include "launch_harness.hpp"
@@ -101,9 +103,21 @@ TEST(LauncherElastic, WorkerFailureRestartsEveryNodeWithTheNextRestartCount) {
                                    "echo \"R=$RANK RC=$TORCHELASTIC_RESTART_COUNT\"; "
                                    "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
                                    "  if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60; fi"};
-  lt::Proc a(node_args("2", port, "fail", prog, {"--max-restarts", "2"}), kQuick);
-  lt::Proc b(node_args("2", port, "fail", prog, {"--max-restarts", "2"}), kQuick);
-  auto ra = a.wait(90), rb = b.wait(90);
+  auto run_pair = [&](int p) {
+    lt::Proc a(node_args("2", p, "fail", prog, {"--max-restarts", "2"}), kQuick);
+    lt::Proc b(node_args("2", p, "fail", prog, {"--max-restarts", "2"}), kQuick);
+    auto x = a.wait(90);
+    return std::make_pair(x, b.wait(90));
+  };
+  auto [ra, rb] = run_pair(port);
+  // Seen twice in full-suite runs, never alone: neither launcher could host the
+  // store (its port taken between the pick and the bind), both then waited as
+  // clients. One more try on other ports tells that apart from a real failure.
+  if (ra.status != 0 && rb.status != 0 && contains(ra.err, "cannot reach the launcher's store") &&
+      contains(rb.err, "cannot reach the launcher's store")) {
+    port = lt::free_port_pair();
+    std::tie(ra, rb) = run_pair(port);
+  }
   EXPECT_EQ(ra.status, 0) << ra.err;
   EXPECT_EQ(rb.status, 0) << rb.err;
   const std::string all = ra.err + rb.err;
