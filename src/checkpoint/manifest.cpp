@@ -85,7 +85,8 @@ void check_manifest(const Manifest& m) {
       deepest = std::max(deepest, d);
       return true;
     };
-    (void)json::parse(*text, depth, /*allow_exceptions=*/false);
+    const json parsed = json::parse(*text, depth, /*allow_exceptions=*/false);  // kept: parse is [[nodiscard]]
+    (void)parsed;
     if (deepest > kMaxDepth - 2)
       throw InvalidArgument(fmt::format("checkpoint manifest: config and lr_schedule may nest at most {} levels",
                                         kMaxDepth - 2));
