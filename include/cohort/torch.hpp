@@ -94,8 +94,10 @@ class DistributedDataParallel {
 // through a contiguous copy otherwise).
 void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root = 0);
 
-// Throws InvalidArgument naming the first parameter whose name, shape or dtype
-// differs from rank 0's (and the rank), on every rank.
+// Throws InvalidArgument naming the first tensor whose name, shape or dtype
+// differs from rank 0's (and the rank), on every rank. DistributedDataParallel
+// checks its trainable parameters, then the frozen ones ("name (frozen)"), then
+// the buffers ("name (buffer)").
 void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
                            const std::vector<::torch::Tensor>& tensors);
 

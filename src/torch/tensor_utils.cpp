@@ -56,7 +56,9 @@ std::string signature(const std::string& name, const ::torch::Tensor& t) {
   std::ostringstream s;
   s << name << " [";
   for (int64_t d = 0; d < t.dim(); ++d) s << (d ? ", " : "") << t.size(d);
-  s << "] " << dtype_name(to_dtype(t.scalar_type()));
+  // Any dtype (a bool mask buffer too): the name is all the check needs.
+  const std::optional<DType> d = known_dtype(t.scalar_type());
+  s << "] " << (d ? std::string(dtype_name(*d)) : std::string(c10::toString(t.scalar_type())));
   return s.str();
 }
 
@@ -87,7 +89,7 @@ void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& 
     else if (i >= theirs.size())
       problem = fmt::format("rank {} has a parameter '{}' (#{}) that rank 0 does not have", group.rank(), mine[i], i);
     else if (mine[i] != theirs[i])
-      problem = fmt::format("parameter #{} is '{}' on rank 0 but '{}' on rank {}", i, theirs[i], mine[i], group.rank());
+      problem = fmt::format("#{} is '{}' on rank 0 but '{}' on rank {}", i, theirs[i], mine[i], group.rank());
   }
   std::vector<int32_t> flags(group.size());
   int32_t me = problem.empty() ? 0 : 1;
@@ -98,7 +100,8 @@ void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& 
   if (bad.empty()) return;
   throw InvalidArgument(fmt::format(
       "DistributedDataParallel: ranks [{}] have different parameters than rank 0{}; HINT: every rank must build the "
-      "same model (same layers in the same order, same sizes and dtypes) before wrapping it",
+      "same model (same layers in the same order, same sizes and dtypes, the same parameters frozen) before "
+      "wrapping it",
       bad, problem.empty() ? "" : ": " + problem));
 }
 

@@ -420,6 +420,49 @@ TEST(DdpErrors, FrozenParametersAndBoolBuffersAreBroadcast) {
   });
 }
 
+// A frozen parameter or a buffer that differs in shape between replicas is
+// named at construction, on every rank, instead of failing inside the
+// broadcast that follows the check.
+TEST(DdpErrors, DifferentFrozenParametersAndBuffersAreNamed) {
+  for (const bool buffer : {false, true}) {
+    std::vector<std::string> errs(2);
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      auto pgp = borrowed(pg);
+      Net net;
+      const auto t = torch::zeros({pg.rank() == 0 ? 4 : 5}, torch::kBool);
+      if (buffer) net->register_buffer("mask", t);
+      else net->register_parameter("emb", t.to(torch::kFloat), /*requires_grad=*/false);
+      try {
+        cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+      } catch (const cohort::InvalidArgument& e) {
+        errs[pg.rank()] = e.what();
+      }
+    });
+    const std::string want = buffer ? "'mask (buffer) [4] Bool' on rank 0 but 'mask (buffer) [5] Bool' on rank 1"
+                                    : "'emb (frozen) [4] f32' on rank 0 but 'emb (frozen) [5] f32' on rank 1";
+    EXPECT_NE(errs[1].find(want), std::string::npos) << errs[1];
+    EXPECT_NE(errs[0].find("ranks [1] have different parameters than rank 0"), std::string::npos) << errs[0];
+  }
+}
+
+// The same parameter trainable on one rank and frozen on another is a
+// different model, not something to average.
+TEST(DdpErrors, FrozenOnOneRankOnlyIsNamed) {
+  std::vector<std::string> errs(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    Net net;
+    if (pg.rank() == 1) net->fc1->bias.set_requires_grad(false);
+    try {
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    } catch (const cohort::InvalidArgument& e) {
+      errs[pg.rank()] = e.what();
+    }
+  });
+  for (auto& e : errs) EXPECT_NE(e.find("ranks [1] have different parameters"), std::string::npos) << e;
+  EXPECT_NE(errs[1].find("fc1.bias"), std::string::npos) << errs[1];
+}
+
 // With gradient_as_bucket_view .grad is a view of a bucket: destroying the DDP
 // object must leave the module with gradients it owns, not dangling views.
 TEST(DdpErrors, GradientsOutliveTheDdpObject) {
