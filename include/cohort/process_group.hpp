@@ -133,7 +133,10 @@ class ProcessGroup {
   // ordinary memory.)
   virtual std::shared_ptr<std::byte[]> allocate_buffer(size_t bytes);
 
-  // Stops the progress thread and releases transports. Pending Work fails.
+  // Stops the progress thread; queued Work fails ("... was cancelled: the
+  // group was shut down") and later calls throw. The connections to the peers
+  // stay open until the last reference to the group goes (DDP and sub-groups
+  // may still hold one), so peers see no disconnect before they are done too.
   virtual void shutdown() = 0;
 };
 
