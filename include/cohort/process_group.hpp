@@ -133,10 +133,11 @@ class ProcessGroup {
   // ordinary memory.)
   virtual std::shared_ptr<std::byte[]> allocate_buffer(size_t bytes);
 
-  // Stops the progress thread; queued Work fails ("... was cancelled: the
-  // group was shut down") and later calls throw. The connections to the peers
-  // stay open until the last reference to the group goes (DDP and sub-groups
-  // may still hold one), so peers see no disconnect before they are done too.
+  // Ends the group: later calls throw. The native backend stops its progress
+  // thread and fails queued Work ("... was cancelled: the group was shut
+  // down"); its connections stay open until the last reference to the group
+  // goes (DDP and sub-groups may still hold one). The MPI and NCCL backends let
+  // enqueued operations finish, then free their communicators.
   virtual void shutdown() = 0;
 };
 
