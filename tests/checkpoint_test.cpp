@@ -5,6 +5,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -56,6 +59,14 @@ std::string signed_manifest(nlohmann::json j) {
   return text.replace(at, 8, crc);
 }
 
+// The names in a directory, sorted.
+std::vector<std::string> entries(const fs::path& dir) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir)) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
 std::string load_error(const std::string& path) {
   try {
     load_checkpoint(path);
@@ -97,8 +108,8 @@ TEST(Checkpoint, RoundTripWithEveryManifestField) {
     EXPECT_EQ(entry["crc32c"], fmt::format("{:08x}", crc32c(bytes.data(), bytes.size())));
     EXPECT_EQ(c.file_info.at(name).size, bytes.size());
   }
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir / "run/ckpts"), fs::directory_iterator()), 1)
-      << "only the step directory remains";
+  EXPECT_EQ(entries(dir / "run/ckpts"), (std::vector<std::string>{".cohort-save.lock", "step_000001234"}))
+      << "only the step directory (and the writer lock's file) remains";
 }
 
 TEST(Checkpoint, ManifestOnlyCheckpoint) {
@@ -166,7 +177,33 @@ TEST(Checkpoint, SavingTheSameStepAgainReplacesIt) {
   ASSERT_TRUE(c);
   expect_same_files(sample_files(3), c->files);
   EXPECT_EQ(c->manifest.epoch, 6);
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{".cohort-save.lock", "step_000000007"}));
+}
+
+// A second process saving into a directory while a save holds it is refused
+// with the holder named (a second open of the lock file stands in for it:
+// flock conflicts between open file descriptions, even in one process), and
+// nothing of its own is left there; once the lock is released saves go on.
+TEST(Checkpoint, ASecondWriterIsRefusedWhileASaveHoldsTheDirectory) {
+  TempDir dir;
+  save_checkpoint(dir.path(), 1, sample_files(1), sample_manifest(1));
+  {
+    auto held = posix_filesystem().lock_dir(dir.path());
+    ASSERT_TRUE(held);
+    try {
+      save_checkpoint(dir.path(), 2, sample_files(2), sample_manifest(2));
+      ADD_FAILURE() << "a second writer saved while the directory was locked";
+    } catch (const IoError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("another save into it is in progress (pid " + std::to_string(::getpid()) + " on "),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("HINT: two jobs must not share a checkpoint directory"), std::string::npos) << msg;
+    }
+    EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{".cohort-save.lock", "step_000000001"}));
+  }
+  save_checkpoint(dir.path(), 2, sample_files(2), sample_manifest(2));
+  EXPECT_EQ(list_checkpoint_steps(dir.path()), (std::vector<int64_t>{1, 2}));
 }
 
 TEST(Checkpoint, EveryCorruptByteIsCaughtNamingTheFile) {

@@ -13,8 +13,9 @@
 // buffers and optimizer state into NamedTensors and back.
 //
 // Threads: every function may be called from any thread; they share no state.
-// One process at a time may save into a given checkpoint directory (a save
-// removes the temporary directories it finds there, whoever made them).
+// One process at a time saves into a given checkpoint directory: a save holds
+// the directory's writer lock (flock on .cohort-save.lock) and a second process
+// saving there meanwhile gets an IoError naming the holder.
 //
 // Errors: bad arguments are InvalidArgument (nothing was written); the OS
 // refusing is IoError; a file that is truncated, corrupted or not in the format
@@ -142,8 +143,9 @@ struct LoadedCheckpoint {
 // `files` and manifest.json, and returns that directory's path. Creates `dir` if
 // needed. Atomic: everything goes into step_X.tmp-<pid>/, each file fsync'ed,
 // manifest.json last, the directory fsync'ed, then renamed into place and the
-// parent fsync'ed. Leftover *.tmp-* directories from crashed saves are removed
-// first, so one process at a time may save into `dir`. An existing checkpoint of
+// parent fsync'ed. Holds `dir`'s writer lock meanwhile (IoError if another
+// process is saving there); leftover *.tmp-* directories from crashed saves
+// are removed first. An existing checkpoint of
 // the same step is replaced. File names: letters, digits, '_', '-', '.'; not "manifest".
 // Throws InvalidArgument (bad names, tensors, manifest JSON) before writing
 // anything, IoError if the OS refuses (the temporary directory is then removed).

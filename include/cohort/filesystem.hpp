@@ -44,6 +44,12 @@ struct DirEntry {
   bool is_dir = false;  // a real directory: a symbolic link to one is not
 };
 
+// An exclusive hold on a directory (Filesystem::lock_dir); released when destroyed.
+class DirLock {
+ public:
+  virtual ~DirLock() = default;
+};
+
 class Filesystem {
  public:
   virtual ~Filesystem() = default;
@@ -67,6 +73,12 @@ class Filesystem {
   virtual bool is_dir(const std::string& path) = 0;
   // True if `path` itself is a symbolic link (lstat). File systems without links keep the default.
   virtual bool is_symlink(const std::string& /*path*/) { return false; }
+  // Takes the directory's writer lock without waiting: save_checkpoint holds it
+  // while it saves, so two processes never save into one directory at once.
+  // Held by another process (or another open of it): IoError naming the holder.
+  // nullptr: this file system has no locks (the default; the posix one falls
+  // back to it, with a warning, where the kernel refuses flock).
+  virtual std::unique_ptr<DirLock> lock_dir(const std::string& /*dir*/) { return nullptr; }
 };
 
 // The operating system's file system (open/pwrite/pread/fsync/rename/unlink/rmdir).

@@ -3,9 +3,11 @@
 // hint for the errors a user can fix (space, permissions, read-only mounts).
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 
@@ -13,6 +15,7 @@
 
 #include "cohort/error.hpp"
 #include "cohort/filesystem.hpp"
+#include "core/log.hpp"
 
 namespace cohort {
 namespace {
@@ -103,6 +106,25 @@ class PosixReadableFile final : public ReadableFile {
   std::string path_;
 };
 
+// The file beside the step directories that a save holds flock'ed; it stays
+// (empty of meaning once released) and names the last holder.
+constexpr const char* kLockName = ".cohort-save.lock";
+
+class PosixDirLock final : public DirLock {
+ public:
+  explicit PosixDirLock(int fd) : fd_(fd) {}
+  ~PosixDirLock() override { ::close(fd_); }  // closing the last descriptor releases the flock
+
+ private:
+  int fd_;
+};
+
+std::string host_name() {
+  char h[256] = {};
+  if (::gethostname(h, sizeof(h) - 1) != 0) return "?";
+  return h;
+}
+
 class PosixFilesystem final : public Filesystem {
  public:
   std::unique_ptr<WritableFile> create_file(const std::string& path) override {
@@ -179,6 +201,41 @@ class PosixFilesystem final : public Filesystem {
   bool is_symlink(const std::string& path) override {
     struct stat st;
     return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+  }
+
+  std::unique_ptr<DirLock> lock_dir(const std::string& dir) override {
+    const std::string path = dir + "/" + kLockName;
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) fail("open the lock file", path, errno);
+    int rc;
+    while ((rc = ::flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    }
+    if (rc != 0) {
+      const int err = errno;
+      if (err == EWOULDBLOCK) {
+        char who[200] = {};
+        const ssize_t n = ::pread(fd, who, sizeof(who) - 1, 0);
+        ::close(fd);
+        std::string holder = n > 0 ? std::string(who, static_cast<size_t>(n)) : std::string("another process");
+        while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
+        throw IoError(fmt::format("cannot save into '{}': another save into it is in progress ({} holds '{}'); HINT: "
+                                  "two jobs must not share a checkpoint directory: give each its own",
+                                  dir, holder, path));
+      }
+      ::close(fd);
+      // NFS without a lock manager, some FUSE mounts: save as before, unguarded (said once per process).
+      static std::atomic<bool> warned{false};
+      if (!warned.exchange(true))
+        COHORT_WARN(kInit, "checkpoint: cannot lock '{}' ({}); saving without the guard against a second writer",
+                    path, std::strerror(err));
+      return nullptr;
+    }
+    // Who holds it, for the message a second writer gets (informational: not fsync'ed).
+    const std::string me = fmt::format("pid {} on {}\n", ::getpid(), host_name());
+    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+      // The lock holds all the same; only the message would lack the holder.
+    }
+    return std::make_unique<PosixDirLock>(fd);
   }
 };
 

@@ -5,7 +5,10 @@
 //   1. Check every argument and lay out every safetensors header. Bad input
 //      throws here, before the disk is touched.
 //   2. Create ckpt_dir (and its missing parents, each fsync'ed into its own
-//      parent), then remove *.tmp-* directories left by crashed saves (a
+//      parent), take its writer lock (Filesystem::lock_dir: flock on
+//      .cohort-save.lock, held until the save returns; another process
+//      saving there at the same moment gets an IoError naming the holder),
+//      then remove *.tmp-* directories left by crashed saves (a
 //      failure to remove one is logged, not thrown), except a step moved aside
 //      by step 5 and never replaced: that one is renamed back.
 //   3. mkdir step_X.tmp-<pid>/ and write each <name>.safetensors into it, each
@@ -153,8 +156,11 @@ std::string save_checkpoint(const std::string& dir_arg, int64_t step,
   }
   Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
 
-  // 2. The directory, and the leftovers of crashed saves.
+  // 2. The directory, its writer lock (held to the end of this save), and the
+  // leftovers of crashed saves: with the lock held no other save is under way,
+  // so every temporary directory found is a crashed save's.
   make_dirs(fs, dir);
+  const std::unique_ptr<DirLock> lock = fs.lock_dir(dir);
   for (const std::string& t : list_temp_dirs(fs, dir)) {
     if (restore_moved_aside(fs, dir, t)) continue;
     // A leftover we cannot remove must not stop this save: it is logged and retried next time.
