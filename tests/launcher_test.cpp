@@ -228,6 +228,49 @@ TEST(Launcher, SigtermToLauncherStopsWorkers) {
   fs::remove_all(dir);
 }
 
+// The launcher's stdout is a pipe nobody reads (a paused pager, a stuck
+// `| tee`), and the workers print more than it and the launcher's queue hold:
+// a SIGTERM must still stop the job and end the launcher, without anyone
+// reading its output first (the launcher used to block in write() and never
+// see the signal).
+TEST(Launcher, AStuckConsoleDoesNotKeepTheLauncherFromStopping) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"), "pid_dir=" + dir,
+              "lines=300000", "sleep=120"});
+  auto pids = lt::wait_pid_files(dir, 2);
+  ASSERT_EQ(pids.size(), 2u);
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // the output fills the pipe and the queue
+  kill(p.pid(), SIGTERM);
+  const bool ended = lt::wait_gone(p.pid(), 30);  // its output still unread
+  auto r = p.wait(60);
+  EXPECT_TRUE(ended) << "the launcher did not end while its stdout was not read";
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  EXPECT_TRUE(contains(r.err, "received SIGTERM; stopped 2 worker(s)")) << r.err;
+  for (pid_t pid : pids) EXPECT_TRUE(lt::wait_gone(pid));
+  fs::remove_all(dir);
+}
+
+// A reader that falls behind loses nothing: every line of every rank arrives,
+// whole and in order, and the job ends normally.
+TEST(Launcher, ASlowConsoleGetsEveryLineInOrder) {
+  constexpr long kLines = 300000;
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "2", lt::prog("launch_behave"),
+              "lines=" + std::to_string(kLines)});
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // nobody reads meanwhile
+  auto r = p.wait(120);
+  ASSERT_EQ(r.status, 0) << r.err;
+  long next[2] = {1, 1};
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    const int rank = line.rfind("[rank0]: line ", 0) == 0 ? 0 : line.rfind("[rank1]: line ", 0) == 0 ? 1 : -1;
+    ASSERT_GE(rank, 0) << "unexpected line '" << line << "'";
+    ASSERT_EQ(line.substr(14), std::to_string(next[rank])) << "rank " << rank;
+    ++next[rank];
+  }
+  EXPECT_EQ(next[0], kLines + 1);
+  EXPECT_EQ(next[1], kLines + 1);
+}
+
 // Slurm and Kubernetes signal every process of a job at once: a worker that
 // fails just before the launcher's SIGTERM arrives must not turn the stop
 // into a restart (exit 143, not "restarting the workers"). The signal comes

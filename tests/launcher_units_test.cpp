@@ -1,6 +1,8 @@
 // The launcher's pure pieces, called directly: flag parsing, port resolution,
 // the worker environment, output line prefixing, run ids and shm cleanup.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -203,6 +205,50 @@ TEST(Output, PrefixerBoundsLongLines) {
   EXPECT_EQ(out, ">abcd\n");
   p.feed("g\n", out);
   EXPECT_EQ(out, ">abcd\n>efg\n");
+}
+
+// The console thread: a reader that falls behind makes the writer congested
+// (and loses nothing, in order); a reader that is gone (EPIPE) makes it drop
+// the rest without the SIGPIPE ending this process.
+TEST(Output, ConsoleWriterCongestsThenCatchesUpInOrder) {
+  int fds[2];
+  ASSERT_EQ(pipe2(fds, O_CLOEXEC), 0);
+  std::string want;
+  {
+    ConsoleWriter w(fds[1], 1000);
+    for (int i = 0; i < 20000; ++i) {
+      std::string line = "line " + std::to_string(i) + "\n";
+      want += line;
+      w.write(line);  // never blocks, though the pipe holds 64 KiB and nobody reads yet
+    }
+    EXPECT_TRUE(w.congested());
+    EXPECT_FALSE(w.drain(std::chrono::milliseconds(50)));
+    std::string got;
+    char buf[65536];
+    while (got.size() < want.size()) {
+      ssize_t n = read(fds[0], buf, sizeof(buf));
+      ASSERT_GT(n, 0);
+      got.append(buf, static_cast<size_t>(n));
+    }
+    EXPECT_TRUE(w.drain(std::chrono::seconds(10)));
+    EXPECT_FALSE(w.congested());
+    EXPECT_EQ(got, want);
+  }
+  close(fds[0]);
+  close(fds[1]);
+}
+
+TEST(Output, ConsoleWriterDropsOutputOnceTheReaderIsGone) {
+  int fds[2];
+  ASSERT_EQ(pipe2(fds, O_CLOEXEC), 0);
+  close(fds[0]);
+  ConsoleWriter w(fds[1], 1000);
+  w.write("nobody reads this\n");
+  EXPECT_TRUE(w.drain(std::chrono::seconds(10)));  // EPIPE, not SIGPIPE: we are still here
+  for (int i = 0; i < 1000; ++i) w.write("dropped\n");
+  EXPECT_TRUE(w.drain(std::chrono::seconds(10)));
+  EXPECT_FALSE(w.congested());
+  close(fds[1]);
 }
 
 TEST(Output, Routes) {

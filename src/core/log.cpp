@@ -61,6 +61,7 @@ const Config& config() {
 
 std::atomic<int> g_rank{-1};
 std::mutex g_write_mu;
+std::atomic<LogWriter> g_writer{nullptr};
 
 const char* level_name(LogLevel l) {
   switch (l) {
@@ -96,9 +97,15 @@ void log_write(LogLevel level, Subsys subsys, const std::string& msg) {
   std::string line = r >= 0 ? fmt::format("cohort[rank {}] {} {}: {}\n", r, level_name(level), subsys_name(subsys), msg)
                             : fmt::format("cohort[pid {}] {} {}: {}\n", getpid(), level_name(level), subsys_name(subsys), msg);
   std::lock_guard<std::mutex> g(g_write_mu);
+  if (LogWriter w = g_writer.load()) {
+    w(std::move(line));
+    return;
+  }
   std::fwrite(line.data(), 1, line.size(), stderr);
   std::fflush(stderr);
 }
+
+void set_log_writer(LogWriter writer) { g_writer.store(writer); }
 
 void set_log_rank(int rank) { g_rank.store(rank, std::memory_order_relaxed); }
 int log_rank() { return g_rank.load(std::memory_order_relaxed); }

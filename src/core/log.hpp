@@ -26,6 +26,11 @@ enum Subsys : uint32_t {
 
 bool log_enabled(LogLevel level, Subsys subsys);
 void log_write(LogLevel level, Subsys subsys, const std::string& msg);
+// Where finished lines go instead of stderr (nullptr: stderr again). The
+// launcher queues them for its console thread, so a stuck stderr reader never
+// blocks it (launch/output.hpp, ConsoleWriter).
+using LogWriter = void (*)(std::string line);
+void set_log_writer(LogWriter writer);
 // Sets the "rank R" in every later line of this process (-1: not known yet).
 void set_log_rank(int rank);
 int log_rank();

@@ -49,7 +49,7 @@ std::chrono::milliseconds knob_ms(const core::Knob& k) {
   return k.millis();
 }
 
-void say(const std::string& line) { std::fprintf(stderr, "cohort run: %s\n", line.c_str()); }
+void say(const std::string& line) { launcher_say("cohort run: " + line); }
 
 // Everything fixed for the job before its first attempt.
 struct Job {
@@ -120,7 +120,7 @@ class Agent {
       say(fmt::format("received {} while waiting for the store; stopping", signal_name(e.signal())));
       return 128 + e.signal();
     }
-    if (job_.setup.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
+    if (job_.setup.set_omp) launcher_say(omp_threads_notice(opts_.nproc_per_node));
     COHORT_INFO(kLaunch, "{}", describe_binding(job_.setup.bind_mode, job_.setup.bind));
     if (job_.setup.bind.oversubscribed)
       COHORT_WARN(kLaunch, "--bind core with {} local ranks on {} usable core(s): ranks share cores; --bind none lets "
@@ -313,11 +313,40 @@ class Agent {
 
 }  // namespace
 
+namespace {
+
+void log_to_console(std::string line) { ConsoleWriter::of(STDERR_FILENO).write(std::move(line)); }
+
+// The launcher's log lines go through its console thread while it runs, and
+// what is queued there is written out before it returns.
+class ConsoleScope {
+ public:
+  ConsoleScope() { core::set_log_writer(&log_to_console); }
+  ~ConsoleScope() {
+    drain_console(stopped_);
+    core::set_log_writer(nullptr);
+  }
+  // A job told to stop waits for its console a short while only: the reader may be gone for good.
+  void set_exit_code(int code) { stopped_ = code > 128 && is_stop_signal(code - 128); }
+
+ private:
+  bool stopped_ = true;  // an exception: do not wait long either
+};
+
+}  // namespace
+
 int run_job(const LaunchOptions& opts) {
   validate(opts);
-  if (is_elastic(opts)) return run_elastic_job(opts);
-  Agent agent(opts);
-  return agent.run();
+  ConsoleScope console;
+  int code;
+  if (is_elastic(opts)) {
+    code = run_elastic_job(opts);
+  } else {
+    Agent agent(opts);
+    code = agent.run();
+  }
+  console.set_exit_code(code);
+  return code;
 }
 
 }  // namespace cohort::launch

@@ -53,9 +53,7 @@ std::chrono::milliseconds knob_ms(const core::Knob& k) {
   return k.millis();
 }
 
-void say(const std::string& line) {
-  std::fprintf(stderr, "cohort run: %s\n", line.c_str());
-}
+void say(const std::string& line) { launcher_say("cohort run: " + line); }
 
 enum class StoreRole { HostLoopback, HostAll, Client };
 
@@ -126,7 +124,7 @@ class ElasticAgent {
       say(fmt::format("received {} while waiting for the store; stopping", signal_name(e.signal())));
       return 128 + e.signal();
     }
-    if (job_.set_omp) std::fprintf(stderr, "%s\n", omp_threads_notice(opts_.nproc_per_node).c_str());
+    if (job_.set_omp) launcher_say(omp_threads_notice(opts_.nproc_per_node));
     if (!job_.log_root.empty()) say(fmt::format("worker logs go to {}/{}", job_.log_root, cohort_run_id_));
     COHORT_INFO(kLaunch, "{}", describe_binding(job_.bind_mode, job_.bind));
     int code = 1;

@@ -6,6 +6,7 @@
 
 #include "core/clock.hpp"
 #include "core/log.hpp"
+#include "launch/output.hpp"
 
 namespace cohort::launch {
 namespace {
@@ -132,10 +133,10 @@ Round ElasticRendezvous::join(long agent, int min_round, const std::function<std
       }
       if (!open && !said_waiting) {
         said_waiting = true;
-        std::fprintf(stderr,
-                     "cohort run: the job is already running (round %d); this node waits to join round %d, which "
-                     "starts when the running nodes restart to admit it (they do while restarts are left)\n",
-                     k - 1, k);
+        launcher_say(fmt::format("cohort run: the job is already running (round {}); this node waits to join round {}, "
+                                 "which starts when the running nodes restart to admit it (they do while restarts "
+                                 "are left)",
+                                 k - 1, k));
       }
       if (deadline.passed()) {
         if (open)
@@ -152,10 +153,9 @@ Round ElasticRendezvous::join(long agent, int min_round, const std::function<std
       sleep_or_throw(deadline.remaining_ms(static_cast<int>(opts_.poll.count())));
     }
     if (slot < closed) break;
-    std::fprintf(stderr,
-                 "cohort run: round %d closed with %d node(s) just before this node joined; waiting for "
-                 "round %d\n",
-                 k, closed, k + 1);
+    launcher_say(fmt::format("cohort run: round {} closed with {} node(s) just before this node joined; waiting for "
+                             "round {}",
+                             k, closed, k + 1));
     ++k;
   }
 

@@ -36,6 +36,10 @@ using Outcome = AttemptResult::Outcome;
 // A poll timeout that caps every sleep, so a lost wake-up costs a second, not a hang.
 constexpr int kMaxSleepMs = 1000;
 constexpr int kFailureGraceMs = 100;
+// While a console is congested, how often to look whether it caught up.
+constexpr std::chrono::milliseconds kCongestedPoll{20};
+// After a stop signal, how long a congested console may hold the workers' output back.
+constexpr std::chrono::milliseconds kOutputAfterStop{2000};
 
 // True if process group `pgid` has a member that is not a zombie. kill(-pgid, 0)
 // alone counts zombies too, and in a container whose init does not reap,
@@ -214,7 +218,10 @@ class Monitor {
     for (int sig : opts_.signals->drain()) {
       if (!is_stop_signal(sig)) continue;  // SIGCHLD: reap() runs every turn
       COHORT_INFO(kLaunch, "received {}", signal_name(sig));
-      if (result_.signal == 0) result_.signal = sig;
+      if (result_.signal == 0) {
+        result_.signal = sig;
+        signalled_at_ = Clock::now();
+      }
       result_.outcome = Outcome::Interrupted;
       // A failure still in its grace period (reap) must not turn the stop into
       // a restart: a scheduler that signals every process of a job at once
@@ -274,6 +281,21 @@ class Monitor {
       bool any_running = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
       bool any_pipe = std::any_of(workers_.begin(), workers_.end(),
                                   [](const Worker& w) { return w.pipe_fd[0] >= 0 || w.pipe_fd[1] >= 0; });
+      // A console whose reader fell behind: its pipes are left unread (the
+      // workers wait on their output), but this loop goes on.
+      bool congested = false;
+      for (auto& w : workers_)
+        for (int s = 0; s < 2; ++s) congested = congested || (w.pipe_fd[s] >= 0 && w.sink[s]->congested());
+      if (congested && result_.signal != 0 && !output_abandoned_ && now >= signalled_at_ + kOutputAfterStop) {
+        // Told to stop, and the console still does not take the output: stop waiting for it.
+        output_abandoned_ = true;
+        COHORT_WARN(kLaunch, "the console has not taken the workers' output for {} ms after the stop signal; "
+                             "dropping the rest",
+                    kOutputAfterStop.count());
+        for (auto& w : workers_)
+          for (int s = 0; s < 2; ++s) close_pipe(w, s);
+        continue;
+      }
       if (!any_running) {
         if (!all_exited_at) all_exited_at = now;
         // When stopping, children the workers left behind that ignore SIGTERM
@@ -281,6 +303,7 @@ class Monitor {
         // outliving the launcher (or running on through a restart).
         const bool leftovers = stopping_ && !killed_ && any_group_alive();
         if (!any_pipe && !leftovers) break;
+        if (congested) all_exited_at = now;  // the output is there, waiting for the console: not left open
         if (any_pipe && now >= *all_exited_at + opts_.drain_timeout) {
           // Something the workers started still holds their output open: stop listening.
           COHORT_INFO(kLaunch, "worker output still open {} ms after the last exit; closing it",
@@ -302,6 +325,7 @@ class Monitor {
       if (all_exited_at && any_pipe) wake = std::min(wake, *all_exited_at + opts_.drain_timeout);
       if (opts_.check_remote && !stopping_) wake = std::min(wake, next_remote_);
       if (pending_ != nullptr) wake = std::min(wake, pending_until_);
+      if (congested) wake = std::min(wake, now + kCongestedPoll);  // to see the console catch up
       int timeout_ms = core::Deadline{wake}.remaining_ms(kMaxSleepMs);
 
       fds.clear();
@@ -309,7 +333,7 @@ class Monitor {
       fds.push_back({opts_.signals->fd(), POLLIN, 0});
       for (auto& w : workers_)
         for (int s = 0; s < 2; ++s)
-          if (w.pipe_fd[s] >= 0) {
+          if (w.pipe_fd[s] >= 0 && !w.sink[s]->congested()) {
             fds.push_back({w.pipe_fd[s], POLLIN, 0});
             owners.emplace_back(&w, s);
           }
@@ -333,6 +357,8 @@ class Monitor {
   Clock::time_point kill_at_{};
   Clock::time_point give_up_at_{};
   Clock::time_point next_remote_{};
+  Clock::time_point signalled_at_{};  // the first stop signal
+  bool output_abandoned_ = false;
   char buf_[64 * 1024];
 };
 

@@ -2,11 +2,16 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -61,8 +66,121 @@ bool write_all(int fd, std::string_view data) {
   return true;
 }
 
+struct ConsoleWriter::State {
+  int fd;
+  size_t limit;
+  std::mutex mu;
+  std::condition_variable wake;     // something to write, or closed
+  std::condition_variable written;  // the queue became empty
+  std::deque<std::string> queue;
+  size_t queued = 0;                // bytes queued, the chunk being written included
+  bool failed = false;
+  bool closed = false;
+
+  void run() {
+    // Every signal goes to the launcher's main thread (its SignalChannel);
+    // blocked here, a SIGPIPE from a vanished reader stays pending, unseen,
+    // and the write returns EPIPE.
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    std::unique_lock<std::mutex> lk(mu);
+    for (;;) {
+      wake.wait(lk, [&] { return !queue.empty() || closed; });
+      if (queue.empty()) return;  // closed and nothing left
+      std::string chunk = std::move(queue.front());
+      queue.pop_front();
+      lk.unlock();
+      const bool ok = write_all(fd, chunk);
+      lk.lock();
+      queued -= chunk.size();
+      if (!ok) {
+        failed = true;
+        queue.clear();
+        queued = 0;
+      }
+      if (queue.empty()) written.notify_all();
+    }
+  }
+};
+
+ConsoleWriter::ConsoleWriter(int fd, size_t limit) : state_(std::make_shared<State>()) {
+  state_->fd = fd;
+  state_->limit = limit;
+  std::thread([st = state_] { st->run(); }).detach();
+}
+
+ConsoleWriter::~ConsoleWriter() {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  state_->closed = true;
+  state_->wake.notify_all();
+}
+
+namespace {
+
+// What may wait for a console before the workers' pipes are left unread.
+constexpr size_t kConsoleLimit = 4u << 20;
+std::mutex g_consoles_mu;
+ConsoleWriter* g_consoles[3] = {nullptr, nullptr, nullptr};
+
+}  // namespace
+
+ConsoleWriter& ConsoleWriter::of(int fd) {
+  if (fd != STDOUT_FILENO && fd != STDERR_FILENO)
+    throw InvalidArgument(fmt::format("ConsoleWriter::of: fd {} is not the console (1 or 2)", fd));
+  std::lock_guard<std::mutex> lk(g_consoles_mu);
+  if (g_consoles[fd] == nullptr) g_consoles[fd] = new ConsoleWriter(fd, kConsoleLimit);  // never freed, see above
+  return *g_consoles[fd];
+}
+
+ConsoleWriter* ConsoleWriter::existing(int fd) {
+  if (fd != STDOUT_FILENO && fd != STDERR_FILENO) return nullptr;
+  std::lock_guard<std::mutex> lk(g_consoles_mu);
+  return g_consoles[fd];
+}
+
+void ConsoleWriter::write(std::string data) {
+  if (data.empty()) return;
+  std::lock_guard<std::mutex> lk(state_->mu);
+  if (state_->failed) return;
+  state_->queued += data.size();
+  state_->queue.push_back(std::move(data));
+  state_->wake.notify_one();
+}
+
+bool ConsoleWriter::congested() const {
+  std::lock_guard<std::mutex> lk(state_->mu);
+  return state_->queued > state_->limit;
+}
+
+bool ConsoleWriter::drain(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(state_->mu);
+  return state_->written.wait_for(lk, timeout, [&] { return state_->queued == 0; });
+}
+
+void launcher_say(std::string line) {
+  line.push_back('\n');
+  ConsoleWriter::of(STDERR_FILENO).write(std::move(line));
+}
+
+void drain_console(bool stopped, std::chrono::milliseconds after_stop) {
+  const auto until = std::chrono::steady_clock::now() + after_stop;
+  for (int fd : {STDOUT_FILENO, STDERR_FILENO}) {
+    ConsoleWriter* w = ConsoleWriter::existing(fd);
+    if (w == nullptr) continue;
+    if (!stopped) {
+      while (!w->drain(std::chrono::hours(1))) {
+      }
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    w->drain(std::max(left, std::chrono::milliseconds(0)));
+  }
+}
+
 StreamSink::StreamSink(int console_fd, std::string prefix, const std::string& log_path)
     : console_fd_(console_fd), log_path_(log_path), prefixer_(std::move(prefix)) {
+  if (console_fd_ >= 0) console_ = &ConsoleWriter::of(console_fd_);
   if (log_path.empty()) return;
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(log_path).parent_path(), ec);
@@ -83,17 +201,17 @@ void StreamSink::write(std::string_view data) {
     ::close(file_fd_);  // disk full or similar: keep the job running, lose the log
     file_fd_ = -1;
   }
-  if (console_fd_ < 0) return;
-  scratch_.clear();
-  prefixer_.feed(data, scratch_);
-  if (!scratch_.empty() && !write_all(console_fd_, scratch_)) console_fd_ = -1;
+  if (console_ == nullptr) return;
+  std::string lines;
+  prefixer_.feed(data, lines);
+  console_->write(std::move(lines));
 }
 
 void StreamSink::finish() {
-  if (console_fd_ >= 0) {
-    scratch_.clear();
-    prefixer_.finish(scratch_);
-    if (!scratch_.empty() && !write_all(console_fd_, scratch_)) console_fd_ = -1;
+  if (console_ != nullptr) {
+    std::string rest;
+    prefixer_.finish(rest);
+    console_->write(std::move(rest));
   }
   if (file_fd_ >= 0) {
     ::close(file_fd_);

@@ -1,9 +1,12 @@
 // Forwarding a worker's stdout / stderr: to the launcher's console with a
 // torchrun-style "[rank3]: " prefix on every line, and/or raw to a per-rank log
-// file (--log-dir, --redirects, --tee). Used only from the launcher's main thread.
+// file (--log-dir, --redirects, --tee). Used only from the launcher's main
+// thread, except ConsoleWriter's own thread.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -33,6 +36,46 @@ class LinePrefixer {
 // when the descriptor is gone (EPIPE etc.): the caller stops writing to it.
 bool write_all(int fd, std::string_view data);
 
+// The launcher's console (its stdout or its stderr), written by a thread of
+// its own: the launcher only queues, so a reader that stops reading (a paused
+// pager, a full pipe, a hung terminal) blocks that thread, never the loop that
+// reaps workers and answers signals. When more than `limit` bytes wait,
+// congested() is true and the monitor stops reading the worker pipes that lead
+// here: the workers then block on their own output, as they would writing to
+// that console directly. A descriptor that fails (EPIPE: the reader is gone)
+// drops everything from then on, as the launcher did before.
+class ConsoleWriter {
+ public:
+  // The process's writer for fd 1 or 2, created on first use and never
+  // destroyed (at exit its thread may still be blocked in write()).
+  static ConsoleWriter& of(int fd);
+  // The writer of `fd` if of(fd) was ever called, else nullptr.
+  static ConsoleWriter* existing(int fd);
+
+  ConsoleWriter(int fd, size_t limit);
+  ~ConsoleWriter();  // does not wait: what is queued is still written
+  ConsoleWriter(const ConsoleWriter&) = delete;
+  ConsoleWriter& operator=(const ConsoleWriter&) = delete;
+
+  void write(std::string data);  // never blocks
+  bool congested() const;
+  // Waits until everything queued is written (or dropped), up to `timeout`. True when done.
+  bool drain(std::chrono::milliseconds timeout);
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // shared with the writing thread, which may outlive this object
+};
+
+// One line of the launcher's own ("cohort run: ..." and the like) to its
+// stderr, in order with the workers' output that went there before it.
+void launcher_say(std::string line);
+
+// Waits for whatever of the launcher's console output is still queued: as long
+// as it takes (SIGTERM still ends the launcher then) or, after the job was told
+// to stop, `after_stop` at most (the reader may never come back).
+void drain_console(bool stopped, std::chrono::milliseconds after_stop = std::chrono::milliseconds(2000));
+
 // Where one stream of one worker goes. Owns file_fd.
 class StreamSink {
  public:
@@ -47,9 +90,12 @@ class StreamSink {
   void finish();  // end of stream: flush a partial line, close the file
   const std::string& log_path() const { return log_path_; }
   bool to_console() const { return console_fd_ >= 0; }
+  // Its console has more queued than it can take now: do not read more for it.
+  bool congested() const { return console_ != nullptr && console_->congested(); }
 
  private:
   int console_fd_;
+  ConsoleWriter* console_ = nullptr;  // ConsoleWriter::of(console_fd_)
   int file_fd_ = -1;
   std::string log_path_;
   LinePrefixer prefixer_;

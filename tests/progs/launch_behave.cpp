@@ -10,6 +10,7 @@
 //   shm                  create /dev/shm/cohort-<COHORT_RUN_ID>-test<rank> and print its path
 //   partial              write "par", pause, "tial\n" on stdout (one line in two writes)
 //   say=TEXT / warn=TEXT print TEXT on stdout / stderr
+//   lines=N              print "line 1" ... "line N" on stdout (blocking while nobody reads)
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -59,6 +60,10 @@ int main(int argc, char** argv) {
     else if (key == "ignore_term") signal(SIGTERM, SIG_IGN);
     else if (key == "say") write_str(1, val + "\n");
     else if (key == "warn") write_str(2, val + "\n");
+    else if (key == "lines") {
+      for (long k = 1, n = std::atol(val.c_str()); k <= n; ++k) std::printf("line %ld\n", k);
+      std::fflush(stdout);
+    }
     else if (key == "partial") {
       write_str(1, "par");
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
