@@ -26,56 +26,96 @@
 #include "model.hpp"
 #include "train.hpp"
 
+namespace {
+
+// CLI11's own number checks print their range with DBL_MAX spelled out: these say what is wrong.
+CLI::Validator number_check(bool zero_ok) {
+  return CLI::Validator(
+      [zero_ok](std::string& text) -> std::string {
+        double v = 0;
+        try {
+          size_t used = 0;
+          v = std::stod(text, &used);
+          if (used != text.size()) throw std::invalid_argument(text);
+        } catch (const std::exception&) {
+          return "'" + text + "' is not a number";
+        }
+        if (zero_ok ? v >= 0 : v > 0) return {};
+        return fmt::format("must be {} (got {})", zero_ok ? "0 or more" : "greater than 0", text);
+      },
+      zero_ok ? ">= 0" : "> 0", zero_ok ? "non-negative" : "positive");
+}
+const CLI::Validator kPositive = number_check(false);
+const CLI::Validator kNonNegative = number_check(true);
+
+}  // namespace
+
 int main(int argc, char** argv) {
   TrainConfig cfg;
   CLI::App app{"Fashion-MNIST training with cohort's DistributedDataParallel; run it under `cohort run`"};
   app.add_option("--model", cfg.model, "cnn (225 k parameters) or mlp (10 M, communication-bound)")->check(CLI::IsMember({"cnn", "mlp"}));
-  app.add_option("--epochs", cfg.epochs, "epochs to train");
-  app.add_option("--train-limit", cfg.train_limit, "train on the first N images only (0: all; short runs in tests)");
-  app.add_option("--batch-size", cfg.batch_size, "per-rank batch size");
+  app.add_option("--epochs", cfg.epochs, "epochs to train")
+      ->check(kPositive);
+  app.add_option("--train-limit", cfg.train_limit, "train on the first N images only (0: all; short runs in tests)")
+      ->check(kNonNegative);
+  app.add_option("--batch-size", cfg.batch_size, "per-rank batch size")
+      ->check(kPositive);
   app.add_option("--optimizer", cfg.optimizer, "sgd (with --momentum) or adamw (betas 0.9, 0.999, eps 1e-8)")
       ->check(CLI::IsMember({"sgd", "adamw"}));
   auto* lr = app.add_option("--lr", cfg.base_lr,
                             "learning rate for one rank; scaled linearly with the world size (default 0.03 for sgd, "
-                            "0.001 for adamw)");
-  app.add_option("--momentum", cfg.momentum, "SGD momentum");
+                            "0.001 for adamw)")
+                ->check(kPositive);
+  app.add_option("--momentum", cfg.momentum, "SGD momentum")
+      ->check(kNonNegative);
   auto* wd = app.add_option("--weight-decay", cfg.weight_decay,
-                            "weight decay: L2 for sgd (default 5e-4), decoupled for adamw (default 0.01)");
+                            "weight decay: L2 for sgd (default 5e-4), decoupled for adamw (default 0.01)")
+      ->check(kNonNegative);
   app.add_option("--optimizer-step", cfg.optimizer_step,
                  "how the optimizer steps: fused (cohort::torch::sgd_step / adamw_step, one pass over each parameter) "
                  "or libtorch (the optimizer's own step(), one tensor operation at a time); the same arithmetic")
       ->check(CLI::IsMember({"fused", "libtorch"}));
-  app.add_option("--warmup-steps", cfg.warmup_steps, "linear learning-rate warmup, then cosine decay");
+  app.add_option("--warmup-steps", cfg.warmup_steps, "linear learning-rate warmup, then cosine decay")
+      ->check(kNonNegative);
   app.add_option("--seed", cfg.seed, "model initialisation and data order");
   app.add_option("--augment", cfg.augment, "training-image augmentation: none, flip (random horizontal flips) or flip+shift (and shifts of up to 2 pixels)")
       ->check(CLI::IsMember({"none", "flip", "flip+shift"}));
-  app.add_option("--threads", cfg.threads, "intra-op threads per rank");
-  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch)");
+  app.add_option("--threads", cfg.threads, "intra-op threads per rank")
+      ->check(kPositive);
+  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch)")
+      ->check(kNonNegative);
   app.add_flag("--eval-at-stop", cfg.eval_at_stop,
                "when --max-steps stops the run mid-epoch, still measure and print the test accuracy");
   app.add_option("--data-dir", cfg.data_dir, "directory with the four Fashion-MNIST .gz files");
-  app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)");
-  app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)");
-  app.add_option("--keep", cfg.keep, "checkpoints to keep");
-  app.add_flag("--resume", cfg.resume, "continue from the newest valid checkpoint in --checkpoint-dir");
+  auto* ckpt_dir = app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)");
+  app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)")
+      ->check(kNonNegative);
+  app.add_option("--keep", cfg.keep, "checkpoints to keep (0: all)")
+      ->check(kNonNegative);
+  app.add_flag("--resume", cfg.resume, "continue from the newest valid checkpoint in --checkpoint-dir")
+      ->needs(ckpt_dir);
   app.add_flag("!--no-auto-resume", cfg.auto_resume,
                "do not resume by itself after a restart (by default a restarted run, TORCHELASTIC_RESTART_COUNT > 0, "
                "continues from the newest valid checkpoint in --checkpoint-dir)");
   app.add_option("--comm-hook", cfg.comm_hook, "gradient communication: allreduce, fp16 or bf16 (compressed)")
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16"}));
-  app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size");
-  app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)");
+  app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")
+      ->check(kPositive);
+  app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)")
+      ->check(kPositive);
   app.add_flag("--grad-bucket-view,!--no-grad-bucket-view", cfg.grad_bucket_view,
                "gradients live in the DDP buckets (gradient_as_bucket_view): no copy out after the allreduce");
   app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");
-  app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)");
+  app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)")
+      ->check(kNonNegative);
   auto* no_allreduce =
       app.add_flag("--no-allreduce", cfg.no_allreduce, "every step inside no_sync(): no gradient communication (throughput ceiling)");
   app.add_flag("--lockstep", cfg.lockstep,
                "with --no-allreduce: the ranks still wait for each other once per step (a barrier after backward, no "
                "gradient traffic), so the throughput of ranks that move in lockstep, what any synchronous step costs")
       ->needs(no_allreduce);
-  app.add_option("--warmup-timing-steps", cfg.timing_skip, "steps excluded from the throughput figure");
+  app.add_option("--warmup-timing-steps", cfg.timing_skip, "steps excluded from the throughput figure")
+      ->check(kNonNegative);
   app.add_flag("--log-losses", cfg.log_losses, "print every step's loss on rank 0 (LOSS step=N value=X)");
   app.add_option("--fault-kill-rank", cfg.fault_rank, "fault injection: this rank kills itself (SIGKILL) ...");
   app.add_option("--fault-at-step", cfg.fault_step,
