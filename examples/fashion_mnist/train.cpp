@@ -10,6 +10,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 
 #include "cohort/cohort.hpp"
 #include "cohort/data.hpp"
@@ -193,6 +194,29 @@ int train(const TrainConfig& cfg) {
     chosen = cohort::torch::broadcast_string(*pg, chosen, 0);
     if (!chosen.empty()) {
       auto ck = cohort::load_checkpoint(chosen, lopts);
+      // What fixes the data order and the step count must be the same as when
+      // the checkpoint was written, or the run would not continue where it stopped.
+      const auto saved = nlohmann::json::parse(ck.manifest.config, nullptr, false);
+      // `what` shows a value ("--seed {}"); `flag` is the option that sets it.
+      const auto differs = [&](const char* key, const auto& now, const char* what, const char* flag) {
+        if (!saved.is_object() || !saved.contains(key) || saved[key] == nlohmann::json(now)) return;
+        const std::string then = fmt::format(fmt::runtime(what), saved[key].dump());
+        throw cohort::InvalidArgument(fmt::format(
+            "cannot resume from {}: it was written with {}, this run has {}, so the data order and the step count "
+            "would not continue where that run stopped; HINT: resume with the same {} ({}), or start a new run with "
+            "another --checkpoint-dir",
+            ck.path, then, fmt::format(fmt::runtime(what), nlohmann::json(now).dump()), flag, then));
+      };
+      differs("batch_size", cfg.batch_size, "--batch-size {}", "--batch-size");
+      differs("seed", cfg.seed, "--seed {}", "--seed");
+      differs("train_samples", train_n, "{} training samples", "--train-limit");
+      if (lead && saved.is_object())
+        for (const auto& [key, flag, now] : {std::tuple{"epochs", "--epochs", nlohmann::json(cfg.epochs)},
+                                             std::tuple{"base_lr", "--lr", nlohmann::json(cfg.base_lr)}})
+          if (saved.contains(key) && saved[key] != now)
+            std::printf("resume: the checkpoint was written with %s %s, this run has %s: the learning-rate schedule "
+                        "follows this run's\n",
+                        flag, saved[key].dump().c_str(), now.dump().c_str());
       cohort::torch::load_module_state(*model.module, ck.files.at("model"));
       cohort::torch::load_optimizer_state(opt, ck.files.at("optimizer"));
       step = ck.step;
@@ -244,7 +268,7 @@ int train(const TrainConfig& cfg) {
       m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
       m.lr_schedule = nlohmann::json{{"step", step + schedule_offset}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
       m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr}, {"optimizer", cfg.optimizer},
-                                {"seed", cfg.seed}, {"world_size", world}, {"run", run_id}}.dump();
+                                {"seed", cfg.seed}, {"train_samples", train_n}, {"world_size", world}, {"run", run_id}}.dump();
       cohort::save_checkpoint(cfg.ckpt_dir, step,
                               {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
                               m, {.keep_last = cfg.keep});

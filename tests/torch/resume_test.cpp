@@ -140,3 +140,33 @@ TEST(Resume, AnotherWorldSizeContinuesTheEpochWhereTheOldWorldStopped) {
   EXPECT_NE(r.out.find("epoch 0, step 20, sample 2560 of the epoch"), std::string::npos) << r.out;
   fs::remove_all(base);
 }
+
+// What fixes the data order and the step count (batch size, seed, training
+// samples) must match the checkpoint's, or --resume is refused naming both
+// values; a changed --epochs or --lr only gets a note.
+TEST(Resume, AChangedBatchSizeOrSeedIsRefusedNamingBoth) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  ASSERT_EQ(lt::run(job(base + "/a", {"--train-limit", "4096"}, 25), env, 600).status, 0);  // checkpoint at step 20
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--train-limit", "4096", "--batch-size", "32"},
+       "it was written with --batch-size 64, this run has --batch-size 32, so the data order"},
+      {{"--train-limit", "4096", "--seed", "7"}, "it was written with --seed 42, this run has --seed 7"},
+      {{"--train-limit", "2048"}, "it was written with 4096 training samples, this run has 2048 training samples"},
+  };
+  for (const auto& [extra, want] : cases) {
+    std::vector<std::string> args = extra;
+    args.push_back("--resume");
+    auto r = lt::run(job(base + "/a", args, 25), env, 600);
+    EXPECT_EQ(r.status, 1) << r.err;
+    EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+  }
+  auto r = lt::run(job(base + "/a", {"--train-limit", "4096", "--lr", "0.05", "--resume"}, 22), env, 600);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("written with --lr 0.03, this run has 0.05: the learning-rate schedule follows this run's"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("resumed from"), std::string::npos) << r.out;
+  fs::remove_all(base);
+}
