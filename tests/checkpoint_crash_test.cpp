@@ -194,6 +194,7 @@ class PausingFs final : public Filesystem {
   std::vector<DirEntry> list_dir(const std::string& p) override { return base().list_dir(p); }
   bool exists(const std::string& p) override { return base().exists(p); }
   bool is_dir(const std::string& p) override { return base().is_dir(p); }
+  std::unique_ptr<DirLock> lock_dir(const std::string& d) override { return base().lock_dir(d); }
 
  private:
   static Filesystem& base() { return posix_filesystem(); }
@@ -249,12 +250,26 @@ TEST(CheckpointCrash, ChildKilledInTheMiddleOfA200MBSave) {
   ::close(pipefd[1]);
   pollfd pfd{pipefd[0], POLLIN, 0};
   int ready = ::poll(&pfd, 1, 120'000);
+  // While the child is in the middle of its save, a save from here is refused
+  // naming it (the directory's writer lock), and deletes nothing of the child's.
+  std::string refused;
+  if (ready == 1) {
+    try {
+      save_checkpoint(dir, 4, files_for(4), manifest_for(4));
+    } catch (const IoError& e) {
+      refused = e.what();
+    }
+  }
   ::kill(child, SIGKILL);
   int status = 0;
   ::waitpid(child, &status, 0);
   ::close(pipefd[0]);
   ASSERT_EQ(ready, 1) << "the child never reached the middle of its save";
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  EXPECT_NE(refused.find("another save into it is in progress (last recorded holder of '" + dir +
+                         "/.cohort-save.lock': pid " + std::to_string(child) + " on "),
+            std::string::npos)
+      << refused;
 
   // The torn save is in a temporary directory the loader ignores.
   std::vector<std::string> leftovers = temp_dirs(posix_filesystem(), dir);

@@ -250,6 +250,35 @@ TEST(Launcher, AStuckConsoleDoesNotKeepTheLauncherFromStopping) {
   fs::remove_all(dir);
 }
 
+// Once the stuck console's output is given up after a stop signal, the
+// workers' pipes are still read: a worker that prints while it shuts down
+// finishes its shutdown (not killed by SIGPIPE or left blocked until
+// SIGKILL), and its log file gets everything.
+TEST(Launcher, AfterAStuckConsoleIsGivenUpWorkersStillShutDownCleanly) {
+  std::string dir = lt::temp_dir();
+  lt::Proc p({"run", "--standalone", "--nproc-per-node", "1", "--log-dir", dir + "/logs", "--tee", "3",
+              "--run-id", "stuck", lt::prog("launch_behave"), "pid_dir=" + dir, "term_lines=200000", "lines=300000",
+              "sleep=120"},
+             {{"COHORT_TERM_TIMEOUT", "30s"}});
+  auto pids = lt::wait_pid_files(dir, 1);
+  ASSERT_EQ(pids.size(), 1u);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  kill(p.pid(), SIGTERM);
+  const bool ended = lt::wait_gone(p.pid(), 25);  // before the 30 s grace: the worker exited by itself
+  auto r = p.wait(60);
+  EXPECT_TRUE(ended) << "the launcher did not end while its stdout was not read";
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  std::string log;
+  for (const auto& e : fs::recursive_directory_iterator(dir + "/logs"))
+    if (e.path().filename() == "stdout.log") {
+      std::ifstream in(e.path());
+      log.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+  EXPECT_NE(log.find("line 300000\n"), std::string::npos) << "the log file lost lines";
+  EXPECT_NE(log.find("bye 200000\nbye done\n"), std::string::npos) << "the worker did not finish its shutdown";
+  fs::remove_all(dir);
+}
+
 // A reader that falls behind loses nothing: every line of every rank arrives,
 // whole and in order, and the job ends normally.
 TEST(Launcher, ASlowConsoleGetsEveryLineInOrder) {

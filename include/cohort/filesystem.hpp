@@ -75,7 +75,8 @@ class Filesystem {
   virtual bool is_symlink(const std::string& /*path*/) { return false; }
   // Takes the directory's writer lock without waiting: save_checkpoint holds it
   // while it saves, so two processes never save into one directory at once.
-  // Held by another process (or another open of it): IoError naming the holder.
+  // Held elsewhere (another process, or another open of the lock file):
+  // IoError naming the last recorded holder.
   // nullptr: this file system has no locks (the default; the posix one falls
   // back to it, with a warning, where the kernel refuses flock).
   virtual std::unique_ptr<DirLock> lock_dir(const std::string& /*dir*/) { return nullptr; }

@@ -205,7 +205,13 @@ class PosixFilesystem final : public Filesystem {
 
   std::unique_ptr<DirLock> lock_dir(const std::string& dir) override {
     const std::string path = dir + "/" + kLockName;
+    bool writable = true;
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0 && errno == EACCES) {
+      // Another user's lock file in a shared directory: flock needs no write access.
+      writable = false;
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    }
     if (fd < 0) fail("open the lock file", path, errno);
     int rc;
     while ((rc = ::flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
@@ -216,11 +222,19 @@ class PosixFilesystem final : public Filesystem {
         char who[200] = {};
         const ssize_t n = ::pread(fd, who, sizeof(who) - 1, 0);
         ::close(fd);
-        std::string holder = n > 0 ? std::string(who, static_cast<size_t>(n)) : std::string("another process");
+        std::string holder = n > 0 ? std::string(who, static_cast<size_t>(n)) : std::string();
         while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
-        throw IoError(fmt::format("cannot save into '{}': another save into it is in progress ({} holds '{}'); HINT: "
-                                  "two jobs must not share a checkpoint directory: give each its own",
-                                  dir, holder, path));
+        const std::string me = fmt::format("pid {} on {}", ::getpid(), host_name());
+        if (holder == me)
+          throw IoError(fmt::format(
+              "cannot save into '{}': this process holds its lock '{}' already (another thread of it is saving "
+              "there, or a child it forked during a save still has the lock open); HINT: save from one thread at a "
+              "time, and do not fork while saving",
+              dir, path));
+        throw IoError(fmt::format(
+            "cannot save into '{}': another save into it is in progress (last recorded holder of '{}': {}); HINT: "
+            "save from one process only (rank 0 of a job), and give each job its own checkpoint directory",
+            dir, path, holder.empty() ? "unknown" : holder));
       }
       ::close(fd);
       // NFS without a lock manager, some FUSE mounts: save as before, unguarded (said once per process).
@@ -232,7 +246,7 @@ class PosixFilesystem final : public Filesystem {
     }
     // Who holds it, for the message a second writer gets (informational: not fsync'ed).
     const std::string me = fmt::format("pid {} on {}\n", ::getpid(), host_name());
-    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    if (writable && (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0)) {
       // The lock holds all the same; only the message would lack the holder.
     }
     return std::make_unique<PosixDirLock>(fd);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -111,6 +112,8 @@ Job prepare(const LaunchOptions& opts) {
 class Agent {
  public:
   explicit Agent(const LaunchOptions& opts) : opts_(opts), job_(prepare(opts)) {}
+
+  SignalChannel& signals() { return signals_; }
 
   int run() {
     if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
@@ -315,37 +318,35 @@ class Agent {
 
 namespace {
 
-void log_to_console(std::string line) { ConsoleWriter::of(STDERR_FILENO).write(std::move(line)); }
+void log_to_console(std::string line) { ConsoleWriter::of(STDERR_FILENO).write_or_drop(std::move(line)); }
 
-// The launcher's log lines go through its console thread while it runs, and
-// what is queued there is written out before it returns.
-class ConsoleScope {
+// The launcher's log lines go through its console thread while a job runs.
+// Should an exception end the job, what is queued is written out before the
+// message of it (printed by the caller) follows.
+class LogsToConsole {
  public:
-  ConsoleScope() { core::set_log_writer(&log_to_console); }
-  ~ConsoleScope() {
-    drain_console(stopped_);
+  LogsToConsole() : exceptions_(std::uncaught_exceptions()) { core::set_log_writer(&log_to_console); }
+  ~LogsToConsole() {
     core::set_log_writer(nullptr);
+    // A job that returned has drained already (finish_console with its signal channel).
+    if (std::uncaught_exceptions() > exceptions_) finish_console();
   }
-  // A job told to stop waits for its console a short while only: the reader may be gone for good.
-  void set_exit_code(int code) { stopped_ = code > 128 && is_stop_signal(code - 128); }
+  LogsToConsole(const LogsToConsole&) = delete;
+  LogsToConsole& operator=(const LogsToConsole&) = delete;
 
  private:
-  bool stopped_ = true;  // an exception: do not wait long either
+  int exceptions_;
 };
 
 }  // namespace
 
 int run_job(const LaunchOptions& opts) {
   validate(opts);
-  ConsoleScope console;
-  int code;
-  if (is_elastic(opts)) {
-    code = run_elastic_job(opts);
-  } else {
-    Agent agent(opts);
-    code = agent.run();
-  }
-  console.set_exit_code(code);
+  LogsToConsole logs;
+  if (is_elastic(opts)) return run_elastic_job(opts);
+  Agent agent(opts);
+  const int code = agent.run();
+  finish_console(agent.signals(), code);  // while the stop signals are still the agent's to read
   return code;
 }
 

@@ -116,6 +116,8 @@ class ElasticAgent {
   explicit ElasticAgent(const LaunchOptions& opts)
       : opts_(opts), job_(prepare_job(opts)), ep_(resolve_endpoints(opts)), tracker_(knob_ms(kHeartbeatTimeout)) {}
 
+  SignalChannel& signals() { return signals_; }
+
   int run() {
     if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
     try {
@@ -428,7 +430,9 @@ class ElasticAgent {
 
 int run_elastic_job(const LaunchOptions& opts) {
   ElasticAgent agent(opts);
-  return agent.run();
+  const int code = agent.run();
+  finish_console(agent.signals(), code);  // while the stop signals are still the agent's to read
+  return code;
 }
 
 }  // namespace cohort::launch

@@ -286,14 +286,17 @@ class Monitor {
       bool congested = false;
       for (auto& w : workers_)
         for (int s = 0; s < 2; ++s) congested = congested || (w.pipe_fd[s] >= 0 && w.sink[s]->congested());
-      if (congested && result_.signal != 0 && !output_abandoned_ && now >= signalled_at_ + kOutputAfterStop) {
-        // Told to stop, and the console still does not take the output: stop waiting for it.
-        output_abandoned_ = true;
+      if (congested && result_.signal != 0 && now >= signalled_at_ + kOutputAfterStop) {
+        // Told to stop, and the console still does not take the output: what
+        // is meant for it is thrown away from now on, but the pipes are still
+        // read (the workers' shutdown must not block on them or die of
+        // SIGPIPE, and log files still get everything).
         COHORT_WARN(kLaunch, "the console has not taken the workers' output for {} ms after the stop signal; "
-                             "dropping the rest",
+                             "dropping what is meant for it",
                     kOutputAfterStop.count());
         for (auto& w : workers_)
-          for (int s = 0; s < 2; ++s) close_pipe(w, s);
+          for (int s = 0; s < 2; ++s)
+            if (w.sink[s]->congested()) w.sink[s]->drop_console();
         continue;
       }
       if (!any_running) {
@@ -358,7 +361,6 @@ class Monitor {
   Clock::time_point give_up_at_{};
   Clock::time_point next_remote_{};
   Clock::time_point signalled_at_{};  // the first stop signal
-  bool output_abandoned_ = false;
   char buf_[64 * 1024];
 };
 

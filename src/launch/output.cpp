@@ -3,9 +3,12 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -102,6 +105,15 @@ struct ConsoleWriter::State {
       if (queue.empty()) written.notify_all();
     }
   }
+
+  void push(std::string data, size_t drop_above) {
+    if (data.empty()) return;
+    std::lock_guard<std::mutex> lk(mu);
+    if (failed || queued > drop_above) return;
+    queued += data.size();
+    queue.push_back(std::move(data));
+    wake.notify_one();
+  }
 };
 
 ConsoleWriter::ConsoleWriter(int fd, size_t limit) : state_(std::make_shared<State>()) {
@@ -120,8 +132,18 @@ namespace {
 
 // What may wait for a console before the workers' pipes are left unread.
 constexpr size_t kConsoleLimit = 4u << 20;
+// How long a console may keep the launcher from returning once the job was told to stop.
+constexpr std::chrono::milliseconds kConsoleAfterStop{1000};
 std::mutex g_consoles_mu;
 ConsoleWriter* g_consoles[3] = {nullptr, nullptr, nullptr};
+
+bool same_file(int a, int b) {
+  struct stat sa, sb;
+  return ::fstat(a, &sa) == 0 && ::fstat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// The writer slot of `fd`: stderr shares stdout's when both are the same file.
+int slot_of(int fd) { return fd == STDERR_FILENO && same_file(STDOUT_FILENO, STDERR_FILENO) ? STDOUT_FILENO : fd; }
 
 }  // namespace
 
@@ -129,8 +151,13 @@ ConsoleWriter& ConsoleWriter::of(int fd) {
   if (fd != STDOUT_FILENO && fd != STDERR_FILENO)
     throw InvalidArgument(fmt::format("ConsoleWriter::of: fd {} is not the console (1 or 2)", fd));
   std::lock_guard<std::mutex> lk(g_consoles_mu);
-  if (g_consoles[fd] == nullptr) g_consoles[fd] = new ConsoleWriter(fd, kConsoleLimit);  // never freed, see above
-  return *g_consoles[fd];
+  ConsoleWriter*& w = g_consoles[fd];
+  if (w == nullptr) {
+    const int slot = slot_of(fd);
+    if (g_consoles[slot] == nullptr) g_consoles[slot] = new ConsoleWriter(slot, kConsoleLimit);  // never freed, see above
+    w = g_consoles[slot];
+  }
+  return *w;
 }
 
 ConsoleWriter* ConsoleWriter::existing(int fd) {
@@ -139,14 +166,9 @@ ConsoleWriter* ConsoleWriter::existing(int fd) {
   return g_consoles[fd];
 }
 
-void ConsoleWriter::write(std::string data) {
-  if (data.empty()) return;
-  std::lock_guard<std::mutex> lk(state_->mu);
-  if (state_->failed) return;
-  state_->queued += data.size();
-  state_->queue.push_back(std::move(data));
-  state_->wake.notify_one();
-}
+void ConsoleWriter::write(std::string data) { state_->push(std::move(data), SIZE_MAX); }
+
+void ConsoleWriter::write_or_drop(std::string data) { state_->push(std::move(data), 4 * state_->limit); }
 
 bool ConsoleWriter::congested() const {
   std::lock_guard<std::mutex> lk(state_->mu);
@@ -163,18 +185,38 @@ void launcher_say(std::string line) {
   ConsoleWriter::of(STDERR_FILENO).write(std::move(line));
 }
 
-void drain_console(bool stopped, std::chrono::milliseconds after_stop) {
-  const auto until = std::chrono::steady_clock::now() + after_stop;
+namespace {
+
+// Waits for every console writer, up to `timeout` in all. True when all are done.
+bool drain_all(std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
   for (int fd : {STDOUT_FILENO, STDERR_FILENO}) {
     ConsoleWriter* w = ConsoleWriter::existing(fd);
     if (w == nullptr) continue;
-    if (!stopped) {
-      while (!w->drain(std::chrono::hours(1))) {
-      }
-      continue;
-    }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
-    w->drain(std::max(left, std::chrono::milliseconds(0)));
+    if (!w->drain(std::max(left, std::chrono::milliseconds(0)))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void finish_console(SignalChannel& signals, int code) {
+  const bool stopped = code > 128 && is_stop_signal(code - 128);
+  if (stopped) {
+    drain_all(kConsoleAfterStop);
+    return;
+  }
+  while (!drain_all(std::chrono::milliseconds(100))) {
+    if (signals.wait_stop_signal(0) != 0) {
+      drain_all(kConsoleAfterStop);
+      return;
+    }
+  }
+}
+
+void finish_console() {
+  while (!drain_all(std::chrono::hours(1))) {
   }
 }
 

@@ -1,7 +1,7 @@
 // Forwarding a worker's stdout / stderr: to the launcher's console with a
 // torchrun-style "[rank3]: " prefix on every line, and/or raw to a per-rank log
-// file (--log-dir, --redirects, --tee). Used only from the launcher's main
-// thread, except ConsoleWriter's own thread.
+// file (--log-dir, --redirects, --tee). StreamSink is used from the launcher's
+// main thread only; ConsoleWriter from any thread.
 #pragma once
 
 #include <chrono>
@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "launch/options.hpp"
+#include "launch/process.hpp"
 
 namespace cohort::launch {
 
@@ -43,21 +44,28 @@ bool write_all(int fd, std::string_view data);
 // congested() is true and the monitor stops reading the worker pipes that lead
 // here: the workers then block on their own output, as they would writing to
 // that console directly. A descriptor that fails (EPIPE: the reader is gone)
-// drops everything from then on, as the launcher did before.
+// drops everything from then on, as the launcher did before. Thread-safe (the
+// launcher's store and heartbeat threads log through it too).
 class ConsoleWriter {
  public:
   // The process's writer for fd 1 or 2, created on first use and never
-  // destroyed (at exit its thread may still be blocked in write()).
+  // destroyed (at exit its thread may still be blocked in write()). When fd 1
+  // and fd 2 are the same file (`2>&1`, one terminal) both get one writer, so
+  // their lines keep the order they were queued in and never mix mid-line.
   static ConsoleWriter& of(int fd);
   // The writer of `fd` if of(fd) was ever called, else nullptr.
   static ConsoleWriter* existing(int fd);
 
+  // `fd` must stay open until drain() returned true (or for good).
   ConsoleWriter(int fd, size_t limit);
   ~ConsoleWriter();  // does not wait: what is queued is still written
   ConsoleWriter(const ConsoleWriter&) = delete;
   ConsoleWriter& operator=(const ConsoleWriter&) = delete;
 
   void write(std::string data);  // never blocks
+  // The launcher's own log lines: dropped once far more than `limit` waits,
+  // so verbose logging onto a stuck console cannot grow without bound.
+  void write_or_drop(std::string data);
   bool congested() const;
   // Waits until everything queued is written (or dropped), up to `timeout`. True when done.
   bool drain(std::chrono::milliseconds timeout);
@@ -71,10 +79,15 @@ class ConsoleWriter {
 // stderr, in order with the workers' output that went there before it.
 void launcher_say(std::string line);
 
-// Waits for whatever of the launcher's console output is still queued: as long
-// as it takes (SIGTERM still ends the launcher then) or, after the job was told
-// to stop, `after_stop` at most (the reader may never come back).
-void drain_console(bool stopped, std::chrono::milliseconds after_stop = std::chrono::milliseconds(2000));
+// Before the launcher returns `code`: writes out what is still queued for the
+// console, as long as that takes, while `signals` keeps the stop signals
+// blocked. If the job was stopped by a signal (code 128 + SIGTERM, ...) or a
+// stop signal arrives meanwhile, the console gets one more second at most
+// (its reader may be gone for good), then the rest is dropped.
+void finish_console(SignalChannel& signals, int code);
+// The same without a signal channel (none exists, or it is gone and SIGTERM
+// ends the process the default way): waits as long as it takes.
+void finish_console();
 
 // Where one stream of one worker goes. Owns file_fd.
 class StreamSink {
@@ -92,6 +105,8 @@ class StreamSink {
   bool to_console() const { return console_fd_ >= 0; }
   // Its console has more queued than it can take now: do not read more for it.
   bool congested() const { return console_ != nullptr && console_->congested(); }
+  // From now on the console part is thrown away (the log file still gets everything).
+  void drop_console() { console_ = nullptr; }
 
  private:
   int console_fd_;

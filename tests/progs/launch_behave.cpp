@@ -11,6 +11,7 @@
 //   partial              write "par", pause, "tial\n" on stdout (one line in two writes)
 //   say=TEXT / warn=TEXT print TEXT on stdout / stderr
 //   lines=N              print "line 1" ... "line N" on stdout (blocking while nobody reads)
+//   term_lines=N         on SIGTERM (while sleeping): print "bye 1" ... "bye N", "bye done", exit 0
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -23,6 +24,9 @@
 #include <thread>
 
 namespace {
+
+volatile sig_atomic_t g_term = 0;
+void on_term(int) { g_term = 1; }
 
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
@@ -40,6 +44,7 @@ int main(int argc, char** argv) {
   const int rank = env_int("RANK", 0);
   int fail_rank = -1, code = 1, kill_rank = -1, fail_until = -1, delay_ms = 100;
   double sleep_s = 0;
+  long term_lines = -1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto eq = a.find('=');
@@ -60,7 +65,13 @@ int main(int argc, char** argv) {
     else if (key == "ignore_term") signal(SIGTERM, SIG_IGN);
     else if (key == "say") write_str(1, val + "\n");
     else if (key == "warn") write_str(2, val + "\n");
-    else if (key == "lines") {
+    else if (key == "term_lines") {
+      term_lines = std::atol(val.c_str());
+      struct sigaction sa {};
+      sa.sa_handler = on_term;
+      sa.sa_flags = SA_RESTART;
+      sigaction(SIGTERM, &sa, nullptr);
+    } else if (key == "lines") {
       for (long k = 1, n = std::atol(val.c_str()); k <= n; ++k) std::printf("line %ld\n", k);
       std::fflush(stdout);
     }
@@ -92,6 +103,15 @@ int main(int argc, char** argv) {
     if (rank == kill_rank) raise(SIGKILL);
     return code;
   }
-  if (sleep_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(sleep_s);
+  while (std::chrono::steady_clock::now() < until) {
+    if (g_term && term_lines >= 0) {
+      for (long k = 1; k <= term_lines; ++k) std::printf("bye %ld\n", k);
+      std::printf("bye done\n");
+      std::fflush(stdout);
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   return 0;
 }
