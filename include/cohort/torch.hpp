@@ -23,6 +23,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cohort/ddp.hpp"
@@ -94,12 +95,13 @@ class DistributedDataParallel {
 // through a contiguous copy otherwise).
 void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root = 0);
 
-// Throws InvalidArgument naming the first tensor whose name, shape or dtype
-// differs from rank 0's (and the rank), on every rank. DistributedDataParallel
-// checks its trainable parameters, then the frozen ones ("name (frozen)"), then
-// the buffers ("name (buffer)").
+// Throws InvalidArgument on every rank when a rank's list differs from rank
+// 0's, naming the rank and the first difference: a tensor one of them lacks,
+// a shape or dtype, or the order. `what` names the tensors in the message
+// ("parameter"; DistributedDataParallel checks its trainable parameters, then
+// the "frozen parameter"s, then the "buffer"s).
 void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
-                           const std::vector<::torch::Tensor>& tensors);
+                           const std::vector<::torch::Tensor>& tensors, std::string_view what = "parameter");
 
 // cohort's element type for a torch dtype; InvalidArgument for types collectives cannot move.
 DType to_dtype(::torch::ScalarType t);

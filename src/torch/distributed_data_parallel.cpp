@@ -47,11 +47,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   if (!module_) throw InvalidArgument("DistributedDataParallel: the module is null");
   if (!group_) throw InvalidArgument("DistributedDataParallel: the process group is null (call cohort::init_process_group())");
   std::vector<::torch::Tensor> frozen;  // not trained here, but every replica must start from rank 0's values
-  std::vector<std::string> frozen_names;
+  std::vector<std::string> frozen_names, buffer_names;
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) {
       frozen.push_back(item.value());
-      frozen_names.push_back(item.key() + " (frozen)");
+      frozen_names.push_back(item.key());
       continue;
     }
     if (!item.value().is_contiguous())
@@ -59,22 +59,19 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
     names_.push_back(item.key());
     params_.push_back(item.value());
   }
-  std::vector<std::string> buffer_names;
   for (auto& b : module_->named_buffers(true)) {
     buffers_.push_back(b.value());
-    buffer_names.push_back(b.key() + " (buffer)");
+    buffer_names.push_back(b.key());
   }
 
-  // Everything broadcast below is checked first: trainable parameters, then
-  // frozen ones, then buffers, so a replica that differs in any of them is
-  // named here rather than failing inside the broadcast.
-  std::vector<std::string> all_names = names_;
-  all_names.insert(all_names.end(), frozen_names.begin(), frozen_names.end());
-  all_names.insert(all_names.end(), buffer_names.begin(), buffer_names.end());
+  // Everything broadcast below is checked first, kind by kind, so a replica
+  // that differs in any of it is named here rather than failing inside the broadcast.
+  check_same_parameters(*group_, names_, params_, "parameter");
+  check_same_parameters(*group_, frozen_names, frozen, "frozen parameter");
+  check_same_parameters(*group_, buffer_names, buffers_, "buffer");
   std::vector<::torch::Tensor> all = params_;
   all.insert(all.end(), frozen.begin(), frozen.end());
   all.insert(all.end(), buffers_.begin(), buffers_.end());
-  check_same_parameters(*group_, all_names, all);
   broadcast_tensors(*group_, all, 0);
 
   std::vector<ddp::ParamSpec> specs;

@@ -2,6 +2,7 @@
 // check that every rank built the same model.
 #include <fmt/format.h>
 
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -65,7 +66,7 @@ std::string signature(const std::string& name, const ::torch::Tensor& t) {
 }  // namespace
 
 void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
-                           const std::vector<::torch::Tensor>& tensors) {
+                           const std::vector<::torch::Tensor>& tensors, std::string_view what) {
   std::vector<std::string> mine;
   std::string joined;
   for (size_t i = 0; i < names.size(); ++i) {
@@ -82,27 +83,40 @@ void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& 
   std::istringstream in(root);
   for (std::string line; std::getline(in, line);) theirs.push_back(line);
 
+  // By name first (what is missing where, what differs), then the order.
+  const auto name_of = [](const std::string& sig) { return sig.substr(0, sig.rfind(" [")); };
+  std::map<std::string, std::string> mine_by_name, theirs_by_name;
+  for (const auto& m : mine) mine_by_name[name_of(m)] = m;
+  for (const auto& t : theirs) theirs_by_name[name_of(t)] = t;
+  const int me = group.rank();
   std::string problem;
-  for (size_t i = 0; i < std::max(mine.size(), theirs.size()) && problem.empty(); ++i) {
-    if (i >= mine.size())
-      problem = fmt::format("rank 0 has a parameter '{}' (#{}) that rank {} does not have", theirs[i], i, group.rank());
-    else if (i >= theirs.size())
-      problem = fmt::format("rank {} has a parameter '{}' (#{}) that rank 0 does not have", group.rank(), mine[i], i);
-    else if (mine[i] != theirs[i])
-      problem = fmt::format("#{} is '{}' on rank 0 but '{}' on rank {}", i, theirs[i], mine[i], group.rank());
+  for (const auto& t : theirs)
+    if (problem.empty() && !mine_by_name.count(name_of(t)))
+      problem = fmt::format("rank 0 has a {} '{}' that rank {} does not have", what, t, me);
+  for (const auto& m : mine)
+    if (problem.empty() && !theirs_by_name.count(name_of(m)))
+      problem = fmt::format("rank {} has a {} '{}' that rank 0 does not have", me, what, m);
+  for (const auto& t : theirs) {
+    auto it = mine_by_name.find(name_of(t));
+    if (problem.empty() && it != mine_by_name.end() && it->second != t)
+      problem = fmt::format("{} '{}' is '{}' on rank 0 but '{}' on rank {}", what, name_of(t), t, it->second, me);
   }
+  for (size_t i = 0; i < mine.size() && i < theirs.size() && problem.empty(); ++i)
+    if (mine[i] != theirs[i])
+      problem = fmt::format("the {}s are registered in another order: #{} is '{}' on rank 0 but '{}' on rank {}", what,
+                            i, name_of(theirs[i]), name_of(mine[i]), me);
+
   std::vector<int32_t> flags(group.size());
-  int32_t me = problem.empty() ? 0 : 1;
-  group.allgather(Buffer{&me, 1, DType::I32}, Buffer{flags.data(), flags.size(), DType::I32})->wait();
+  int32_t bad_here = problem.empty() ? 0 : 1;
+  group.allgather(Buffer{&bad_here, 1, DType::I32}, Buffer{flags.data(), flags.size(), DType::I32})->wait();
   std::string bad;
   for (int r = 0; r < group.size(); ++r)
     if (flags[r]) bad += fmt::format("{}{}", bad.empty() ? "" : ",", r);
   if (bad.empty()) return;
   throw InvalidArgument(fmt::format(
-      "DistributedDataParallel: ranks [{}] have different parameters than rank 0{}; HINT: every rank must build the "
-      "same model (same layers in the same order, same sizes and dtypes, the same parameters frozen) before "
-      "wrapping it",
-      bad, problem.empty() ? "" : ": " + problem));
+      "DistributedDataParallel: ranks [{}] have different {}s than rank 0{}; HINT: every rank must build the same "
+      "model (same layers in the same order, same sizes and dtypes, the same parameters frozen) before wrapping it",
+      bad, what, problem.empty() ? "" : ": " + problem));
 }
 
 double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op) {

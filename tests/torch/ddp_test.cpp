@@ -438,10 +438,11 @@ TEST(DdpErrors, DifferentFrozenParametersAndBuffersAreNamed) {
         errs[pg.rank()] = e.what();
       }
     });
-    const std::string want = buffer ? "'mask (buffer) [4] Bool' on rank 0 but 'mask (buffer) [5] Bool' on rank 1"
-                                    : "'emb (frozen) [4] f32' on rank 0 but 'emb (frozen) [5] f32' on rank 1";
+    const std::string want = buffer ? "buffer 'mask' is 'mask [4] Bool' on rank 0 but 'mask [5] Bool' on rank 1"
+                                    : "frozen parameter 'emb' is 'emb [4] f32' on rank 0 but 'emb [5] f32' on rank 1";
     EXPECT_NE(errs[1].find(want), std::string::npos) << errs[1];
-    EXPECT_NE(errs[0].find("ranks [1] have different parameters than rank 0"), std::string::npos) << errs[0];
+    const std::string kind = buffer ? "buffers" : "frozen parameters";
+    EXPECT_NE(errs[0].find("ranks [1] have different " + kind + " than rank 0"), std::string::npos) << errs[0];
   }
 }
 
@@ -460,7 +461,48 @@ TEST(DdpErrors, FrozenOnOneRankOnlyIsNamed) {
     }
   });
   for (auto& e : errs) EXPECT_NE(e.find("ranks [1] have different parameters"), std::string::npos) << e;
-  EXPECT_NE(errs[1].find("fc1.bias"), std::string::npos) << errs[1];
+  EXPECT_NE(errs[1].find("rank 0 has a parameter 'fc1.bias [16] f32' that rank 1 does not have"), std::string::npos)
+      << errs[1];
+}
+
+// A model with buffers and one extra layer on one rank: the message names
+// the extra layer, not a buffer that merely moved up the list.
+TEST(DdpErrors, AnExtraLayerIsNamedWhenTheModelHasBuffers) {
+  std::vector<std::string> errs(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    Net net(pg.rank() == 1);
+    net->register_module("bn", torch::nn::BatchNorm1d(4));
+    try {
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp);
+    } catch (const cohort::InvalidArgument& e) {
+      errs[pg.rank()] = e.what();
+    }
+  });
+  EXPECT_NE(errs[1].find("rank 1 has a parameter 'spare.weight [4, 4] f32' that rank 0 does not have"),
+            std::string::npos)
+      << errs[1];
+  EXPECT_NE(errs[0].find("ranks [1] have different parameters than rank 0"), std::string::npos) << errs[0];
+}
+
+// The same layers registered in another order are named as such.
+TEST(DdpErrors, AnotherRegistrationOrderIsNamed) {
+  std::vector<std::string> errs(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    auto pgp = borrowed(pg);
+    auto m = std::make_shared<torch::nn::Module>();
+    auto a = torch::zeros({3}), b = torch::zeros({3});
+    m->register_parameter(pg.rank() == 0 ? "a" : "b", a);
+    m->register_parameter(pg.rank() == 0 ? "b" : "a", b);
+    try {
+      cohort::torch::DistributedDataParallel ddp(m, pgp);
+    } catch (const cohort::InvalidArgument& e) {
+      errs[pg.rank()] = e.what();
+    }
+  });
+  EXPECT_NE(errs[1].find("the parameters are registered in another order: #0 is 'a' on rank 0 but 'b' on rank 1"),
+            std::string::npos)
+      << errs[1];
 }
 
 // With gradient_as_bucket_view .grad is a view of a bucket: destroying the DDP
