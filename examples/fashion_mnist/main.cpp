@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <optional>
 
@@ -29,17 +30,18 @@
 namespace {
 
 // CLI11's own number checks print their range with DBL_MAX spelled out: these say what is wrong.
-CLI::Validator number_check(bool zero_ok) {
+CLI::Validator number_check(bool zero_ok, double at_most = 1e15) {
   return CLI::Validator(
-      [zero_ok](std::string& text) -> std::string {
+      [zero_ok, at_most](std::string& text) -> std::string {
         double v = 0;
         try {
           size_t used = 0;
           v = std::stod(text, &used);
-          if (used != text.size()) throw std::invalid_argument(text);
+          if (used != text.size() || !std::isfinite(v)) throw std::invalid_argument(text);
         } catch (const std::exception&) {
           return "'" + text + "' is not a number";
         }
+        if (v > at_most) return fmt::format("must be at most {} (got {})", at_most, text);
         if (zero_ok ? v >= 0 : v > 0) return {};
         return fmt::format("must be {} (got {})", zero_ok ? "0 or more" : "greater than 0", text);
       },
@@ -47,6 +49,7 @@ CLI::Validator number_check(bool zero_ok) {
 }
 const CLI::Validator kPositive = number_check(false);
 const CLI::Validator kNonNegative = number_check(true);
+const CLI::Validator kMegabytes = number_check(false, 1 << 20);  // a bucket of up to 1 TiB
 
 }  // namespace
 
@@ -100,9 +103,9 @@ int main(int argc, char** argv) {
   app.add_option("--comm-hook", cfg.comm_hook, "gradient communication: allreduce, fp16 or bf16 (compressed)")
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16"}));
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")
-      ->check(kPositive);
+      ->check(kMegabytes);
   app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)")
-      ->check(kPositive);
+      ->check(kMegabytes);
   app.add_flag("--grad-bucket-view,!--no-grad-bucket-view", cfg.grad_bucket_view,
                "gradients live in the DDP buckets (gradient_as_bucket_view): no copy out after the allreduce");
   app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");

@@ -8,6 +8,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
+#include <set>
+#include <utility>
 #include <cerrno>
 #include <cstring>
 
@@ -110,13 +113,29 @@ class PosixReadableFile final : public ReadableFile {
 // (empty of meaning once released) and names the last holder.
 constexpr const char* kLockName = ".cohort-save.lock";
 
+// The lock files (device, inode) this process holds now, so that a refused
+// save can tell "this process" from "another one" without trusting the
+// recorded holder (a holder that opened the file read-only cannot update it).
+std::mutex g_held_mu;
+std::set<std::pair<dev_t, ino_t>> g_held;
+
 class PosixDirLock final : public DirLock {
  public:
-  explicit PosixDirLock(int fd) : fd_(fd) {}
-  ~PosixDirLock() override { ::close(fd_); }  // closing the last descriptor releases the flock
+  PosixDirLock(int fd, std::pair<dev_t, ino_t> id) : fd_(fd), id_(id) {
+    std::lock_guard<std::mutex> lk(g_held_mu);
+    g_held.insert(id_);
+  }
+  ~PosixDirLock() override {
+    {
+      std::lock_guard<std::mutex> lk(g_held_mu);
+      g_held.erase(id_);
+    }
+    ::close(fd_);  // closing the last descriptor releases the flock
+  }
 
  private:
   int fd_;
+  std::pair<dev_t, ino_t> id_;
 };
 
 std::string host_name() {
@@ -208,11 +227,21 @@ class PosixFilesystem final : public Filesystem {
     bool writable = true;
     int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd < 0 && errno == EACCES) {
-      // Another user's lock file in a shared directory: flock needs no write access.
+      // Another user's lock file in a shared directory: a local flock needs no
+      // write access. (There is none to fall back on when the file does not
+      // exist: the directory itself is not writable, and that is the error.)
       writable = false;
       fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+      if (fd < 0) fail("open the lock file", path, errno == ENOENT ? EACCES : errno);
     }
     if (fd < 0) fail("open the lock file", path, errno);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      fail("stat the lock file", path, err);
+    }
+    const std::pair<dev_t, ino_t> id{st.st_dev, st.st_ino};
     int rc;
     while ((rc = ::flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
     }
@@ -224,24 +253,29 @@ class PosixFilesystem final : public Filesystem {
         ::close(fd);
         std::string holder = n > 0 ? std::string(who, static_cast<size_t>(n)) : std::string();
         while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
-        const std::string me = fmt::format("pid {} on {}", ::getpid(), host_name());
-        if (holder == me)
+        bool mine = false;
+        {
+          std::lock_guard<std::mutex> lk(g_held_mu);
+          mine = g_held.count(id) != 0;
+        }
+        if (mine)
           throw IoError(fmt::format(
               "cannot save into '{}': this process holds its lock '{}' already (another thread of it is saving "
-              "there, or a child it forked during a save still has the lock open); HINT: save from one thread at a "
-              "time, and do not fork while saving",
+              "there); HINT: save from one thread at a time",
               dir, path));
         throw IoError(fmt::format(
             "cannot save into '{}': another save into it is in progress (last recorded holder of '{}': {}); HINT: "
-            "save from one process only (rank 0 of a job), and give each job its own checkpoint directory",
+            "save from one process only (rank 0 of a job), give each job its own checkpoint directory, and do not "
+            "fork while saving (a child keeps the lock open)",
             dir, path, holder.empty() ? "unknown" : holder));
       }
       ::close(fd);
-      // NFS without a lock manager, some FUSE mounts: save as before, unguarded (said once per process).
+      // NFS without a lock manager, some FUSE mounts, an NFS lock asked for
+      // through a read-only open: save as before, unguarded (said once per process).
       static std::atomic<bool> warned{false};
       if (!warned.exchange(true))
-        COHORT_WARN(kInit, "checkpoint: cannot lock '{}' ({}); saving without the guard against a second writer",
-                    path, std::strerror(err));
+        COHORT_WARN(kInit, "checkpoint: cannot lock '{}'{} ({}); saving without the guard against a second writer",
+                    path, writable ? "" : " (opened read-only: another user created it)", std::strerror(err));
       return nullptr;
     }
     // Who holds it, for the message a second writer gets (informational: not fsync'ed).
@@ -249,7 +283,7 @@ class PosixFilesystem final : public Filesystem {
     if (writable && (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0)) {
       // The lock holds all the same; only the message would lack the holder.
     }
-    return std::make_unique<PosixDirLock>(fd);
+    return std::make_unique<PosixDirLock>(fd, id);
   }
 };
 

@@ -328,8 +328,12 @@ class LogsToConsole {
   LogsToConsole() : exceptions_(std::uncaught_exceptions()) { core::set_log_writer(&log_to_console); }
   ~LogsToConsole() {
     core::set_log_writer(nullptr);
-    // A job that returned has drained already (finish_console with its signal channel).
-    if (std::uncaught_exceptions() > exceptions_) finish_console();
+    // A job that returned has drained already (finish_console with its signal
+    // channel): what its teardown logged gets a moment; an exception, all it takes.
+    if (std::uncaught_exceptions() > exceptions_)
+      finish_console();
+    else
+      finish_console(std::chrono::milliseconds(1000));
   }
   LogsToConsole(const LogsToConsole&) = delete;
   LogsToConsole& operator=(const LogsToConsole&) = delete;
@@ -346,7 +350,9 @@ int run_job(const LaunchOptions& opts) {
   if (is_elastic(opts)) return run_elastic_job(opts);
   Agent agent(opts);
   const int code = agent.run();
-  finish_console(agent.signals(), code);  // while the stop signals are still the agent's to read
+  // While the stop signals are still the agent's to read; one that arrives
+  // meanwhile ends the launcher as it would have before.
+  if (int sig = finish_console(agent.signals(), code)) return 128 + sig;
   return code;
 }
 

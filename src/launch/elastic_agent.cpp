@@ -431,7 +431,9 @@ class ElasticAgent {
 int run_elastic_job(const LaunchOptions& opts) {
   ElasticAgent agent(opts);
   const int code = agent.run();
-  finish_console(agent.signals(), code);  // while the stop signals are still the agent's to read
+  // While the stop signals are still the agent's to read; one that arrives
+  // meanwhile ends the launcher as it would have before.
+  if (int sig = finish_console(agent.signals(), code)) return 128 + sig;
   return code;
 }
 

@@ -274,8 +274,11 @@ class Monitor {
     std::vector<pollfd> fds;
     std::vector<std::pair<Worker*, int>> owners;
     std::optional<Clock::time_point> all_exited_at;
+    Clock::time_point last_turn = Clock::now();
     for (;;) {
       auto now = Clock::now();
+      const auto previous_turn = last_turn;
+      last_turn = now;
       reap(now);
       check_remote(now);
       bool any_running = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
@@ -306,7 +309,9 @@ class Monitor {
         // outliving the launcher (or running on through a restart).
         const bool leftovers = stopping_ && !killed_ && any_group_alive();
         if (!any_pipe && !leftovers) break;
-        if (congested) all_exited_at = now;  // the output is there, waiting for the console: not left open
+        // Time the console was congested does not count: the output was
+        // there, waiting for it, not left open by something still running.
+        if (congested) *all_exited_at += now - previous_turn;
         if (any_pipe && now >= *all_exited_at + opts_.drain_timeout) {
           // Something the workers started still holds their output open: stop listening.
           COHORT_INFO(kLaunch, "worker output still open {} ms after the last exit; closing it",

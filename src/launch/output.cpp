@@ -163,7 +163,7 @@ ConsoleWriter& ConsoleWriter::of(int fd) {
 ConsoleWriter* ConsoleWriter::existing(int fd) {
   if (fd != STDOUT_FILENO && fd != STDERR_FILENO) return nullptr;
   std::lock_guard<std::mutex> lk(g_consoles_mu);
-  return g_consoles[fd];
+  return g_consoles[fd] != nullptr ? g_consoles[fd] : g_consoles[slot_of(fd)];
 }
 
 void ConsoleWriter::write(std::string data) { state_->push(std::move(data), SIZE_MAX); }
@@ -201,21 +201,26 @@ bool drain_all(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-void finish_console(SignalChannel& signals, int code) {
+int finish_console(SignalChannel& signals, int code) {
   const bool stopped = code > 128 && is_stop_signal(code - 128);
   if (stopped) {
     drain_all(kConsoleAfterStop);
-    return;
+    return 0;
   }
   while (!drain_all(std::chrono::milliseconds(100))) {
-    if (signals.wait_stop_signal(0) != 0) {
+    if (int sig = signals.wait_stop_signal(0)) {
       drain_all(kConsoleAfterStop);
-      return;
+      return sig;
     }
   }
+  return 0;
 }
 
-void finish_console() {
+void finish_console(std::optional<std::chrono::milliseconds> at_most) {
+  if (at_most) {
+    drain_all(*at_most);
+    return;
+  }
   while (!drain_all(std::chrono::hours(1))) {
   }
 }

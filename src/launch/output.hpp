@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -53,7 +54,8 @@ class ConsoleWriter {
   // and fd 2 are the same file (`2>&1`, one terminal) both get one writer, so
   // their lines keep the order they were queued in and never mix mid-line.
   static ConsoleWriter& of(int fd);
-  // The writer of `fd` if of(fd) was ever called, else nullptr.
+  // The writer serving `fd` if one was made for it (of(fd), or of() of the
+  // other stream when both are the same file), else nullptr.
   static ConsoleWriter* existing(int fd);
 
   // `fd` must stay open until drain() returned true (or for good).
@@ -83,11 +85,12 @@ void launcher_say(std::string line);
 // console, as long as that takes, while `signals` keeps the stop signals
 // blocked. If the job was stopped by a signal (code 128 + SIGTERM, ...) or a
 // stop signal arrives meanwhile, the console gets one more second at most
-// (its reader may be gone for good), then the rest is dropped.
-void finish_console(SignalChannel& signals, int code);
+// (its reader may be gone for good), then the rest is dropped. Returns the
+// stop signal that arrived meanwhile, or 0.
+int finish_console(SignalChannel& signals, int code);
 // The same without a signal channel (none exists, or it is gone and SIGTERM
-// ends the process the default way): waits as long as it takes.
-void finish_console();
+// ends the process the default way): as long as it takes, or `at_most`.
+void finish_console(std::optional<std::chrono::milliseconds> at_most = std::nullopt);
 
 // Where one stream of one worker goes. Owns file_fd.
 class StreamSink {

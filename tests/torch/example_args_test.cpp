@@ -37,6 +37,8 @@ TEST(ExampleArgs, BadFlagsAreRefusedNamingTheFlag) {
       {"--clip-grad-norm -1", "--clip-grad-norm: must be 0 or more (got -1)"},
       {"--momentum -0.9", "--momentum: must be 0 or more (got -0.9)"},
       {"--keep many", "--keep: 'many' is not a number"},
+      {"--lr inf", "--lr: 'inf' is not a number"},
+      {"--bucket-cap-mb 1e300", "--bucket-cap-mb: must be at most 1048576 (got 1e300)"},
       {"--resume", "--resume requires --checkpoint-dir"},
   };
   for (const auto& [args, want] : cases) {
