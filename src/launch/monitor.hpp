@@ -5,7 +5,9 @@
 // Stopping a worker means SIGTERM to its process group, then SIGKILL to the
 // group once the grace period (COHORT_TERM_TIMEOUT) has passed. Runs on the
 // launcher's main thread; blocks in poll() on the output pipes and the
-// SignalChannel, waking at least once a second.
+// SignalChannel, waking at least once a second. Output is queued for the
+// console writer thread (output.hpp), never written here, and a pipe whose
+// console is congested is left unread until it catches up.
 #pragma once
 
 #include <chrono>
