@@ -117,6 +117,8 @@ class ElasticAgent {
       : opts_(opts), job_(prepare_job(opts)), ep_(resolve_endpoints(opts)), tracker_(knob_ms(kHeartbeatTimeout)) {}
 
   SignalChannel& signals() { return signals_; }
+  // A stop signal that cut the goodbye short (after the job's outcome was settled), or 0.
+  int stopped_while_leaving() const { return stopped_while_leaving_; }
 
   int run() {
     if (std::string w = ensure_job_secret(opts_.nnodes); !w.empty()) say(w);  // before the store: it reads the secret
@@ -402,7 +404,10 @@ class ElasticAgent {
           COHORT_WARN(kLaunch, "{} launcher(s) did not confirm the outcome; closing the store anyway", staying.size());
           break;
         }
-        if (signals_.wait_stop_signal(200) != 0) break;
+        if (int sig = signals_.wait_stop_signal(200)) {
+          stopped_while_leaving_ = sig;
+          break;
+        }
       }
     } catch (const std::exception& e) {
       COHORT_WARN(kLaunch, "could not say goodbye through the store: {}", e.what());
@@ -420,6 +425,7 @@ class ElasticAgent {
   std::unique_ptr<ElasticRendezvous> rdzv_;
   std::unique_ptr<Heartbeat> heartbeat_;
   LivenessTracker tracker_;
+  int stopped_while_leaving_ = 0;
   std::string cohort_run_id_ = "job";
   long agent_ = 0;
   int round_ = -1;
@@ -432,8 +438,10 @@ int run_elastic_job(const LaunchOptions& opts) {
   ElasticAgent agent(opts);
   const int code = agent.run();
   // While the stop signals are still the agent's to read; one that arrives
-  // meanwhile ends the launcher as it would have before.
-  if (int sig = finish_console(agent.signals(), code)) return 128 + sig;
+  // meanwhile ends the launcher as it would have before. One that came while
+  // saying goodbye bounds the wait for the console like a stop does.
+  const int late = agent.stopped_while_leaving();
+  if (int sig = finish_console(agent.signals(), late != 0 ? 128 + late : code)) return 128 + sig;
   return code;
 }
 
