@@ -350,10 +350,7 @@ int run_job(const LaunchOptions& opts) {
   if (is_elastic(opts)) return run_elastic_job(opts);
   Agent agent(opts);
   const int code = agent.run();
-  // While the stop signals are still the agent's to read; one that arrives
-  // meanwhile ends the launcher as it would have before.
-  if (int sig = finish_console(agent.signals(), code)) return 128 + sig;
-  return code;
+  return finish_console(agent.signals(), code);  // while the stop signals are still the agent's to read
 }
 
 }  // namespace cohort::launch

@@ -437,12 +437,9 @@ class ElasticAgent {
 int run_elastic_job(const LaunchOptions& opts) {
   ElasticAgent agent(opts);
   const int code = agent.run();
-  // While the stop signals are still the agent's to read; one that arrives
-  // meanwhile ends the launcher as it would have before. One that came while
+  // While the stop signals are still the agent's to read. One that came while
   // saying goodbye bounds the wait for the console like a stop does.
-  const int late = agent.stopped_while_leaving();
-  if (int sig = finish_console(agent.signals(), late != 0 ? 128 + late : code)) return 128 + sig;
-  return code;
+  return finish_console(agent.signals(), code, agent.stopped_while_leaving() != 0);
 }
 
 }  // namespace cohort::launch

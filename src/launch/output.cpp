@@ -201,19 +201,18 @@ bool drain_all(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-int finish_console(SignalChannel& signals, int code) {
-  const bool stopped = code > 128 && is_stop_signal(code - 128);
-  if (stopped) {
+int finish_console(SignalChannel& signals, int code, bool stopped) {
+  if (stopped || (code > 128 && is_stop_signal(code - 128))) {
     drain_all(kConsoleAfterStop);
-    return 0;
+    return code;
   }
   while (!drain_all(std::chrono::milliseconds(100))) {
     if (int sig = signals.wait_stop_signal(0)) {
       drain_all(kConsoleAfterStop);
-      return sig;
+      return 128 + sig;
     }
   }
-  return 0;
+  return code;
 }
 
 void finish_console(std::optional<std::chrono::milliseconds> at_most) {

@@ -85,9 +85,10 @@ void launcher_say(std::string line);
 // console, as long as that takes, while `signals` keeps the stop signals
 // blocked. If the job was stopped by a signal (code 128 + SIGTERM, ...) or a
 // stop signal arrives meanwhile, the console gets one more second at most
-// (its reader may be gone for good), then the rest is dropped. Returns the
-// stop signal that arrived meanwhile, or 0.
-int finish_console(SignalChannel& signals, int code);
+// (its reader may be gone for good), then the rest is dropped. `stopped`
+// says the job was stopped though `code` does not show it. Returns the
+// launcher's exit code: `code`, or 128 + the stop signal that arrived meanwhile.
+int finish_console(SignalChannel& signals, int code, bool stopped = false);
 // The same without a signal channel (none exists, or it is gone and SIGTERM
 // ends the process the default way): as long as it takes, or `at_most`.
 void finish_console(std::optional<std::chrono::milliseconds> at_most = std::nullopt);
@@ -117,7 +118,6 @@ class StreamSink {
   int file_fd_ = -1;
   std::string log_path_;
   LinePrefixer prefixer_;
-  std::string scratch_;
 };
 
 // Routing of one worker's two streams, from the flags:
