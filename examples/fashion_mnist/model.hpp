@@ -1,5 +1,5 @@
 // The two models of the Fashion-MNIST example, the same as the PyTorch peer's
-// (../shared/peers/torch_ddp_fmnist.py), so throughput compares like for like.
+// (bench/peers/torch_ddp_fmnist.py, a copy of ../shared/peers'), so throughput compares like for like.
 #pragma once
 
 #include <torch/torch.h>

@@ -91,13 +91,18 @@ int train(const TrainConfig& cfg) {
   const int world = pg->size(), rank = pg->rank();
   const bool lead = rank == 0;
 
-  if (!cohort::data::FashionMnist::available(cfg.data_dir))
-    throw cohort::IoError(fmt::format("Fashion-MNIST not found in {}; HINT: apt-get install dataset-fashion-mnist, or pass --data-dir",
-                                      cfg.data_dir));
   cohort::data::FashionMnistOptions tro, teo;
   tro.dir = teo.dir = cfg.data_dir;
   teo.train = false;
-  cohort::data::FashionMnist train_set(tro), test_set(teo);
+  // The reader's message names the file and what is wrong with it; the flag is this program's.
+  const auto load = [&](const cohort::data::FashionMnistOptions& o) {
+    try {
+      return cohort::data::FashionMnist(o);
+    } catch (const cohort::IoError& e) {
+      throw cohort::IoError(fmt::format("{} (this program reads --data-dir, here {})", e.what(), cfg.data_dir));
+    }
+  };
+  cohort::data::FashionMnist train_set = load(tro), test_set = load(teo);
 
   Model model = make_model(cfg.model);
   const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
@@ -194,29 +199,45 @@ int train(const TrainConfig& cfg) {
     chosen = cohort::torch::broadcast_string(*pg, chosen, 0);
     if (!chosen.empty()) {
       auto ck = cohort::load_checkpoint(chosen, lopts);
-      // What fixes the data order and the step count must be the same as when
-      // the checkpoint was written, or the run would not continue where it stopped.
+      // What fixes the data order and the step count, and what the saved state
+      // belongs to, must be the same as when the checkpoint was written, or the
+      // run would not continue where it stopped.
       const auto saved = nlohmann::json::parse(ck.manifest.config, nullptr, false);
+      const auto show = [](const nlohmann::json& j) { return j.is_string() ? j.get<std::string>() : j.dump(); };
       // `what` shows a value ("--seed {}"); `flag` is the option that sets it.
-      const auto differs = [&](const char* key, const auto& now, const char* what, const char* flag) {
+      const auto differs = [&](const char* key, const auto& now, const char* what, const char* flag, const char* why) {
         if (!saved.is_object() || !saved.contains(key) || saved[key] == nlohmann::json(now)) return;
-        const std::string then = fmt::format(fmt::runtime(what), saved[key].dump());
+        const std::string then = fmt::format(fmt::runtime(what), show(saved[key]));
         throw cohort::InvalidArgument(fmt::format(
-            "cannot resume from {}: it was written with {}, this run has {}, so the data order and the step count "
-            "would not continue where that run stopped; HINT: resume with the same {} ({}), or start a new run with "
-            "another --checkpoint-dir",
-            ck.path, then, fmt::format(fmt::runtime(what), nlohmann::json(now).dump()), flag, then));
+            "cannot resume from {}: it was written with {}, this run has {}, so {}; HINT: resume with the same {} ({}), "
+            "or start a new run with another --checkpoint-dir",
+            ck.path, then, fmt::format(fmt::runtime(what), show(nlohmann::json(now))), why, flag, then));
       };
-      differs("batch_size", cfg.batch_size, "--batch-size {}", "--batch-size");
-      differs("seed", cfg.seed, "--seed {}", "--seed");
-      differs("train_samples", train_n, "{} training samples", "--train-limit");
+      constexpr const char* kOrder = "the data order and the step count would not continue where that run stopped";
+      differs("batch_size", cfg.batch_size, "--batch-size {}", "--batch-size", kOrder);
+      differs("seed", cfg.seed, "--seed {}", "--seed", kOrder);
+      differs("train_samples", train_n, "{} training samples", "--train-limit", kOrder);
+      differs("model", cfg.model, "--model {}", "--model", "its weights do not fit this model");
+      differs("optimizer", cfg.optimizer, "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
+      // The rest may change between runs (a lower learning rate after a divergence, ...): the
+      // run goes on with this run's value, and says so.
       if (lead && saved.is_object())
-        for (const auto& [key, flag, now] : {std::tuple{"epochs", "--epochs", nlohmann::json(cfg.epochs)},
-                                             std::tuple{"base_lr", "--lr", nlohmann::json(cfg.base_lr)}})
+        for (const auto& [key, flag, now] :
+             {std::tuple{"epochs", "--epochs", nlohmann::json(cfg.epochs)}, std::tuple{"base_lr", "--lr", nlohmann::json(cfg.base_lr)},
+              std::tuple{"warmup_steps", "--warmup-steps", nlohmann::json(cfg.warmup_steps)},
+              std::tuple{"momentum", "--momentum", nlohmann::json(cfg.momentum)},
+              std::tuple{"weight_decay", "--weight-decay", nlohmann::json(cfg.weight_decay)},
+              std::tuple{"augment", "--augment", nlohmann::json(cfg.augment)},
+              std::tuple{"clip_grad_norm", "--clip-grad-norm", nlohmann::json(cfg.clip_grad_norm)},
+              std::tuple{"comm_hook", "--comm-hook", nlohmann::json(cfg.comm_hook)},
+              std::tuple{"bf16_autocast", "--bf16-autocast", nlohmann::json(cfg.bf16_autocast)}})
           if (saved.contains(key) && saved[key] != now)
-            std::printf("resume: the checkpoint was written with %s %s, this run has %s: the learning-rate schedule "
-                        "follows this run's\n",
-                        flag, saved[key].dump().c_str(), now.dump().c_str());
+            std::printf("resume: the checkpoint was written with %s %s, this run has %s: the run continues with %s\n", flag,
+                        show(saved[key]).c_str(), show(now).c_str(),
+                        std::string_view(key) == "epochs" || std::string_view(key) == "base_lr" ||
+                                std::string_view(key) == "warmup_steps"
+                            ? "this run's learning-rate schedule"
+                            : "this run's value");
       cohort::torch::load_module_state(*model.module, ck.files.at("model"));
       cohort::torch::load_optimizer_state(opt, ck.files.at("optimizer"));
       step = ck.step;
@@ -267,8 +288,11 @@ int train(const TrainConfig& cfg) {
       m.world_size = world;
       m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
       m.lr_schedule = nlohmann::json{{"step", step + schedule_offset}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
-      m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr}, {"optimizer", cfg.optimizer},
-                                {"seed", cfg.seed}, {"train_samples", train_n}, {"world_size", world}, {"run", run_id}}.dump();
+      m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr},
+                                {"optimizer", cfg.optimizer}, {"momentum", cfg.momentum}, {"weight_decay", cfg.weight_decay},
+                                {"warmup_steps", cfg.warmup_steps}, {"augment", cfg.augment}, {"clip_grad_norm", cfg.clip_grad_norm},
+                                {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast}, {"seed", cfg.seed},
+                                {"train_samples", train_n}, {"world_size", world}, {"run", run_id}}.dump();
       cohort::save_checkpoint(cfg.ckpt_dir, step,
                               {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
                               m, {.keep_last = cfg.keep});
@@ -282,6 +306,8 @@ int train(const TrainConfig& cfg) {
   int64_t timed_steps = 0;
   double timed_s = 0;
   bool stop = false;
+  double final_acc = 0;
+  int64_t final_epoch = 0;  // the last epoch whose test accuracy was measured
   for (int64_t epoch = start_epoch; epoch < cfg.epochs && !stop; ++epoch) {
     sampler.set_epoch(epoch);
     auto idx = sampler.indices();
@@ -298,6 +324,7 @@ int train(const TrainConfig& cfg) {
       };
     cohort::data::Loader loader(train_set, std::move(idx), lo);
     auto epoch_start = Clock::now(), last_print = epoch_start;
+    int64_t pos_at_print = pos;  // the progress line's images/s: since the previous line, every rank's images
     double loss_sum = 0;
     int64_t loss_n = 0;
     for (;;) {
@@ -360,9 +387,10 @@ int train(const TrainConfig& cfg) {
         ++timed_steps;
       }
       if (lead && (secs(last_print, t1) > 2.0 || pos >= sampler.size())) {
-        last_print = t1;
         double done = static_cast<double>(pos) / sampler.size();
-        double rate = world * cfg.batch_size / std::max(1e-9, secs(t0, t1));
+        double rate = static_cast<double>(world * (pos - pos_at_print)) / std::max(1e-9, secs(last_print, t1));
+        last_print = t1;
+        pos_at_print = pos;
         int bars = static_cast<int>(done * 20);
         std::printf("epoch %lld/%d [%s%s] step %lld/%lld loss %.4f %.0f img/s ETA %s\n", static_cast<long long>(epoch + 1),
                     cfg.epochs, std::string(bars, '#').c_str(), std::string(20 - bars, '.').c_str(),
@@ -386,6 +414,8 @@ int train(const TrainConfig& cfg) {
     const bool cut_short = stop && pos < sampler.size();  // --max-steps ended the epoch early
     if (cut_short && !cfg.eval_at_stop) break;
     double acc = evaluate(model, test_set, *pg);
+    final_acc = acc;
+    final_epoch = epoch + 1;
     if (lead) {
       if (cut_short)
         std::printf("stopped at step %lld (--max-steps), part-way through the epoch\n", static_cast<long long>(step));
@@ -410,6 +440,9 @@ int train(const TrainConfig& cfg) {
   }
   metrics.finish();
   if (lead) std::fputs(metrics.report().c_str(), stdout);
+  if (lead && final_epoch > 0)
+    std::printf("final test accuracy: %.2f%% after epoch %lld of %d, %d rank%s\n", final_acc * 100,
+                static_cast<long long>(final_epoch), cfg.epochs, world, world == 1 ? "" : "s");
   pg->shutdown();
   return 0;
 }

@@ -142,8 +142,9 @@ TEST(Resume, AnotherWorldSizeContinuesTheEpochWhereTheOldWorldStopped) {
 }
 
 // What fixes the data order and the step count (batch size, seed, training
-// samples) must match the checkpoint's, or --resume is refused naming both
-// values; a changed --epochs or --lr only gets a note.
+// samples), and the model and optimizer the state belongs to, must match the
+// checkpoint's, or --resume is refused naming both values; a changed --lr,
+// --momentum, ... only gets a note.
 TEST(Resume, AChangedBatchSizeOrSeedIsRefusedNamingBoth) {
   if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
   std::string base = lt::temp_dir();
@@ -154,6 +155,11 @@ TEST(Resume, AChangedBatchSizeOrSeedIsRefusedNamingBoth) {
        "it was written with --batch-size 64, this run has --batch-size 32, so the data order"},
       {{"--train-limit", "4096", "--seed", "7"}, "it was written with --seed 42, this run has --seed 7"},
       {{"--train-limit", "2048"}, "it was written with 4096 training samples, this run has 2048 training samples"},
+      {{"--train-limit", "4096", "--model", "mlp"},
+       "it was written with --model cnn, this run has --model mlp, so its weights do not fit this model"},
+      {{"--train-limit", "4096", "--optimizer", "adamw"},
+       "it was written with --optimizer sgd, this run has --optimizer adamw, so its optimizer state is another "
+       "optimizer's"},
   };
   for (const auto& [extra, want] : cases) {
     std::vector<std::string> args = extra;
@@ -162,11 +168,46 @@ TEST(Resume, AChangedBatchSizeOrSeedIsRefusedNamingBoth) {
     EXPECT_EQ(r.status, 1) << r.err;
     EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
   }
-  auto r = lt::run(job(base + "/a", {"--train-limit", "4096", "--lr", "0.05", "--resume"}, 22), env, 600);
+  auto r = lt::run(job(base + "/a", {"--train-limit", "4096", "--lr", "0.05", "--momentum", "0.5", "--resume"}, 22), env,
+                   600);
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_NE(r.out.find("written with --lr 0.03, this run has 0.05: the learning-rate schedule follows this run's"),
+  EXPECT_NE(r.out.find("written with --lr 0.03, this run has 0.05: the run continues with this run's learning-rate "
+                       "schedule"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("written with --momentum 0.9, this run has 0.5: the run continues with this run's value"),
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("resumed from"), std::string::npos) << r.out;
   fs::remove_all(base);
 }
+
+namespace {
+
+// A missing or truncated data file: the example's error names the file, what
+// is wrong with it, and the flag that chose the directory.
+TEST(ExampleData, AMissingOrTruncatedFileIsNamed) {
+  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  const std::string dir = lt::temp_dir();
+  const std::string src = "/usr/share/datasets/fashion-mnist";
+  const std::vector<std::string> args = {"run", "--standalone", "--nproc-per-node", "1", COHORT_FASHION_MNIST_BIN,
+                                         "--data-dir", dir};
+  auto r = lt::run(args, {}, 120);
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("neither " + dir + "/train-images-idx3-ubyte.gz nor " + dir + "/train-images-idx3-ubyte exists"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("this program reads --data-dir, here " + dir), std::string::npos) << r.err;
+
+  // All four present, the training labels cut short.
+  for (const char* f : {"train-images-idx3-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"})
+    fs::copy_file(src + "/" + f, dir + "/" + f);
+  fs::copy_file(src + "/train-labels-idx1-ubyte.gz", dir + "/train-labels-idx1-ubyte.gz");
+  fs::resize_file(dir + "/train-labels-idx1-ubyte.gz", fs::file_size(dir + "/train-labels-idx1-ubyte.gz") / 2);
+  r = lt::run(args, {}, 120);
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find(dir + "/train-labels-idx1-ubyte.gz"), std::string::npos) << r.err;
+  fs::remove_all(dir);
+}
+
+}  // namespace
