@@ -15,8 +15,11 @@
 //
 // Gradient accumulation: { auto guard = ddp.no_sync(); loss.backward(); } for all
 // but the last micro-batch. Forgetting pre_forward() is harmless without buffers;
-// running a second backward before the first finished (e.g. retain_graph tricks
-// across iterations) throws "Expected to have finished reduction ...".
+// with buffers (and broadcast_buffers) a synced backward that no pre_forward()
+// preceded since the last synced step throws, naming a buffer, rather than let
+// the replicas' statistics drift apart. Running a second backward before the
+// first finished (e.g. retain_graph tricks across iterations) throws "Expected
+// to have finished reduction ...".
 #pragma once
 
 #include <torch/torch.h>
@@ -82,6 +85,7 @@ class DistributedDataParallel {
   std::vector<::torch::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<::torch::Tensor> buffers_;
+  std::vector<std::string> buffer_names_;
   // The gradients handed to the reducer this iteration: it may read them until
   // finalize() (ReducerOptions::grads_valid_until_finalize).
   std::vector<::torch::Tensor> lent_;
@@ -89,6 +93,9 @@ class DistributedDataParallel {
   std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::atomic<bool> callback_queued_{false};
+  // pre_forward() ran since the last synced finalize(): with buffers to
+  // broadcast, a synced backward without it is an error.
+  std::atomic<bool> forwarded_{false};
 };
 
 // Broadcasts every tensor in place from `root` (contiguous tensors; moved

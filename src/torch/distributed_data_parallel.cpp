@@ -47,7 +47,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   if (!module_) throw InvalidArgument("DistributedDataParallel: the module is null");
   if (!group_) throw InvalidArgument("DistributedDataParallel: the process group is null (call cohort::init_process_group())");
   std::vector<::torch::Tensor> frozen;  // not trained here, but every replica must start from rank 0's values
-  std::vector<std::string> frozen_names, buffer_names;
+  std::vector<std::string> frozen_names;
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) {
       frozen.push_back(item.value());
@@ -61,14 +61,14 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   }
   for (auto& b : module_->named_buffers(true)) {
     buffers_.push_back(b.value());
-    buffer_names.push_back(b.key());
+    buffer_names_.push_back(b.key());
   }
 
   // Everything broadcast below is checked first, kind by kind, so a replica
   // that differs in any of it is named here rather than failing inside the broadcast.
   check_same_parameters(*group_, names_, params_, "parameter");
   check_same_parameters(*group_, frozen_names, frozen, "frozen parameter");
-  check_same_parameters(*group_, buffer_names, buffers_, "buffer");
+  check_same_parameters(*group_, buffer_names_, buffers_, "buffer");
   std::vector<::torch::Tensor> all = params_;
   all.insert(all.end(), frozen.begin(), frozen.end());
   all.insert(all.end(), buffers_.begin(), buffers_.end());
@@ -128,6 +128,7 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 void DistributedDataParallel::pre_forward() {
+  forwarded_.store(true);
   callback_queued_.store(false);
   if (::torch::GradMode::is_enabled()) reducer_->prepare_for_backward();
   if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) broadcast_tensors(*group_, buffers_, 0);
@@ -137,7 +138,18 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   // Under no_sync there is nothing to finalize, and a backward that fails
   // never runs its callbacks: queueing one there could leave the flag set and
   // skip the next synced backward's finalize (gradients never averaged).
-  if (!reducer_->in_no_sync() && !callback_queued_.exchange(true)) {
+  if (!reducer_->in_no_sync() && !callback_queued_.load()) {
+    // The buffers this backward's forward read must have been rank 0's: a
+    // forgotten pre_forward() would let the replicas' BatchNorm statistics drift
+    // apart without a sound. Checked once per synced backward, before anything is marked.
+    if (opts_.broadcast_buffers && !buffers_.empty() && !forwarded_.load())
+      throw InvalidArgument(fmt::format(
+          "DistributedDataParallel: backward ran without pre_forward() since the last synchronised step; the module "
+          "has {} buffer(s) (the first is '{}') that DDP broadcasts from rank 0 in pre_forward(), so the replicas "
+          "would drift apart; HINT: call ddp.pre_forward() before each forward, or use ddp.forward(model, x) (or set "
+          "DistributedDataParallelOptions::broadcast_buffers = false if the buffers are meant to differ)",
+          buffers_.size(), buffer_names_.front()));
+    callback_queued_.store(true);
     ::torch::autograd::Engine::get_default_engine().queue_callback([this] {
       callback_queued_.store(false);
       finalize();
@@ -187,6 +199,7 @@ void DistributedDataParallel::finalize() {
   }
   for (auto& t : lent_) t.reset();
   if (!reduced) return;
+  forwarded_.store(false);  // the next synced backward needs a pre_forward() of its own
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     void* slot = reducer_->bucket_slot(i);

@@ -2,6 +2,8 @@
 // rank holds the gradients one process computes on the whole global batch.
 // Ranks run as threads over a MemoryStore (tests/test_util.hpp).
 #include <gtest/gtest.h>
+#include <algorithm>
+#include <cstring>
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
@@ -307,20 +309,38 @@ TEST_P(Ddp, CompressionHooksAreClose) {
   torch::set_num_threads(1);
   auto [transport, n] = GetParam();
   auto want = reference_grads(kLocal * n, 1);
-  for (auto hook : {cohort::ddp::fp16_compress_hook(), cohort::ddp::bf16_compress_hook()}) {
-    run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
-      auto pgp = borrowed(pg);
-      Net net;
-      cohort::torch::DistributedDataParallelOptions o;
-      o.comm_hook = hook;
-      cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
-      ddp.pre_forward();
-      int64_t from = pg.rank() * kLocal;
-      torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
-      std::vector<torch::Tensor> got;
-      for (auto& p : net->parameters()) got.push_back(p.grad());
-      expect_close(got, want, 2e-2, pg.rank());  // bf16 keeps 8 bits of mantissa
-    });
+  // The hook given in the options, then through register_comm_hook(). The
+  // result must be close to the exact average, and must show the rounding of
+  // the compressed type (f32 all the way would be within ~1e-7): a hook that
+  // was never installed fails here.
+  struct HookCase {
+    const char* name;
+    cohort::ddp::CommHook hook;
+    double min_error;  // about the compressed type's rounding of these gradients (0.1-1)
+  };
+  for (const HookCase& hc : {HookCase{"fp16", cohort::ddp::fp16_compress_hook(), 1e-6},
+                             HookCase{"bf16", cohort::ddp::bf16_compress_hook(), 1e-5}}) {
+    for (const bool registered : {false, true}) {
+      run_ranks(n, transport, [&](cohort::ProcessGroup& pg) {
+        auto pgp = borrowed(pg);
+        Net net;
+        cohort::torch::DistributedDataParallelOptions o;
+        if (!registered) o.comm_hook = hc.hook;
+        cohort::torch::DistributedDataParallel ddp(net.ptr(), pgp, o);
+        if (registered) ddp.register_comm_hook(hc.hook);
+        ddp.pre_forward();
+        int64_t from = pg.rank() * kLocal;
+        torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+        std::vector<torch::Tensor> got;
+        for (auto& p : net->parameters()) got.push_back(p.grad());
+        expect_close(got, want, 2e-2, pg.rank());  // bf16 keeps 8 bits of mantissa
+        if (n == 1) return;                        // one rank: no hooks, LibTorch's own gradients
+        double max_err = 0;
+        for (size_t i = 0; i < got.size(); ++i) max_err = std::max(max_err, (got[i] - want[i]).abs().max().item<double>());
+        EXPECT_GT(max_err, hc.min_error) << hc.name << (registered ? " (register_comm_hook)" : " (options)")
+                                         << ": no rounding in the result, so the hook did not run; rank " << pg.rank();
+      });
+    }
   }
 }
 
@@ -647,6 +667,108 @@ TEST(TrainUtils, GradScalerSkipsNonFiniteStepsAndBacksOff) {
     EXPECT_TRUE(scaler.step(opt, nullptr));
   }
   EXPECT_EQ(scaler.current_scale(), 1024.0);  // grew after growth_interval clean steps
+}
+
+}  // namespace
+
+namespace {
+
+// A model with BatchNorm: its running statistics are buffers.
+struct BnNetImpl : torch::nn::Module {
+  BnNetImpl() {
+    fc = register_module("fc", torch::nn::Linear(8, 4));
+    bn = register_module("bn", torch::nn::BatchNorm1d(4));
+    torch::NoGradGuard g;  // deterministic weights, as NetImpl's
+    auto flat = fc->weight.view({-1});
+    for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * i) * 0.5;
+    fc->bias.fill_(0.1);
+  }
+  torch::Tensor forward(torch::Tensor x) { return bn->forward(fc->forward(x)); }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BnNet);
+
+// broadcast_buffers: each pre_forward() copies rank 0's running statistics
+// to every rank. Rank 0's evolve with its own batches only (as in one
+// process that saw them), and after a pre_forward() every rank holds them;
+// with broadcast_buffers off each rank keeps its own.
+TEST(DdpBuffers, PreForwardBroadcastsRankZerosBuffers) {
+  const auto batch = [](int rank, int step) { return inputs(rank * 16 + step * 100, 4) * (rank + 1); };
+  BnNet alone;  // rank 0's three batches in one process
+  for (int step = 0; step < 3; ++step) alone->forward(batch(0, step));
+  const auto want = alone->bn->running_mean.clone();
+  for (const bool broadcast : {true, false}) {
+    run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+      BnNet net;
+      cohort::torch::DistributedDataParallelOptions o;
+      o.broadcast_buffers = broadcast;
+      cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg), o);
+      for (int step = 0; step < 3; ++step) {
+        ddp.pre_forward();
+        net->forward(batch(pg.rank(), step)).sum().backward();
+      }
+      if (pg.rank() == 0) {
+        EXPECT_TRUE(torch::allclose(net->bn->running_mean, want));
+      }
+      ddp.pre_forward();
+      std::vector<float> mine(4), all(4 * 3);
+      std::memcpy(mine.data(), net->bn->running_mean.data_ptr<float>(), sizeof(float) * 4);
+      pg.allgather(cohort::Buffer{mine.data(), 4, cohort::DType::F32},
+                   cohort::Buffer{all.data(), all.size(), cohort::DType::F32})
+          ->wait();
+      for (int r = 1; r < 3; ++r) {
+        bool same = std::equal(all.begin() + r * 4, all.begin() + r * 4 + 4, all.begin());
+        EXPECT_EQ(same, broadcast) << "rank " << r << "'s running_mean against rank 0's, broadcast_buffers "
+                                   << broadcast;
+      }
+    });
+  }
+}
+
+// With buffers to broadcast, a synced backward that no pre_forward() preceded
+// is an error naming a buffer, on every rank; under no_sync it is not checked,
+// and one pre_forward() per step (any micro-batch) is enough.
+TEST(DdpBuffers, ForgettingPreForwardWithBuffersIsAnError) {
+  std::vector<std::string> errs(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    BnNet net;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg));
+    auto x = inputs(pg.rank() * 4, 4);
+    try {
+      net->forward(x).sum().backward();
+    } catch (const std::exception& e) {
+      errs[pg.rank()] = e.what();
+    }
+    // Gradient accumulation: pre_forward() before the first micro-batch only.
+    ddp.pre_forward();
+    {
+      auto guard = ddp.no_sync();
+      net->forward(x).sum().backward();
+    }
+    EXPECT_NO_THROW(net->forward(x).sum().backward());
+    // The next step needs its own.
+    EXPECT_THROW(net->forward(x).sum().backward(), std::exception);
+    ddp.pre_forward();
+    EXPECT_NO_THROW(net->forward(x).sum().backward());
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errs[r].find("backward ran without pre_forward()"), std::string::npos) << r << ": " << errs[r];
+    EXPECT_NE(errs[r].find("'bn.running_mean'"), std::string::npos) << errs[r];
+  }
+}
+
+// Without buffers, forgetting pre_forward() changes nothing: gradients are still averaged.
+TEST(DdpBuffers, WithoutBuffersPreForwardIsOptional) {
+  torch::set_num_threads(1);
+  auto want = reference_grads(kLocal * 2, 1);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    Net net;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg));
+    int64_t from = pg.rank() * kLocal;
+    torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
+    expect_close(grads_of(*net), want, 1e-5, pg.rank());
+  });
 }
 
 }  // namespace
