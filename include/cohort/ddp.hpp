@@ -52,7 +52,7 @@ struct BucketPlanOptions {
 struct PlannedBucket {
   DType dtype = DType::F32;
   size_t count = 0;             // elements in the flat buffer
-  std::vector<size_t> params;   // registration indices, in bucket order (reverse registration order)
+  std::vector<size_t> params;   // registration indices, in bucket order (descending: reverse registration order)
   std::vector<size_t> offsets;  // offsets[k]: element offset of params[k] in the flat buffer
 
   size_t bytes() const { return count * dtype_size(dtype); }
@@ -60,12 +60,13 @@ struct PlannedBucket {
 using BucketPlan = std::vector<PlannedBucket>;
 
 // Packs the parameters, in REVERSE registration order (roughly the order in
-// which backward produces their gradients), greedily into buckets: a bucket is
-// closed when the next parameter would take it past its cap (first_cap_bytes
-// for the first bucket, cap_bytes after), when it reaches its cap, or when the
-// next parameter has another dtype. A parameter larger than the cap sits alone
-// in its bucket. Zero-size parameters join the current bucket whatever their
-// dtype (they take no space). Throws InvalidArgument for an invalid dtype.
+// which backward produces their gradients), greedily into buckets, one open
+// bucket per dtype (as PyTorch): a bucket is closed when the next parameter of
+// its dtype would take it past its cap (first_cap_bytes for the first bucket
+// of a dtype, cap_bytes after) or when it reaches its cap. A parameter larger
+// than the cap sits alone in its bucket; zero-size parameters join their
+// dtype's bucket (they take no space). Buckets are listed in the order they
+// complete during that walk. Throws InvalidArgument for an invalid dtype.
 BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptions& opts = {});
 
 // ---- Communication hooks ----
