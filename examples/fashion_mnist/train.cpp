@@ -1,6 +1,5 @@
 #include "train.hpp"
 
-#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -345,11 +344,8 @@ int train(const TrainConfig& cfg) {
       torch::Tensor loss;
       std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");
       if (cfg.bf16_autocast) {
-        at::autocast::set_cpu_enabled(true);
-        at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+        cohort::torch::Autocast autocast;  // bf16 forward; the loss and backward in float32
         loss = torch::cross_entropy_loss(model.forward(x).to(torch::kFloat), y);
-        at::autocast::set_cpu_enabled(false);
-        at::autocast::clear_cache();
       } else {
         loss = torch::cross_entropy_loss(model.forward(x), y);
       }

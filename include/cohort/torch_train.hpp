@@ -13,10 +13,19 @@
 
 namespace cohort::torch {
 
-// Dynamic loss scaling with torch.cuda.amp.GradScaler's semantics: the loss is
-// multiplied by scale() before backward; step() unscales the gradients, and if
-// any rank found an inf/NaN the optimizer step is skipped on every rank and the
-// scale backs off (x backoff_factor); after growth_interval clean steps it grows.
+// Dynamic loss scaling with torch.cuda.amp.GradScaler's semantics, for fp16
+// training: the loss is multiplied by scale() before backward; step() unscales
+// the gradients, and if any rank found an inf/NaN the optimizer step is skipped
+// on every rank and the scale backs off (x backoff_factor); after
+// growth_interval clean steps it grows (x growth_factor). Per step:
+//
+//   scaler.scale(loss).backward();
+//   scaler.unscale(opt, pg.get());                 // only to look at true gradients:
+//   cohort::torch::clip_grad_norm(params, 1.0);    //   clipping, logging the norm
+//   scaler.step(opt, pg.get());                    // steps, or skips on inf/NaN; updates the scale
+//
+// The scale and the growth tracker belong in checkpoints (current_scale(),
+// growth_tracker(), load()) for an exact resume.
 struct GradScalerOptions {
   double init_scale = 65536.0;
   double growth_factor = 2.0;
@@ -27,11 +36,18 @@ struct GradScalerOptions {
 
 class GradScaler {
  public:
-  explicit GradScaler(GradScalerOptions o = {}) : o_(o), scale_(o.init_scale) {}
+  // Throws InvalidArgument for a scale or factor that cannot work (init_scale
+  // <= 0, growth_factor <= 1, backoff_factor outside (0, 1), growth_interval < 1).
+  explicit GradScaler(GradScalerOptions o = {});
   ::torch::Tensor scale(const ::torch::Tensor& loss) const { return o_.enabled ? loss * scale_ : loss; }
-  // Unscales the gradients of `optimizer`, checks them for inf/NaN on every
-  // rank of `group` (nullptr: this process only), steps if all are finite, and
-  // updates the scale. Returns whether the optimizer stepped.
+  // Divides the gradients of `optimizer` by the scale and checks them for
+  // inf/NaN on every rank of `group` (nullptr: this process only), once per
+  // step: a second call before step() throws InvalidArgument (the gradients
+  // would be divided twice). Returns whether every gradient was finite.
+  bool unscale(::torch::optim::Optimizer& optimizer, ProcessGroup* group);
+  // unscale() unless already called this step, then steps if every gradient
+  // was finite on every rank, and updates the scale. Returns whether the
+  // optimizer stepped. Every rank takes the same decision.
   bool step(::torch::optim::Optimizer& optimizer, ProcessGroup* group);
   double current_scale() const { return scale_; }
   int64_t skipped_steps() const { return skipped_; }
@@ -43,6 +59,31 @@ class GradScaler {
   double scale_;
   int tracker_ = 0;
   int64_t skipped_ = 0;
+  bool unscaled_ = false;  // unscale() ran since the last step()
+  bool found_inf_ = false;
+};
+
+// bf16 autocast for a forward pass on the CPU, as a scope: inside it LibTorch
+// runs matmuls and convolutions in bfloat16 (its CPU autocast list) while
+// keeping precision-sensitive operations in float32. Leaving the scope, also
+// by an exception, restores the previous autocast state and clears the cast
+// cache of the outermost scope. Run backward outside it, as in PyTorch:
+//
+//   torch::Tensor loss;
+//   { cohort::torch::Autocast autocast; loss = loss_fn(model->forward(x).to(torch::kFloat), y); }
+//   loss.backward();
+//
+// LibTorch's CPU autocast takes bfloat16 only: another dtype throws InvalidArgument.
+class Autocast {
+ public:
+  explicit Autocast(::torch::ScalarType dtype = ::torch::kBFloat16, bool enabled = true);
+  ~Autocast();
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+ private:
+  bool prev_enabled_;
+  ::torch::ScalarType prev_dtype_;
 };
 
 // Clears the gradients before the next backward. set_to_none (PyTorch's

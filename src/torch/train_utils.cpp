@@ -1,4 +1,7 @@
 // GradScaler, global-norm clipping and the learning-rate schedule.
+#include <ATen/autocast_mode.h>
+#include <fmt/format.h>
+
 #include <cmath>
 
 #include "cohort/torch.hpp"
@@ -6,11 +9,22 @@
 
 namespace cohort::torch {
 
-bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group) {
-  if (!o_.enabled) {
-    optimizer.step();
-    return true;
-  }
+GradScaler::GradScaler(GradScalerOptions o) : o_(o), scale_(o.init_scale) {
+  if (!(o.init_scale > 0) || !std::isfinite(o.init_scale))
+    throw InvalidArgument(fmt::format("GradScaler: init_scale must be a positive finite number (got {})", o.init_scale));
+  if (!(o.growth_factor > 1) || !std::isfinite(o.growth_factor))
+    throw InvalidArgument(fmt::format("GradScaler: growth_factor must be greater than 1 (got {})", o.growth_factor));
+  if (!(o.backoff_factor > 0 && o.backoff_factor < 1))
+    throw InvalidArgument(fmt::format("GradScaler: backoff_factor must be between 0 and 1 (got {})", o.backoff_factor));
+  if (o.growth_interval < 1)
+    throw InvalidArgument(fmt::format("GradScaler: growth_interval must be at least 1 (got {})", o.growth_interval));
+}
+
+bool GradScaler::unscale(::torch::optim::Optimizer& optimizer, ProcessGroup* group) {
+  if (!o_.enabled) return true;
+  if (unscaled_)
+    throw InvalidArgument("GradScaler::unscale: already called since the last step(); the gradients would be divided "
+                          "by the scale twice. HINT: call unscale() at most once per step, before step()");
   ::torch::NoGradGuard no_grad;
   const double inv = 1.0 / scale_;
   double found_inf = 0.0;
@@ -18,11 +32,23 @@ bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group)
     for (auto& p : g.params()) {
       if (!p.grad().defined()) continue;
       p.mutable_grad().mul_(inv);
-      if (!::torch::isfinite(p.grad()).all().item<bool>()) found_inf = 1.0;
+      if (found_inf == 0.0 && !::torch::isfinite(p.grad()).all().item<bool>()) found_inf = 1.0;
     }
   // Every rank must take the same decision, or the replicas drift apart.
   if (group != nullptr && group->size() > 1) found_inf = allreduce_scalar(*group, found_inf, ReduceOp::Max);
-  if (found_inf > 0) {
+  unscaled_ = true;
+  found_inf_ = found_inf > 0;
+  return !found_inf_;
+}
+
+bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group) {
+  if (!o_.enabled) {
+    optimizer.step();
+    return true;
+  }
+  if (!unscaled_) unscale(optimizer, group);
+  unscaled_ = false;
+  if (found_inf_) {
     scale_ *= o_.backoff_factor;
     tracker_ = 0;
     ++skipped_;
@@ -34,6 +60,24 @@ bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group)
     tracker_ = 0;
   }
   return true;
+}
+
+Autocast::Autocast(::torch::ScalarType dtype, bool enabled)
+    : prev_enabled_(at::autocast::is_cpu_enabled()), prev_dtype_(at::autocast::get_autocast_cpu_dtype()) {
+  if (enabled && dtype != ::torch::kBFloat16)
+    throw InvalidArgument(fmt::format("Autocast: LibTorch's CPU autocast runs in bfloat16 only (got {}); HINT: use "
+                                      "torch::kBFloat16, or cast the model yourself",
+                                      c10::toString(dtype)));
+  at::autocast::set_cpu_enabled(enabled);
+  if (enabled) at::autocast::set_autocast_cpu_dtype(dtype);
+  at::autocast::increment_nesting();
+}
+
+Autocast::~Autocast() {
+  // The cached casts of the weights live as long as the outermost scope.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_cpu_enabled(prev_enabled_);
+  at::autocast::set_autocast_cpu_dtype(prev_dtype_);
 }
 
 void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none) {

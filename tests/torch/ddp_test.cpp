@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 #include <algorithm>
 #include <cstring>
+#include <limits>
+
+#include <ATen/autocast_mode.h>
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
@@ -769,6 +772,86 @@ TEST(DdpBuffers, WithoutBuffersPreForwardIsOptional) {
     torch::mse_loss(net->forward(inputs(from, kLocal)), targets(from, kLocal)).backward();
     expect_close(grads_of(*net), want, 1e-5, pg.rank());
   });
+}
+
+}  // namespace
+
+namespace {
+
+// unscale() then clipping sees the true gradients; step() does not divide again.
+TEST(TrainUtils, GradScalerUnscaleThenClipThenStep) {
+  auto p = torch::ones({4}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(1.0));
+  cohort::torch::GradScaler scaler({.init_scale = 256});
+  scaler.scale((p * 3).sum()).backward();  // true gradient 3 everywhere (norm 6), scaled 768
+  EXPECT_TRUE(scaler.unscale(opt, nullptr));
+  EXPECT_NEAR(p.grad()[0].item<double>(), 3.0, 1e-6);
+  EXPECT_NEAR(cohort::torch::clip_grad_norm({p}, 1.0), 6.0, 1e-5);  // the true norm, not 256 times it
+  EXPECT_THROW(scaler.unscale(opt, nullptr), cohort::InvalidArgument);  // twice would divide twice
+  EXPECT_TRUE(scaler.step(opt, nullptr));
+  EXPECT_NEAR(p[0].item<double>(), 1.0 - 0.5, 1e-5);  // clipped gradient 0.5 per element, lr 1
+  // The next step unscales by itself again.
+  opt.zero_grad();
+  scaler.scale((p * 2).sum()).backward();
+  EXPECT_TRUE(scaler.step(opt, nullptr));
+  EXPECT_NEAR(p[0].item<double>(), 0.5 - 2.0, 1e-5);
+}
+
+TEST(TrainUtils, GradScalerRefusesOptionsThatCannotWork) {
+  EXPECT_THROW(cohort::torch::GradScaler({.init_scale = 0}), cohort::InvalidArgument);
+  EXPECT_THROW(cohort::torch::GradScaler({.growth_factor = 1.0}), cohort::InvalidArgument);
+  EXPECT_THROW(cohort::torch::GradScaler({.backoff_factor = 1.5}), cohort::InvalidArgument);
+  EXPECT_THROW(cohort::torch::GradScaler({.growth_interval = 0}), cohort::InvalidArgument);
+}
+
+// An inf on one rank only: every rank skips the step and backs off together,
+// so the replicas stay equal.
+TEST(TrainUtils, GradScalerSkipsOnEveryRankWhenOneRankOverflows) {
+  std::vector<double> scales(3), values(3);
+  std::vector<int> stepped(3);
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    auto p = torch::ones({2}, torch::requires_grad());
+    torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+    cohort::torch::GradScaler scaler({.init_scale = 1024});
+    scaler.scale(p.sum()).backward();
+    if (pg.rank() == 1) p.mutable_grad()[0] = std::numeric_limits<float>::infinity();
+    stepped[pg.rank()] = scaler.step(opt, &pg);
+    scales[pg.rank()] = scaler.current_scale();
+    values[pg.rank()] = p[1].item<double>();
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(stepped[r], 0) << "rank " << r;
+    EXPECT_EQ(scales[r], 512.0) << "rank " << r;
+    EXPECT_EQ(values[r], 1.0) << "rank " << r;
+  }
+}
+
+// Inside the scope matmuls run in bf16; leaving it (also by an exception)
+// restores the previous state; nested scopes restore the outer one.
+TEST(TrainUtils, AutocastScopeRunsBf16AndRestores) {
+  torch::nn::Linear fc(8, 4);
+  auto x = torch::randn({2, 8});
+  ASSERT_FALSE(at::autocast::is_cpu_enabled());
+  {
+    cohort::torch::Autocast autocast;
+    EXPECT_EQ(fc->forward(x).scalar_type(), torch::kBFloat16);
+    {
+      cohort::torch::Autocast off(torch::kBFloat16, /*enabled=*/false);
+      EXPECT_EQ(fc->forward(x).scalar_type(), torch::kFloat);
+    }
+    EXPECT_TRUE(at::autocast::is_cpu_enabled());
+    EXPECT_EQ(fc->forward(x).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_EQ(fc->forward(x).scalar_type(), torch::kFloat);
+  try {
+    cohort::torch::Autocast autocast;
+    throw std::runtime_error("forward failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_THROW(cohort::torch::Autocast(torch::kHalf), cohort::InvalidArgument);
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
 }
 
 }  // namespace
