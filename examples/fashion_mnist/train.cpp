@@ -292,9 +292,13 @@ int train(const TrainConfig& cfg) {
                                 {"warmup_steps", cfg.warmup_steps}, {"augment", cfg.augment}, {"clip_grad_norm", cfg.clip_grad_norm},
                                 {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast}, {"seed", cfg.seed},
                                 {"train_samples", train_n}, {"world_size", world}, {"run", run_id}}.dump();
-      cohort::save_checkpoint(cfg.ckpt_dir, step,
-                              {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
-                              m, {.keep_last = cfg.keep});
+      const auto started = Clock::now();
+      const std::string path = cohort::save_checkpoint(
+          cfg.ckpt_dir, step, {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(opt)}},
+          m, {.keep_last = cfg.keep});
+      std::printf("checkpoint: step %lld saved to %s (%.0f ms)\n", static_cast<long long>(step), path.c_str(),
+                  secs(started, Clock::now()) * 1000);
+      std::fflush(stdout);
     }
     pg->barrier()->wait();
   };
