@@ -98,7 +98,9 @@ int train(const TrainConfig& cfg) {
     try {
       return cohort::data::FashionMnist(o);
     } catch (const cohort::IoError& e) {
-      throw cohort::IoError(fmt::format("{} (this program reads --data-dir, here {})", e.what(), cfg.data_dir));
+      throw cohort::IoError(fmt::format("{} (this program reads --data-dir, here {}; Debian's dataset-fashion-mnist "
+                                        "package installs the files in /usr/share/datasets/fashion-mnist)",
+                                        e.what(), cfg.data_dir));
     }
   };
   cohort::data::FashionMnist train_set = load(tro), test_set = load(teo);
@@ -309,8 +311,10 @@ int train(const TrainConfig& cfg) {
   int64_t timed_steps = 0;
   double timed_s = 0;
   bool stop = false;
-  double final_acc = 0;
-  int64_t final_epoch = 0;  // the last epoch whose test accuracy was measured
+  double final_acc = 0;     // the last test accuracy measured,
+  int64_t final_epoch = 0;  // in this epoch (0: none),
+  int64_t final_step = 0;   // after this step,
+  bool final_partial = false;  // part-way through the epoch (--max-steps with --eval-at-stop)
   for (int64_t epoch = start_epoch; epoch < cfg.epochs && !stop; ++epoch) {
     sampler.set_epoch(epoch);
     auto idx = sampler.indices();
@@ -416,6 +420,8 @@ int train(const TrainConfig& cfg) {
     double acc = evaluate(model, test_set, *pg);
     final_acc = acc;
     final_epoch = epoch + 1;
+    final_step = step;
+    final_partial = cut_short;
     if (lead) {
       if (cut_short)
         std::printf("stopped at step %lld (--max-steps), part-way through the epoch\n", static_cast<long long>(step));
@@ -440,9 +446,15 @@ int train(const TrainConfig& cfg) {
   }
   metrics.finish();
   if (lead) std::fputs(metrics.report().c_str(), stdout);
-  if (lead && final_epoch > 0)
-    std::printf("final test accuracy: %.2f%% after epoch %lld of %d, %d rank%s\n", final_acc * 100,
-                static_cast<long long>(final_epoch), cfg.epochs, world, world == 1 ? "" : "s");
+  if (lead && final_epoch > 0 && final_step == step)
+    std::printf("final test accuracy: %.2f%% after %sepoch %lld of %d (step %lld), %d rank%s\n", final_acc * 100,
+                final_partial ? "part of " : "", static_cast<long long>(final_epoch), cfg.epochs,
+                static_cast<long long>(step), world, world == 1 ? "" : "s");
+  else if (lead && final_epoch > 0)
+    std::printf("last measured test accuracy: %.2f%% after epoch %lld (step %lld); the run stopped at step %lld "
+                "without measuring it again (--eval-at-stop does)\n",
+                final_acc * 100, static_cast<long long>(final_epoch), static_cast<long long>(final_step),
+                static_cast<long long>(step));
   pg->shutdown();
   return 0;
 }

@@ -15,9 +15,9 @@
 //
 // Gradient accumulation: { auto guard = ddp.no_sync(); loss.backward(); } for all
 // but the last micro-batch. Forgetting pre_forward() is harmless without buffers;
-// with buffers (and broadcast_buffers) a synced backward that no pre_forward()
-// preceded since the last synced step throws, naming a buffer, rather than let
-// the replicas' statistics drift apart. Running a second backward before the
+// with buffers (and broadcast_buffers), from 2 ranks on, a synced backward of a
+// program that never called it throws, naming a buffer, rather than let the
+// replicas' statistics drift apart. Running a second backward before the
 // first finished (e.g. retain_graph tricks across iterations) throws "Expected
 // to have finished reduction ...".
 #pragma once
@@ -93,8 +93,8 @@ class DistributedDataParallel {
   std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::atomic<bool> callback_queued_{false};
-  // pre_forward() ran since the last synced finalize(): with buffers to
-  // broadcast, a synced backward without it is an error.
+  // pre_forward() has run at least once: with buffers to broadcast, a synced
+  // backward before that is an error.
   std::atomic<bool> forwarded_{false};
 };
 

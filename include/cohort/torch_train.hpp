@@ -39,11 +39,13 @@ class GradScaler {
   // Throws InvalidArgument for a scale or factor that cannot work (init_scale
   // <= 0, growth_factor <= 1, backoff_factor outside (0, 1), growth_interval < 1).
   explicit GradScaler(GradScalerOptions o = {});
-  ::torch::Tensor scale(const ::torch::Tensor& loss) const { return o_.enabled ? loss * scale_ : loss; }
+  // loss x scale. Throws InvalidArgument if unscale() ran without the step() that must follow it.
+  ::torch::Tensor scale(const ::torch::Tensor& loss) const;
   // Divides the gradients of `optimizer` by the scale and checks them for
   // inf/NaN on every rank of `group` (nullptr: this process only), once per
   // step: a second call before step() throws InvalidArgument (the gradients
-  // would be divided twice). Returns whether every gradient was finite.
+  // would be divided twice). Returns whether every gradient was finite; call
+  // step() after it either way (it skips the optimizer and backs off the scale).
   bool unscale(::torch::optim::Optimizer& optimizer, ProcessGroup* group);
   // unscale() unless already called this step, then steps if every gradient
   // was finite on every rank, and updates the scale. Returns whether the

@@ -130,7 +130,8 @@ struct Reducer::Impl {
       const PlannedBucket& pb = plan[b];
       std::string first = pb.params.empty() ? "-" : params[pb.params.front()].name;
       std::string last = pb.params.empty() ? "-" : params[pb.params.back()].name;
-      COHORT_INFO(kDdp, "bucket {}: {} parameter(s), {} x {} ({:.2f} MiB), parameters {} .. {}", b, pb.params.size(),
+      // Not a range: with several dtypes a bucket skips the other dtypes' parameters.
+      COHORT_INFO(kDdp, "bucket {}: {} parameter(s), {} x {} ({:.2f} MiB), first {}, last {}", b, pb.params.size(),
                   dtype_name(pb.dtype), pb.count, pb.bytes() / 1048576.0, first, last);
     }
   }

@@ -135,21 +135,22 @@ void DistributedDataParallel::pre_forward() {
 }
 
 void DistributedDataParallel::on_grad_ready(size_t i) {
+  // The buffers the forward read must be rank 0's: a program that never calls
+  // pre_forward() would let the replicas' BatchNorm statistics drift apart
+  // without a sound. (Checked against "never", not "not since the last step":
+  // several backwards of one forward, or one pre_forward() per optimizer step
+  // over several synced micro-batches, are legitimate.)
+  if (!reducer_->in_no_sync() && opts_.broadcast_buffers && !buffers_.empty() && !forwarded_.load())
+    throw InvalidArgument(fmt::format(
+        "DistributedDataParallel: backward ran but pre_forward() was never called; the module has {} buffer(s) (the "
+        "first is '{}') that DDP broadcasts from rank 0 in pre_forward(), so without it the replicas would drift "
+        "apart; HINT: call ddp.pre_forward() before each forward, or use ddp.forward(model, x) (or set "
+        "DistributedDataParallelOptions::broadcast_buffers = false if the buffers are meant to differ)",
+        buffers_.size(), buffer_names_.front()));
   // Under no_sync there is nothing to finalize, and a backward that fails
   // never runs its callbacks: queueing one there could leave the flag set and
   // skip the next synced backward's finalize (gradients never averaged).
-  if (!reducer_->in_no_sync() && !callback_queued_.load()) {
-    // The buffers this backward's forward read must have been rank 0's: a
-    // forgotten pre_forward() would let the replicas' BatchNorm statistics drift
-    // apart without a sound. Checked once per synced backward, before anything is marked.
-    if (opts_.broadcast_buffers && !buffers_.empty() && !forwarded_.load())
-      throw InvalidArgument(fmt::format(
-          "DistributedDataParallel: backward ran without pre_forward() since the last synchronised step; the module "
-          "has {} buffer(s) (the first is '{}') that DDP broadcasts from rank 0 in pre_forward(), so the replicas "
-          "would drift apart; HINT: call ddp.pre_forward() before each forward, or use ddp.forward(model, x) (or set "
-          "DistributedDataParallelOptions::broadcast_buffers = false if the buffers are meant to differ)",
-          buffers_.size(), buffer_names_.front()));
-    callback_queued_.store(true);
+  if (!reducer_->in_no_sync() && !callback_queued_.exchange(true)) {
     ::torch::autograd::Engine::get_default_engine().queue_callback([this] {
       callback_queued_.store(false);
       finalize();
@@ -199,7 +200,6 @@ void DistributedDataParallel::finalize() {
   }
   for (auto& t : lent_) t.reset();
   if (!reduced) return;
-  forwarded_.store(false);  // the next synced backward needs a pre_forward() of its own
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     void* slot = reducer_->bucket_slot(i);

@@ -20,11 +20,23 @@ GradScaler::GradScaler(GradScalerOptions o) : o_(o), scale_(o.init_scale) {
     throw InvalidArgument(fmt::format("GradScaler: growth_interval must be at least 1 (got {})", o.growth_interval));
 }
 
+::torch::Tensor GradScaler::scale(const ::torch::Tensor& loss) const {
+  if (unscaled_)
+    throw InvalidArgument("GradScaler::scale: unscale() was called but step() was not; HINT: call step() after every "
+                          "unscale(), also when unscale() found inf/NaN (step() then skips the optimizer and backs off "
+                          "the scale)");
+  return o_.enabled ? loss * scale_ : loss;
+}
+
 bool GradScaler::unscale(::torch::optim::Optimizer& optimizer, ProcessGroup* group) {
   if (!o_.enabled) return true;
   if (unscaled_)
     throw InvalidArgument("GradScaler::unscale: already called since the last step(); the gradients would be divided "
                           "by the scale twice. HINT: call unscale() at most once per step, before step()");
+  // Marked before dividing: if anything below throws, a retried step() must
+  // neither divide again nor step on gradients it could not check.
+  unscaled_ = true;
+  found_inf_ = true;
   ::torch::NoGradGuard no_grad;
   const double inv = 1.0 / scale_;
   double found_inf = 0.0;
@@ -36,7 +48,6 @@ bool GradScaler::unscale(::torch::optim::Optimizer& optimizer, ProcessGroup* gro
     }
   // Every rank must take the same decision, or the replicas drift apart.
   if (group != nullptr && group->size() > 1) found_inf = allreduce_scalar(*group, found_inf, ReduceOp::Max);
-  unscaled_ = true;
   found_inf_ = found_inf > 0;
   return !found_inf_;
 }

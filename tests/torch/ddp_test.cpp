@@ -729,34 +729,39 @@ TEST(DdpBuffers, PreForwardBroadcastsRankZerosBuffers) {
   }
 }
 
-// With buffers to broadcast, a synced backward that no pre_forward() preceded
-// is an error naming a buffer, on every rank; under no_sync it is not checked,
-// and one pre_forward() per step (any micro-batch) is enough.
+// With buffers to broadcast, a program that never calls pre_forward() gets an
+// error naming a buffer on its first synced backward, on every rank. Once it
+// has called it, several backwards of one forward (retain_graph) and
+// accumulation under no_sync are fine.
 TEST(DdpBuffers, ForgettingPreForwardWithBuffersIsAnError) {
   std::vector<std::string> errs(2);
   run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
     BnNet net;
     cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg));
     auto x = inputs(pg.rank() * 4, 4);
+    {
+      auto guard = ddp.no_sync();  // not checked: nothing is reduced
+      EXPECT_NO_THROW(net->forward(x).sum().backward());
+    }
     try {
       net->forward(x).sum().backward();
     } catch (const std::exception& e) {
       errs[pg.rank()] = e.what();
     }
-    // Gradient accumulation: pre_forward() before the first micro-batch only.
     ddp.pre_forward();
     {
       auto guard = ddp.no_sync();
       net->forward(x).sum().backward();
     }
     EXPECT_NO_THROW(net->forward(x).sum().backward());
-    // The next step needs its own.
-    EXPECT_THROW(net->forward(x).sum().backward(), std::exception);
+    // Two losses of one forward, each reduced.
     ddp.pre_forward();
-    EXPECT_NO_THROW(net->forward(x).sum().backward());
+    auto out = net->forward(x);
+    EXPECT_NO_THROW(out.sum().backward({}, /*retain_graph=*/true));
+    EXPECT_NO_THROW(out.pow(2).sum().backward());
   });
   for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errs[r].find("backward ran without pre_forward()"), std::string::npos) << r << ": " << errs[r];
+    EXPECT_NE(errs[r].find("backward ran but pre_forward() was never called"), std::string::npos) << r << ": " << errs[r];
     EXPECT_NE(errs[r].find("'bn.running_mean'"), std::string::npos) << errs[r];
   }
 }
@@ -790,11 +795,18 @@ TEST(TrainUtils, GradScalerUnscaleThenClipThenStep) {
   EXPECT_THROW(scaler.unscale(opt, nullptr), cohort::InvalidArgument);  // twice would divide twice
   EXPECT_TRUE(scaler.step(opt, nullptr));
   EXPECT_NEAR(p[0].item<double>(), 1.0 - 0.5, 1e-5);  // clipped gradient 0.5 per element, lr 1
+  // unscale() without step() is caught at the next scale(): the verdict would go stale.
+  opt.zero_grad();
+  scaler.scale((p * 2).sum()).backward();
+  scaler.unscale(opt, nullptr);
+  EXPECT_THROW(scaler.scale((p * 2).sum()), cohort::InvalidArgument);
+  EXPECT_TRUE(scaler.step(opt, nullptr));
+  EXPECT_NEAR(p[0].item<double>(), 0.5 - 2.0, 1e-5);
   // The next step unscales by itself again.
   opt.zero_grad();
   scaler.scale((p * 2).sum()).backward();
   EXPECT_TRUE(scaler.step(opt, nullptr));
-  EXPECT_NEAR(p[0].item<double>(), 0.5 - 2.0, 1e-5);
+  EXPECT_NEAR(p[0].item<double>(), 0.5 - 4.0, 1e-5);
 }
 
 TEST(TrainUtils, GradScalerRefusesOptionsThatCannotWork) {
