@@ -222,23 +222,22 @@ int train(const TrainConfig& cfg) {
       differs("optimizer", cfg.optimizer, "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
       // The rest may change between runs (a lower learning rate after a divergence, ...): the
       // run goes on with this run's value, and says so.
+      constexpr const char* kSchedule = "this run's learning-rate schedule";
+      constexpr const char* kValue = "this run's value";
       if (lead && saved.is_object())
-        for (const auto& [key, flag, now] :
-             {std::tuple{"epochs", "--epochs", nlohmann::json(cfg.epochs)}, std::tuple{"base_lr", "--lr", nlohmann::json(cfg.base_lr)},
-              std::tuple{"warmup_steps", "--warmup-steps", nlohmann::json(cfg.warmup_steps)},
-              std::tuple{"momentum", "--momentum", nlohmann::json(cfg.momentum)},
-              std::tuple{"weight_decay", "--weight-decay", nlohmann::json(cfg.weight_decay)},
-              std::tuple{"augment", "--augment", nlohmann::json(cfg.augment)},
-              std::tuple{"clip_grad_norm", "--clip-grad-norm", nlohmann::json(cfg.clip_grad_norm)},
-              std::tuple{"comm_hook", "--comm-hook", nlohmann::json(cfg.comm_hook)},
-              std::tuple{"bf16_autocast", "--bf16-autocast", nlohmann::json(cfg.bf16_autocast)}})
+        for (const auto& [key, flag, now, goes_on_with] :
+             {std::tuple{"epochs", "--epochs", nlohmann::json(cfg.epochs), kSchedule},
+              std::tuple{"base_lr", "--lr", nlohmann::json(cfg.base_lr), kSchedule},
+              std::tuple{"warmup_steps", "--warmup-steps", nlohmann::json(cfg.warmup_steps), kSchedule},
+              std::tuple{"momentum", "--momentum", nlohmann::json(cfg.momentum), kValue},
+              std::tuple{"weight_decay", "--weight-decay", nlohmann::json(cfg.weight_decay), kValue},
+              std::tuple{"augment", "--augment", nlohmann::json(cfg.augment), kValue},
+              std::tuple{"clip_grad_norm", "--clip-grad-norm", nlohmann::json(cfg.clip_grad_norm), kValue},
+              std::tuple{"comm_hook", "--comm-hook", nlohmann::json(cfg.comm_hook), kValue},
+              std::tuple{"bf16_autocast", "--bf16-autocast", nlohmann::json(cfg.bf16_autocast), kValue}})
           if (saved.contains(key) && saved[key] != now)
             std::printf("resume: the checkpoint was written with %s %s, this run has %s: the run continues with %s\n", flag,
-                        show(saved[key]).c_str(), show(now).c_str(),
-                        std::string_view(key) == "epochs" || std::string_view(key) == "base_lr" ||
-                                std::string_view(key) == "warmup_steps"
-                            ? "this run's learning-rate schedule"
-                            : "this run's value");
+                        show(saved[key]).c_str(), show(now).c_str(), goes_on_with);
       cohort::torch::load_module_state(*model.module, ck.files.at("model"));
       cohort::torch::load_optimizer_state(opt, ck.files.at("optimizer"));
       step = ck.step;

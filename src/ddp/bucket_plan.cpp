@@ -43,9 +43,8 @@ namespace cohort::ddp {
 
 BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptions& opts) {
   struct Open {
-    PlannedBucket bucket;
-    bool open = false;
-    size_t closed = 0;    // buckets of this dtype closed so far
+    PlannedBucket bucket;  // open while it holds a parameter
+    size_t closed = 0;     // buckets of this dtype closed so far
     size_t last_pos = 0;  // walk position of the bucket's last parameter
     size_t cap(const BucketPlanOptions& o) const { return closed == 0 ? o.first_cap_bytes : o.cap_bytes; }
   };
@@ -54,7 +53,6 @@ BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptio
   const auto close = [&](Open& o) {
     done.emplace_back(o.last_pos, std::move(o.bucket));
     o.bucket = PlannedBucket{};
-    o.open = false;
     ++o.closed;
   };
 
@@ -67,12 +65,9 @@ BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptio
                                         p.name, k, static_cast<int>(p.dtype)));
     const size_t bytes = p.count * dtype_size(p.dtype);
     Open& o = by_dtype[p.dtype];
-    if (o.open && p.count > 0 && o.bucket.count > 0 && o.bucket.bytes() + bytes > o.cap(opts)) close(o);
-    if (!o.open) {
-      o.bucket = PlannedBucket{.dtype = p.dtype};
-      o.open = true;
-    }
+    if (p.count > 0 && o.bucket.count > 0 && o.bucket.bytes() + bytes > o.cap(opts)) close(o);
     PlannedBucket& b = o.bucket;
+    b.dtype = p.dtype;
     b.params.push_back(k);
     b.offsets.push_back(b.count);
     b.count += p.count;
@@ -80,7 +75,7 @@ BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptio
     if (b.count > 0 && b.bytes() >= o.cap(opts)) close(o);
   }
   for (auto& [dtype, o] : by_dtype)
-    if (o.open) close(o);
+    if (!o.bucket.params.empty()) close(o);
   std::stable_sort(done.begin(), done.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
   BucketPlan plan;
   plan.reserve(done.size());

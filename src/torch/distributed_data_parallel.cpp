@@ -140,7 +140,9 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   // without a sound. (Checked against "never", not "not since the last step":
   // several backwards of one forward, or one pre_forward() per optimizer step
   // over several synced micro-batches, are legitimate.)
-  if (!reducer_->in_no_sync() && opts_.broadcast_buffers && !buffers_.empty() && !forwarded_.load())
+  // The cheap flag first: in_no_sync() takes the reducer's lock, and this runs for every parameter.
+  if (!forwarded_.load(std::memory_order_relaxed) && opts_.broadcast_buffers && !buffers_.empty() &&
+      !reducer_->in_no_sync())
     throw InvalidArgument(fmt::format(
         "DistributedDataParallel: backward ran but pre_forward() was never called; the module has {} buffer(s) (the "
         "first is '{}') that DDP broadcasts from rank 0 in pre_forward(), so without it the replicas would drift "
