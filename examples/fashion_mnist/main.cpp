@@ -12,6 +12,9 @@
 // accuracy after each epoch; checkpoints are written every --checkpoint-every
 // steps and at each epoch's end; --resume continues from the newest valid one
 // (same data order, step and learning rate).
+//
+// On GPUs (docs/gpu.md): --device cuda, one process per GPU, with
+// COHORT_BACKEND=nccl; --fp16-autocast adds fp16 autocast and a GradScaler.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -108,7 +111,14 @@ int main(int argc, char** argv) {
       ->check(kMegabytes);
   app.add_flag("--grad-bucket-view,!--no-grad-bucket-view", cfg.grad_bucket_view,
                "gradients live in the DDP buckets (gradient_as_bucket_view): no copy out after the allreduce");
-  app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");
+  auto* bf16 = app.add_flag("--bf16-autocast", cfg.bf16_autocast, "run the forward pass under bf16 autocast");
+  app.add_flag("--fp16-autocast", cfg.fp16_autocast,
+               "run the forward pass under fp16 autocast with a GradScaler (--device cuda only)")
+      ->excludes(bf16);
+  app.add_option("--device", cfg.device,
+                 "where model, data and loss live: cpu, cuda (this rank's GPU: LOCAL_RANK's, or the nccl group's) or "
+                 "auto (cuda when LibTorch sees a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)")
       ->check(kNonNegative);
   auto* no_allreduce =

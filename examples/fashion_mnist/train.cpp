@@ -1,6 +1,8 @@
 #include "train.hpp"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <csignal>
@@ -57,7 +59,7 @@ Model make_model(const std::string& name) {
   return {m.ptr(), [m](torch::Tensor x) mutable { return m->forward(x); }};
 }
 
-double evaluate(Model& model, const cohort::data::FashionMnist& test, cohort::ProcessGroup& pg) {
+double evaluate(Model& model, const cohort::data::FashionMnist& test, cohort::ProcessGroup& pg, const torch::Device& device) {
   torch::NoGradGuard no_grad;
   model.module->eval();
   const int64_t n = test.size();
@@ -72,11 +74,47 @@ double evaluate(Model& model, const cohort::data::FashionMnist& test, cohort::Pr
     x.resize(b * 784);
     y.resize(b);
     for (size_t k = 0; k < b; ++k) test.get(mine[start + k], x.data() + k * 784, y.data() + k);
-    auto out = model.forward(torch::from_blob(x.data(), {static_cast<int64_t>(b), 1, 28, 28}));
-    correct += out.argmax(1).eq(torch::from_blob(y.data(), {static_cast<int64_t>(b)}, torch::kLong)).sum().item<int64_t>();
+    auto out = model.forward(torch::from_blob(x.data(), {static_cast<int64_t>(b), 1, 28, 28}).to(device));
+    correct += out.argmax(1)
+                   .eq(torch::from_blob(y.data(), {static_cast<int64_t>(b)}, torch::kLong).to(device))
+                   .sum()
+                   .item<int64_t>();
   }
   model.module->train();
   return cohort::torch::allreduce_scalar(pg, static_cast<double>(correct)) / static_cast<double>(n);
+}
+
+// --device: the CPU, or this rank's GPU (the nccl group's, else GPU
+// LOCAL_RANK modulo the visible ones). Refused with the reason and the fix
+// when LibTorch has no CUDA, no GPU is visible, or the backend cannot move
+// the device's memory.
+torch::Device pick_device(const std::string& want, const cohort::ProcessGroup& pg) {
+  const bool cuda_built = c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA);
+  const int gpus = cuda_built ? static_cast<int>(torch::cuda::device_count()) : 0;
+  const int group_gpu = pg.cuda_device();
+  if (want == "cpu" || (want == "auto" && gpus == 0 && group_gpu < 0)) {
+    if (group_gpu >= 0)
+      throw cohort::InvalidArgument(fmt::format(
+          "--device cpu, but the {} backend moves GPU memory only; HINT: --device cuda, or COHORT_BACKEND=native "
+          "to train on the CPU",
+          pg.backend_name()));
+    return torch::kCPU;
+  }
+  if (!cuda_built)
+    throw cohort::InvalidArgument(fmt::format(
+        "--device {}: this program's LibTorch ({}) was built without CUDA; HINT: build cohort against a CUDA "
+        "LibTorch (cmake -DCOHORT_LIBTORCH=<its folder>, docs/gpu.md), or use --device cpu",
+        want, TORCH_VERSION));
+  if (gpus == 0) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw cohort::InvalidArgument(fmt::format(
+        "--device {}: rank {} sees no CUDA GPU (torch::cuda::device_count() is 0; CUDA_VISIBLE_DEVICES={}); HINT: "
+        "run it on a machine with a GPU (nvidia-smi lists them), fix CUDA_VISIBLE_DEVICES, or use --device cpu",
+        want, pg.rank(), visible != nullptr ? fmt::format("'{}'", visible) : std::string("unset")));
+  }
+  const char* local = std::getenv("LOCAL_RANK");
+  const int index = group_gpu >= 0 ? group_gpu : (local != nullptr ? std::atoi(local) : 0) % gpus;
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 std::string eta(double s) { return fmt::format("{}:{:02d}", static_cast<int>(s) / 60, static_cast<int>(s) % 60); }
@@ -89,6 +127,13 @@ int train(const TrainConfig& cfg) {
   auto pg = cohort::init_process_group();
   const int world = pg->size(), rank = pg->rank();
   const bool lead = rank == 0;
+  const torch::Device device = pick_device(cfg.device, *pg);
+  if (cfg.fp16_autocast && !device.is_cuda())
+    throw cohort::InvalidArgument(fmt::format("--fp16-autocast runs on a GPU (--device cuda), not on {}; HINT: on the "
+                                              "CPU use --bf16-autocast",
+                                              device.str()));
+  if (lead && device.is_cuda())
+    std::printf("device: %s on every rank (%s backend)\n", device.str().c_str(), pg->backend_name().c_str());
 
   cohort::data::FashionMnistOptions tro, teo;
   tro.dir = teo.dir = cfg.data_dir;
@@ -106,6 +151,7 @@ int train(const TrainConfig& cfg) {
   cohort::data::FashionMnist train_set = load(tro), test_set = load(teo);
 
   Model model = make_model(cfg.model);
+  model.module->to(device);  // before the optimizer takes the parameters
   const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::function<void()> optimizer_step;  // cohort's fused step or the optimizer's own
@@ -234,7 +280,9 @@ int train(const TrainConfig& cfg) {
               std::tuple{"augment", "--augment", nlohmann::json(cfg.augment), kValue},
               std::tuple{"clip_grad_norm", "--clip-grad-norm", nlohmann::json(cfg.clip_grad_norm), kValue},
               std::tuple{"comm_hook", "--comm-hook", nlohmann::json(cfg.comm_hook), kValue},
-              std::tuple{"bf16_autocast", "--bf16-autocast", nlohmann::json(cfg.bf16_autocast), kValue}})
+              std::tuple{"bf16_autocast", "--bf16-autocast", nlohmann::json(cfg.bf16_autocast), kValue},
+              std::tuple{"fp16_autocast", "--fp16-autocast", nlohmann::json(cfg.fp16_autocast), kValue},
+              std::tuple{"device", "--device", nlohmann::json(device.str()), kValue}})
           if (saved.contains(key) && saved[key] != now)
             std::printf("resume: the checkpoint was written with %s %s, this run has %s: the run continues with %s\n", flag,
                         show(saved[key]).c_str(), show(now).c_str(), goes_on_with);
@@ -273,11 +321,16 @@ int train(const TrainConfig& cfg) {
   cohort::torch::DistributedDataParallelOptions dopts;
   dopts.bucket_cap_mb = cfg.bucket_cap_mb;
   dopts.first_bucket_mb = cfg.first_bucket_mb;
-  dopts.gradient_as_bucket_view = cfg.grad_bucket_view;
+  // A GPU module on a host backend (native) stages its gradients through host
+  // buckets: .grad cannot be a view of them.
+  dopts.gradient_as_bucket_view = cfg.grad_bucket_view && !(device.is_cuda() && pg->cuda_device() < 0);
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
   cohort::torch::DistributedDataParallel ddp(model.module, pg, dopts);
   auto params = model.module->parameters();
+  // fp16 autocast: the loss is scaled before backward so small gradients do
+  // not underflow in fp16; the scaler skips a step whose gradients overflowed.
+  cohort::torch::GradScaler scaler({.enabled = cfg.fp16_autocast});
 
   auto save = [&](int64_t epoch, int64_t pos) {
     if (cfg.ckpt_dir.empty()) return;
@@ -291,7 +344,8 @@ int train(const TrainConfig& cfg) {
       m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr},
                                 {"optimizer", cfg.optimizer}, {"momentum", cfg.momentum}, {"weight_decay", cfg.weight_decay},
                                 {"warmup_steps", cfg.warmup_steps}, {"augment", cfg.augment}, {"clip_grad_norm", cfg.clip_grad_norm},
-                                {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast}, {"seed", cfg.seed},
+                                {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast},
+                                {"fp16_autocast", cfg.fp16_autocast}, {"device", device.str()}, {"seed", cfg.seed},
                                 {"train_samples", train_n}, {"world_size", world}, {"run", run_id}}.dump();
       const auto started = Clock::now();
       const std::string path = cohort::save_checkpoint(
@@ -343,36 +397,42 @@ int train(const TrainConfig& cfg) {
       metrics.data_ready();
       auto t0 = Clock::now();
       const int64_t b = batch->size();
-      auto x = torch::from_blob(batch->x.data(), {b, 1, 28, 28});
-      auto y = torch::from_blob(batch->y.data(), {b}, torch::kLong);
+      auto x = torch::from_blob(batch->x.data(), {b, 1, 28, 28}).to(device);
+      auto y = torch::from_blob(batch->y.data(), {b}, torch::kLong).to(device);
       opt.param_groups()[0].options().set_lr(cohort::torch::warmup_cosine_lr(step + schedule_offset, cfg.warmup_steps, total_steps, peak_lr));
       cohort::torch::zero_grad(opt);  // set to none: backward hands over fresh gradients (no zeroing pass)
       ddp.pre_forward();
       torch::Tensor loss;
       std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");
-      if (cfg.bf16_autocast) {
-        cohort::torch::Autocast autocast;  // bf16 forward; the loss and backward in float32
+      if (cfg.bf16_autocast || cfg.fp16_autocast) {
+        // A half-precision forward; the loss and backward in float32.
+        cohort::torch::Autocast autocast(cfg.fp16_autocast ? torch::kHalf : torch::kBFloat16, true, device.type());
         loss = torch::cross_entropy_loss(model.forward(x).to(torch::kFloat), y);
       } else {
         loss = torch::cross_entropy_loss(model.forward(x), y);
       }
       forward_span.reset();
       std::optional<cohort::timeline::Span> backward_span(std::in_place, "backward");  // includes DDP's finalize()
+      const torch::Tensor scaled = scaler.scale(loss);  // the loss itself without --fp16-autocast
       if (cfg.no_allreduce) {
         auto guard = ddp.no_sync();
-        loss.backward();
+        scaled.backward();
         if (cfg.lockstep) {
           cohort::timeline::Span span("lockstep barrier");
           pg->barrier()->wait();
         }
       } else {
-        loss.backward();
+        scaled.backward();
       }
       backward_span.reset();
+      if (cfg.fp16_autocast && cfg.clip_grad_norm > 0) scaler.unscale(opt, pg.get());  // clip the true gradients
       if (cfg.clip_grad_norm > 0) cohort::torch::clip_grad_norm(params, cfg.clip_grad_norm);
       {
         cohort::timeline::Span span("optimizer step");
-        optimizer_step();
+        if (cfg.fp16_autocast)
+          scaler.step(opt, pg.get());  // skipped on every rank when a gradient overflowed
+        else
+          optimizer_step();
       }
       ++step;
       pos += b;
@@ -416,7 +476,7 @@ int train(const TrainConfig& cfg) {
     double train_loss = cohort::torch::allreduce_scalar(*pg, loss_n ? loss_sum / loss_n : 0.0) / world;
     const bool cut_short = stop && pos < sampler.size();  // --max-steps ended the epoch early
     if (cut_short && !cfg.eval_at_stop) break;
-    double acc = evaluate(model, test_set, *pg);
+    double acc = evaluate(model, test_set, *pg, device);
     final_acc = acc;
     final_epoch = epoch + 1;
     final_step = step;

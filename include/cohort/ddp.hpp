@@ -69,6 +69,46 @@ using BucketPlan = std::vector<PlannedBucket>;
 // complete during that walk. Throws InvalidArgument for an invalid dtype.
 BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptions& opts = {});
 
+// ---- Where gradients and buckets live ----
+
+// How the reducer allocates its buckets and moves gradient bytes. The default
+// (ReducerOptions::memory left null) is host memory: buckets from
+// ProcessGroup::allocate_buffer, copies with memcpy. The LibTorch adapter
+// gives a module on a GPU its own (src/torch/grad_memory.cpp): on a group
+// that moves GPU memory (nccl) the buckets are device memory and every copy or
+// conversion is queued on LibTorch's current stream; on a host group (native)
+// the buckets stay in host memory and each gradient is staged through it.
+// Called under the reducer's lock, on the thread of mark_ready or finalize.
+class GradMemory {
+ public:
+  virtual ~GradMemory() = default;
+  // Whether the reducer (and the group) may read bucket memory, and gradient
+  // memory, as host memory.
+  virtual bool buckets_on_host() const = 0;
+  virtual bool grads_on_host() const = 0;
+  // `bytes` of zeroed bucket memory, 64-byte aligned, freed with the last copy.
+  virtual std::shared_ptr<std::byte[]> allocate(ProcessGroup& group, size_t bytes) = 0;
+  virtual void grad_to_bucket(void* bucket, const void* grad, size_t bytes) = 0;
+  virtual void bucket_to_grad(void* grad, const void* bucket, size_t bytes) = 0;
+  virtual void zero_bucket(void* bucket, size_t bytes) = 0;
+  // Within bucket memory: dst[i] = src[i] / divisor, converted to dst's dtype
+  // (dst may be src when their dtypes match; floating-point types). The compression hooks' work.
+  virtual void convert(Buffer dst, Buffer src, double divisor) = 0;
+  // Small control data (the construction check, the used-parameter map)
+  // between bucket memory and the host; returns when the copy is done.
+  virtual void host_to_bucket(void* bucket, const void* host, size_t bytes) = 0;
+  virtual void bucket_to_host(void* host, const void* bucket, size_t bytes) = 0;
+};
+
+// Host memory, as described above (what a null ReducerOptions::memory means).
+std::shared_ptr<GradMemory> host_grad_memory();
+
+// Memory a comm hook may use for one bucket (GradBucket::scratch).
+struct BucketScratch {
+  std::shared_ptr<std::byte[]> data;
+  size_t bytes = 0;
+};
+
 // ---- Communication hooks ----
 
 // What a comm hook is given: one bucket whose gradients are all ready.
@@ -77,10 +117,10 @@ class GradBucket {
   // `pieces`: gradients the reducer left outside the buffer (see
   // ReducerOptions::grads_valid_until_finalize), sorted by offset, or nullptr.
   GradBucket(size_t index, size_t num_buckets, Buffer buffer, ProcessGroup& group, Millis timeout,
-             std::span<const size_t> params, std::vector<std::byte>& scratch,
+             std::span<const size_t> params, GradMemory& memory, BucketScratch& scratch,
              std::vector<InputPiece>* pieces = nullptr)
       : index_(index), num_buckets_(num_buckets), buffer_(buffer), group_(group), timeout_(timeout),
-        params_(params), scratch_(scratch), pieces_(pieces) {}
+        params_(params), memory_(memory), scratch_(scratch), pieces_(pieces) {}
 
   size_t index() const { return index_; }  // position in the plan = launch order
   bool is_last() const { return index_ + 1 == num_buckets_; }
@@ -97,9 +137,11 @@ class GradBucket {
   Millis timeout() const { return timeout_; }
   // Registration indices of the bucket's parameters, in bucket order.
   std::span<const size_t> params() const { return params_; }
-  // At least `bytes` of memory owned by the reducer for this bucket, reused
-  // across iterations and kept alive as long as the reducer (so a collective
-  // on it may safely outlive a failed finalize). Aligned to 8 bytes.
+  // Where the bucket lives (host or device memory) and how to convert in it.
+  GradMemory& memory() const { return memory_; }
+  // At least `bytes` of bucket memory (memory()) owned by the reducer for this
+  // bucket, reused across iterations and kept alive as long as the reducer (so
+  // a collective on it may safely outlive a failed finalize). Aligned to 64 bytes.
   void* scratch(size_t bytes);
 
  private:
@@ -108,7 +150,8 @@ class GradBucket {
   ProcessGroup& group_;
   Millis timeout_;
   std::span<const size_t> params_;
-  std::vector<std::byte>& scratch_;
+  GradMemory& memory_;
+  BucketScratch& scratch_;
   std::vector<InputPiece>* pieces_;
 };
 
@@ -161,6 +204,10 @@ struct ReducerOptions {
   // ParamSpec::grad. Runs on finalize()'s thread with the lock held.
   std::function<void(size_t param, const void* reduced)> on_reduced;
   Millis timeout{0};             // finalize()'s wait per bucket; zero: the group's timeout
+  // Where buckets and gradients live (null: host memory). With gradients
+  // outside host memory, grads_valid_until_finalize saves no copy (the group
+  // reads only bucket memory).
+  std::shared_ptr<GradMemory> memory;
 };
 
 using SteadyTime = std::chrono::steady_clock::time_point;

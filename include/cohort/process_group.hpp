@@ -133,12 +133,38 @@ class ProcessGroup {
   // ordinary memory.)
   virtual std::shared_ptr<std::byte[]> allocate_buffer(size_t bytes);
 
+  // The CUDA device whose memory this group's collectives move, or -1 when
+  // they move host memory (native, mpi). The nccl backend takes GPU memory of
+  // that device only (GPU LOCAL_RANK modulo the visible GPUs): small host data (a flag, a string) goes through a buffer
+  // there (cohort::torch does it for its helpers, ddp::Reducer for its own).
+  virtual int cuda_device() const { return -1; }
+
   // Ends the group: later calls throw. The native backend stops its progress
   // thread and fails queued Work ("... was cancelled: the group was shut
   // down"); its connections stay open until the last reference to the group
   // goes (DDP and sub-groups may still hold one). The MPI and NCCL backends let
   // enqueued operations finish, then free their communicators.
   virtual void shutdown() = 0;
+};
+
+// The CUDA stream (a cudaStream_t) that GPU collectives issued from this
+// thread are ordered after, while the scope lives: the nccl backend's stream
+// waits, on the device, for the work already queued there, so a collective
+// reads what kernels launched before it wrote. Outside any scope that is the
+// legacy default stream. cohort::torch sets LibTorch's current stream here
+// around the collectives DistributedDataParallel issues. Scopes nest; the
+// pointer is only stored, never dereferenced, so this needs no CUDA.
+class [[nodiscard]] CudaStreamScope {
+ public:
+  explicit CudaStreamScope(void* cuda_stream);
+  ~CudaStreamScope();
+  CudaStreamScope(const CudaStreamScope&) = delete;
+  CudaStreamScope& operator=(const CudaStreamScope&) = delete;
+  // The innermost scope's stream on this thread; nullptr: none (legacy default stream).
+  static void* current();
+
+ private:
+  void* previous_;
 };
 
 struct InitOptions {

@@ -22,6 +22,7 @@
 // to have finished reduction ...".
 #pragma once
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <memory>
@@ -41,14 +42,25 @@ struct DistributedDataParallelOptions {
   bool gradient_as_bucket_view = false;
   bool broadcast_buffers = true;      // broadcast rank 0's buffers in pre_forward()
   ddp::CommHook comm_hook;            // empty: average with allreduce
+  // A group of one rank has nothing to average: by default no hooks are
+  // installed and backward runs at plain LibTorch speed. True runs the
+  // reducer anyway, as PyTorch does (the GPU check uses it to exercise the
+  // device buckets on one GPU).
+  bool reduce_at_world_size_1 = false;
 };
+
+// Where the module's gradients are reduced (src/torch/device.hpp, docs/gpu.md).
+enum class MemoryMode : int;
 
 class DistributedDataParallel {
  public:
   // Collective over `group`: checks that every rank has the same parameters
   // (names, shapes, dtypes; a mismatch names the parameter and the ranks),
   // broadcasts parameters and buffers from rank 0, and hooks every parameter's
-  // gradient accumulator.
+  // gradient accumulator. The module lives on one device: the CPU, or a CUDA
+  // GPU (on the nccl backend the group's GPU; on the native backend any GPU,
+  // its gradients staged through host memory). A module split across devices,
+  // or on a device that does not fit the group, is refused by name.
   DistributedDataParallel(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
                           DistributedDataParallelOptions opts = {});
   ~DistributedDataParallel();
@@ -72,6 +84,7 @@ class DistributedDataParallel {
 
   ddp::IterationStats stats() const { return reducer_->stats(); }
   ProcessGroup& group() { return *group_; }
+  const ::torch::Device& device() const { return device_; }
   const std::shared_ptr<::torch::nn::Module>& module() const { return module_; }
   const std::vector<std::string>& param_names() const { return names_; }
 
@@ -79,9 +92,14 @@ class DistributedDataParallel {
   void on_grad_ready(size_t i);
 
  private:
+  // LibTorch's current CUDA stream in device mode (a cudaStream_t), else nullptr.
+  void* stream() const;
   std::shared_ptr<::torch::nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
   DistributedDataParallelOptions opts_;
+  ::torch::Device device_{::torch::kCPU};
+  MemoryMode mode_;
+  std::shared_ptr<ddp::GradMemory> memory_;  // null: host memory (a CPU module)
   std::vector<::torch::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<::torch::Tensor> buffers_;
@@ -90,7 +108,9 @@ class DistributedDataParallel {
   // finalize() (ReducerOptions::grads_valid_until_finalize).
   std::vector<::torch::Tensor> lent_;
   std::unique_ptr<ddp::Reducer> reducer_;
-  std::vector<std::shared_ptr<::torch::autograd::Node>> accumulators_;
+  // std::shared_ptr<Node> in LibTorch 1.x, c10::intrusive_ptr<Node> in 2.x.
+  using AccumulatorPtr = decltype(::torch::autograd::impl::grad_accumulator(std::declval<const ::torch::Tensor&>()));
+  std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::atomic<bool> callback_queued_{false};
   // pre_forward() has run at least once: with buffers to broadcast, a synced

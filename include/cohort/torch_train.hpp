@@ -75,18 +75,25 @@ class GradScaler {
 //   { cohort::torch::Autocast autocast; loss = loss_fn(model->forward(x).to(torch::kFloat), y); }
 //   loss.backward();
 //
-// LibTorch's CPU autocast takes bfloat16 only: another dtype throws InvalidArgument.
+// On a CUDA GPU (device = c10::DeviceType::CUDA) the dtype is float16 (with a
+// GradScaler) or bfloat16. LibTorch's CPU autocast takes bfloat16 only:
+// another dtype throws InvalidArgument.
 class Autocast {
  public:
-  explicit Autocast(::torch::ScalarType dtype = ::torch::kBFloat16, bool enabled = true);
+  explicit Autocast(::torch::ScalarType dtype = ::torch::kBFloat16, bool enabled = true,
+                    c10::DeviceType device = c10::DeviceType::CPU);
   ~Autocast();
   Autocast(const Autocast&) = delete;
   Autocast& operator=(const Autocast&) = delete;
 
  private:
+  c10::DeviceType device_;
   bool prev_enabled_;
   ::torch::ScalarType prev_dtype_;
 };
+
+// Whether autocast is on for `device` on this thread (LibTorch 1.x and 2.x alike).
+bool autocast_enabled(c10::DeviceType device);
 
 // Clears the gradients before the next backward. set_to_none (PyTorch's
 // default since 2.0; LibTorch 1.13's Optimizer::zero_grad() only zeroes in

@@ -8,7 +8,9 @@
 // Dividing after the sum (in f32) keeps small gradients from underflowing; the
 // price is that the sum itself must fit the half type. A bucket already in the
 // half type is reduced in place and divided by n afterwards.
+#include <algorithm>
 #include <cstring>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -41,6 +43,13 @@ void decompress_half(const Half* src, Half* dst, size_t n, FromHalf from_half, T
   for (size_t i = 0; i < n; ++i) dst[i] = dst_to(from_half(src[i]) / divisor);
 }
 
+std::string not_floating(const char* hook_name, size_t bucket, DType dtype) {
+  return fmt::format(
+      "{}: bucket {} holds {} gradients; compression applies to floating-point buckets (f32, f64, f16, bf16). "
+      "HINT: use allreduce_avg_hook() for this model, or a custom hook",
+      hook_name, bucket, dtype_name(dtype));
+}
+
 CommHook compress_hook(DType half, const char* hook_name) {
   const ToHalf to_half = half == DType::F16 ? core::float_to_half : core::float_to_bf16;
   const FromHalf from_half = half == DType::F16 ? core::half_to_float : core::bf16_to_float;
@@ -50,6 +59,17 @@ CommHook compress_hook(DType half, const char* hook_name) {
     const int n = group.size();
     const float divisor = static_cast<float>(n);
     const AllreduceOptions sum{.op = ReduceOp::Sum, .timeout = bucket.timeout()};
+
+    if (!bucket.memory().buckets_on_host()) {
+      // Device memory: the same steps, each queued by the bucket's memory (the GPU converts).
+      GradMemory* mem = &bucket.memory();
+      if (buf.dtype != DType::F32 && buf.dtype != DType::F64 && buf.dtype != DType::F16 && buf.dtype != DType::BF16)
+        throw InvalidArgument(not_floating(hook_name, bucket.index(), buf.dtype));
+      if (buf.dtype == half) return {group.allreduce(buf, sum), [=] { mem->convert(buf, buf, divisor); }};
+      const Buffer wire{bucket.scratch(buf.count * sizeof(Half)), buf.count, half};
+      mem->convert(wire, buf, 1.0);
+      return {group.allreduce(wire, sum), [=] { mem->convert(buf, wire, divisor); }};
+    }
 
     if (buf.dtype == half)  // already compressed: reduce in place
       return {group.allreduce(buf, sum), [buf, n] { core::scale_avg(buf.data, buf.count, buf.dtype, n); }};
@@ -78,10 +98,7 @@ CommHook compress_hook(DType half, const char* hook_name) {
                 [=] { decompress_half(scratch, g, wire.count, from_half, dst_to, divisor); }};
       }
       default:
-        throw InvalidArgument(fmt::format(
-            "{}: bucket {} holds {} gradients; compression applies to floating-point buckets (f32, f64, f16, bf16). "
-            "HINT: use allreduce_avg_hook() for this model, or a custom hook",
-            hook_name, bucket.index(), dtype_name(buf.dtype)));
+        throw InvalidArgument(not_floating(hook_name, bucket.index(), buf.dtype));
     }
   };
 }
@@ -103,11 +120,15 @@ WorkPtr GradBucket::allreduce(AllreduceOptions opts) const {
 }
 
 void* GradBucket::scratch(size_t bytes) {
-  // Round up to 8 bytes: std::vector<std::byte>'s storage comes from operator
-  // new, aligned for any fundamental type.
-  const size_t want = (bytes + 7) & ~size_t(7);
-  if (scratch_.size() < want) scratch_.resize(want);
-  return scratch_.data();
+  // Grown, never shrunk; 64-byte aligned. A device bucket's scratch is device
+  // memory too; a host one is plain heap memory (the base class's allocator,
+  // not the group's shared buffers).
+  if (scratch_.bytes < bytes || !scratch_.data) {
+    const size_t n = std::max<size_t>(bytes, 1);
+    scratch_.data = memory_.buckets_on_host() ? group_.ProcessGroup::allocate_buffer(n) : memory_.allocate(group_, n);
+    scratch_.bytes = bytes;
+  }
+  return scratch_.data.get();
 }
 
 CommHook allreduce_avg_hook() {

@@ -18,7 +18,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <initializer_list>
 #include <mutex>
+#include <span>
 
 #include "cohort/ddp.hpp"
 #include "core/check.hpp"
@@ -46,8 +49,8 @@ uint64_t fnv(uint64_t h, uint64_t v) {
 
 struct Reducer::Impl {
   struct Bucket {
-    std::byte* data = nullptr;       // the flat buffer, inside `storage`
-    std::vector<std::byte> scratch;  // GradBucket::scratch
+    std::byte* data = nullptr;  // the flat buffer, inside `storage`
+    BucketScratch scratch;      // GradBucket::scratch
     // grads_valid_until_finalize: the elements [direct_first, direct_end) the
     // group reads in place in allreduce_gathered, and this iteration's
     // gradients left there (InputPiece), by parameter, in marking order.
@@ -59,6 +62,10 @@ struct Reducer::Impl {
 
   ProcessGroup& group;
   const ReducerOptions opts;
+  const std::shared_ptr<GradMemory> mem;  // opts.memory, or host memory
+  // Gradients may be left where they are until finalize (pieces the group
+  // reads in place): only when the group reads them as host memory.
+  const bool leave_in_place;
   std::vector<ParamSpec> params;
   const BucketPlan plan;
   std::vector<Bucket> buckets;
@@ -87,6 +94,8 @@ struct Reducer::Impl {
   Impl(ProcessGroup& g, std::vector<ParamSpec> ps, ReducerOptions o)
       : group(g),
         opts(std::move(o)),
+        mem(opts.memory ? opts.memory : host_grad_memory()),
+        leave_in_place(opts.grads_valid_until_finalize && mem->buckets_on_host() && mem->grads_on_host()),
         params(std::move(ps)),
         plan(plan_buckets(params, {.cap_bytes = mib_to_bytes(opts.bucket_cap_mb, "bucket_cap_mb"),
                                    .first_cap_bytes = mib_to_bytes(opts.first_bucket_mb, "first_bucket_mb")})),
@@ -102,14 +111,14 @@ struct Reducer::Impl {
       at[b] = total;
       total += (plan[b].bytes() + 63) / 64 * 64;
     }
-    storage = group.allocate_buffer(total);
+    storage = mem->allocate(group, total);
     for (size_t b = 0; b < plan.size(); ++b) {
       buckets[b].data = storage.get() + at[b];
       for (size_t k = 0; k < plan[b].params.size(); ++k) {
         bucket_of[plan[b].params[k]] = b;
         offset_of[plan[b].params[k]] = plan[b].offsets[k];
       }
-      if (opts.grads_valid_until_finalize && plan[b].count > 0) {
+      if (leave_in_place && plan[b].count > 0) {
         const auto [first, count] = group.allreduce_direct_block(plan[b].count, plan[b].dtype);
         buckets[b].direct_first = first;
         buckets[b].direct_end = first + count;
@@ -143,7 +152,7 @@ struct Reducer::Impl {
     const size_t es = dtype_size(params[p].dtype), a = offset_of[p], e = a + params[p].count;
     const size_t lo = std::max(a, bucket.direct_first), hi = std::min(e, bucket.direct_end);
     if (lo >= hi) {
-      std::memcpy(dst, src, param_bytes(p));
+      mem->grad_to_bucket(dst, src, param_bytes(p));
       return;
     }
     auto* d = static_cast<std::byte*>(dst);
@@ -192,11 +201,33 @@ struct Reducer::Impl {
     int64_t mine[4] = {static_cast<int64_t>(params.size()), static_cast<int64_t>(elements),
                        static_cast<int64_t>(param_sig), static_cast<int64_t>(plan_sig)};
     std::vector<int64_t> all(4 * static_cast<size_t>(n));
-    group.allgather(buffer(mine, 4, DType::I64), buffer(all.data(), all.size(), DType::I64), {.timeout = opts.timeout})
-        ->wait(opts.timeout);
+    host_collective({{mine, 4, DType::I64}, {all.data(), all.size(), DType::I64}}, [&](std::span<const Buffer> b) {
+      return group.allgather(b[0], b[1], {.timeout = opts.timeout});
+    });
     for (int r = 0; r < n; ++r)
       if (std::memcmp(&all[4 * static_cast<size_t>(r)], mine, sizeof mine) != 0)
         throw InvalidArgument(msg::params_differ(group.rank(), r, mine, &all[4 * static_cast<size_t>(r)]));
+  }
+
+  // A collective on small host data (int64 signatures, the used map), run
+  // through bucket memory when the group moves device memory only (nccl).
+  void host_collective(std::initializer_list<Buffer> host,
+                       const std::function<WorkPtr(std::span<const Buffer>)>& issue) {
+    if (mem->buckets_on_host()) {
+      std::vector<Buffer> bufs(host);
+      issue(bufs)->wait(opts.timeout);
+      return;
+    }
+    std::vector<Buffer> bufs;
+    std::vector<std::shared_ptr<std::byte[]>> keep;
+    for (const Buffer& h : host) {
+      keep.push_back(mem->allocate(group, std::max<size_t>(h.bytes(), 1)));
+      mem->host_to_bucket(keep.back().get(), h.data, h.bytes());
+      bufs.push_back({keep.back().get(), h.count, h.dtype});
+    }
+    issue(bufs)->wait(opts.timeout);
+    size_t i = 0;
+    for (const Buffer& h : host) mem->bucket_to_host(h.data, bufs[i++].data, h.bytes());
   }
 
   void reset_stats() {
@@ -252,7 +283,7 @@ struct Reducer::Impl {
     std::sort(bucket.pieces.begin(), bucket.pieces.end(),
               [](const InputPiece& x, const InputPiece& y) { return x.offset < y.offset; });
     GradBucket gb(b, buckets.size(), Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
-                  plan[b].params, bucket.scratch, &bucket.pieces);
+                  plan[b].params, *mem, bucket.scratch, &bucket.pieces);
     try {
       bucket.future = hook(gb);
       (void)gb.buffer();  // a hook that used neither buffer() nor allreduce() still gets every gradient in place
@@ -327,9 +358,9 @@ struct Reducer::Impl {
         const void* src = params[p].grad;
         const size_t bytes = param_bytes(p);
         if (bytes > 0 && src == nullptr)
-          std::memset(dst, 0, bytes);
+          mem->zero_bucket(dst, bytes);
         else if (bytes > 0 && src != dst)
-          std::memcpy(dst, src, bytes);
+          mem->grad_to_bucket(dst, src, bytes);
         set_ready(p);
       }
       stats.unused_params = unused.size();
@@ -339,8 +370,9 @@ struct Reducer::Impl {
     stats.wait_started = std::chrono::steady_clock::now();
     if (opts.find_unused_parameters && !params.empty()) {
       try {
-        group.allreduce(Buffer{used.data(), used.size(), DType::U8}, {.op = ReduceOp::Max, .timeout = opts.timeout})
-            ->wait(opts.timeout);
+        host_collective({{used.data(), used.size(), DType::U8}}, [&](std::span<const Buffer> b) {
+          return group.allreduce(b[0], {.op = ReduceOp::Max, .timeout = opts.timeout});
+        });
       } catch (const std::exception& e) {
         failed = fmt::format("rank {}: this reducer can no longer be used: exchanging which parameters were used in "
                              "iteration {} failed: {}",
@@ -374,7 +406,7 @@ struct Reducer::Impl {
         if (opts.on_reduced)
           opts.on_reduced(p, result);
         else if (params[p].grad != nullptr && params[p].grad != result && param_bytes(p) > 0)
-          std::memcpy(params[p].grad, result, param_bytes(p));
+          mem->bucket_to_grad(params[p].grad, result, param_bytes(p));
       }
     }
     stats.finalized = std::chrono::steady_clock::now();
@@ -396,7 +428,7 @@ Reducer::~Reducer() {
   for (Impl::Bucket& b : impl_->buckets) {
     if (b.future.work && !b.future.work->is_completed()) {
       running = true;
-      (void)new std::vector<std::byte>(std::move(b.scratch));
+      (void)new BucketScratch(std::move(b.scratch));
     }
   }
   if (running) (void)new std::shared_ptr<std::byte[]>(std::move(impl_->storage));

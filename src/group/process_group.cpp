@@ -23,3 +23,16 @@ WorkPtr ProcessGroup::allreduce_gathered(Buffer buf, std::vector<InputPiece> pie
 std::pair<size_t, size_t> ProcessGroup::allreduce_direct_block(size_t, DType) const { return {0, 0}; }
 
 }  // namespace cohort
+
+namespace cohort {
+namespace {
+thread_local void* current_cuda_stream = nullptr;
+}  // namespace
+
+CudaStreamScope::CudaStreamScope(void* cuda_stream) : previous_(current_cuda_stream) {
+  current_cuda_stream = cuda_stream;
+}
+CudaStreamScope::~CudaStreamScope() { current_cuda_stream = previous_; }
+void* CudaStreamScope::current() { return current_cuda_stream; }
+
+}  // namespace cohort

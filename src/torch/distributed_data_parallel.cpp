@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "cohort/torch.hpp"
+#include "device.hpp"
 
 namespace cohort::torch {
 namespace {
@@ -64,6 +65,27 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
     buffer_names_.push_back(b.key());
   }
 
+  {
+    // One device for everything, and one that fits the group (device.hpp).
+    std::vector<std::string> all_names = names_;
+    all_names.insert(all_names.end(), frozen_names.begin(), frozen_names.end());
+    all_names.insert(all_names.end(), buffer_names_.begin(), buffer_names_.end());
+    std::vector<::torch::Tensor> all_tensors = params_;
+    all_tensors.insert(all_tensors.end(), frozen.begin(), frozen.end());
+    all_tensors.insert(all_tensors.end(), buffers_.begin(), buffers_.end());
+    device_ = common_device(all_names, all_tensors);
+    mode_ = memory_mode(device_, *group_);
+    if (mode_ == MemoryMode::Staged && opts_.gradient_as_bucket_view)
+      throw InvalidArgument(fmt::format(
+          "DistributedDataParallel: gradient_as_bucket_view needs the buckets on the module's device, but the module "
+          "is on {} and the {} backend reduces host memory (its gradients are staged through host buckets). HINT: "
+          "use the nccl backend for a GPU module, or leave gradient_as_bucket_view off",
+          device_.str(), group_->backend_name()));
+  }
+  // Collectives below (and the reducer's) start after the work queued on
+  // LibTorch's current stream (device mode; nothing otherwise).
+  CudaStreamScope scope(mode_ == MemoryMode::Device ? current_stream_handle(device_) : nullptr);
+
   // Everything broadcast below is checked first, kind by kind, so a replica
   // that differs in any of it is named here rather than failing inside the broadcast.
   check_same_parameters(*group_, names_, params_, "parameter");
@@ -90,6 +112,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   ro.grads_valid_until_finalize = true;
   lent_.resize(params_.size());
   ro.comm_hook = opts_.comm_hook;
+  memory_ = grad_memory(mode_, device_);
+  ro.memory = memory_;
   reducer_ = std::make_unique<ddp::Reducer>(*group_, std::move(specs), std::move(ro));
 
   ::torch::NoGradGuard no_grad;
@@ -103,7 +127,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
       reducer_->set_grad(i, view.data_ptr());
     }
     // One rank has nothing to average with: no hooks, no copies, plain LibTorch speed.
-    if (group_->size() == 1) continue;
+    if (group_->size() == 1 && !opts_.reduce_at_world_size_1) continue;
     auto acc = ::torch::autograd::impl::grad_accumulator(params_[i]);
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
     accumulators_.push_back(std::move(acc));
@@ -127,11 +151,18 @@ DistributedDataParallel::~DistributedDataParallel() {
   }
 }
 
+void* DistributedDataParallel::stream() const {
+  return mode_ == MemoryMode::Device ? current_stream_handle(device_) : nullptr;
+}
+
 void DistributedDataParallel::pre_forward() {
   forwarded_.store(true);
   callback_queued_.store(false);
   if (::torch::GradMode::is_enabled()) reducer_->prepare_for_backward();
-  if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) broadcast_tensors(*group_, buffers_, 0);
+  if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) {
+    CudaStreamScope scope(stream());
+    broadcast_tensors(*group_, buffers_, 0);
+  }
 }
 
 void DistributedDataParallel::on_grad_ready(size_t i) {
@@ -163,7 +194,13 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     // The hook can fire without a gradient (a custom Function returned an
     // undefined one for this parameter): that counts as zeros, as in PyTorch.
     void* slot = reducer_->bucket_slot(i);
-    if (!reducer_->in_no_sync() && params_[i].numel() > 0) std::memset(slot, 0, params_[i].nbytes());
+    CudaStreamScope scope(stream());
+    if (!reducer_->in_no_sync() && params_[i].numel() > 0) {
+      if (memory_)
+        memory_->zero_bucket(slot, params_[i].nbytes());
+      else
+        std::memset(slot, 0, params_[i].nbytes());
+    }
     reducer_->mark_ready(i, slot);
     return;
   }
@@ -175,6 +212,9 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is not a contiguous {} tensor",
                                       names_[i], c10::toString(params_[i].scalar_type())));
   lent_[i] = g;
+  // A bucket this completes is reduced after the work queued on autograd's
+  // current stream (which wrote g), and g is copied into it there.
+  CudaStreamScope scope(stream());
   reducer_->mark_ready(i, g.data_ptr());  // finalize() registers .grad itself
 }
 
@@ -191,6 +231,11 @@ void DistributedDataParallel::finalize() {
   // (a fresh tensor after set to none), to be copied into the bucket by the
   // next synced backward.
   bool reduced = false;
+  // In device mode finalize() waits for the buckets' collectives (on the
+  // host, so that a failed or hung peer surfaces here) and queues the copies
+  // of the results on the current stream: whatever reads .grad afterwards is
+  // ordered after them.
+  CudaStreamScope scope(stream());
   try {
     reduced = reducer_->finalize();
   } catch (...) {
@@ -219,7 +264,10 @@ void DistributedDataParallel::finalize() {
     } else if (!g.defined()) {
       // Unused on this rank with its gradient set to none, used on another:
       // it gets the average, so every replica takes the same step.
-      g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options()).clone();
+      // (Staged: the slot is host memory; the gradient goes to the module's device.)
+      const bool host_slot = mode_ == MemoryMode::Staged;
+      g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options().device(host_slot ? ::torch::kCPU : device_))
+              .to(device_, /*non_blocking=*/false, /*copy=*/true);
       reducer_->set_grad(i, g.data_ptr());
     }
   }

@@ -53,7 +53,7 @@ void save_adam_state(const State& s, const std::string& pre, std::vector<NamedTe
 
 template <class State>
 std::unique_ptr<State> load_adam_state(const std::map<std::string, const NamedTensor*>& by_name, const std::string& pre,
-                                       const NamedTensor& step) {
+                                       const NamedTensor& step, const ::torch::Device& device) {
   auto need = [&](const char* field) -> const NamedTensor& {
     auto it = by_name.find(pre + field);
     if (it == by_name.end())
@@ -64,9 +64,11 @@ std::unique_ptr<State> load_adam_state(const std::map<std::string, const NamedTe
   };
   auto s = std::make_unique<State>();
   s->step(from_named(step).item<int64_t>());
-  s->exp_avg(from_named(need("exp_avg")));
-  s->exp_avg_sq(from_named(need("exp_avg_sq")));
-  if (auto it = by_name.find(pre + "max_exp_avg_sq"); it != by_name.end()) s->max_exp_avg_sq(from_named(*it->second));
+  // The moments live where the parameter does (a checkpoint saved from a GPU loads on a CPU and back).
+  s->exp_avg(from_named(need("exp_avg")).to(device));
+  s->exp_avg_sq(from_named(need("exp_avg_sq")).to(device));
+  if (auto it = by_name.find(pre + "max_exp_avg_sq"); it != by_name.end())
+    s->max_exp_avg_sq(from_named(*it->second).to(device));
   return s;
 }
 
@@ -207,15 +209,17 @@ void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vecto
         auto it = by_name.find(pre + "momentum_buffer");
         if (it == by_name.end()) continue;
         auto s = std::make_unique<::torch::optim::SGDParamState>();
-        s->momentum_buffer(from_named(*it->second));
+        s->momentum_buffer(from_named(*it->second).to(params[k].device()));
         state[state_key(params[k])] = std::move(s);
       } else {
         auto st = by_name.find(pre + "step");
         if (st == by_name.end()) continue;
         if (is_adamw)
-          state[state_key(params[k])] = load_adam_state<::torch::optim::AdamWParamState>(by_name, pre, *st->second);
+          state[state_key(params[k])] = load_adam_state<::torch::optim::AdamWParamState>(by_name, pre, *st->second,
+                                                                                        params[k].device());
         else
-          state[state_key(params[k])] = load_adam_state<::torch::optim::AdamParamState>(by_name, pre, *st->second);
+          state[state_key(params[k])] = load_adam_state<::torch::optim::AdamParamState>(by_name, pre, *st->second,
+                                                                                       params[k].device());
       }
     }
   }

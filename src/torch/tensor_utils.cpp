@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "cohort/torch.hpp"
+#include "device.hpp"
 
 namespace cohort::torch {
 
@@ -35,11 +36,16 @@ DType to_dtype(::torch::ScalarType t) {
 
 void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root) {
   std::vector<WorkPtr> works;
-  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> copies;  // (original, contiguous copy)
+  // (original, contiguous copy in the group's memory): a strided tensor, or a
+  // GPU tensor on a host group (staged through the CPU), or the reverse.
+  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> copies;
+  const int gpu = group.cuda_device();  // GPU collectives start after LibTorch's current stream there
+  CudaStreamScope scope(gpu >= 0 ? current_stream_handle(::torch::Device(::torch::kCUDA, static_cast<c10::DeviceIndex>(gpu)))
+                                 : CudaStreamScope::current());
   for (const auto& t : tensors) {
     if (t.numel() == 0) continue;
-    ::torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
-    if (!t.is_contiguous()) copies.emplace_back(t, c);
+    ::torch::Tensor c = in_group_memory(group, t);
+    if (!c.is_same(t)) copies.emplace_back(t, c);
     // A broadcast reduces nothing: bool, int16, complex, ... travel as their bytes.
     const std::optional<DType> d = known_dtype(c.scalar_type());
     const Buffer buf = d ? Buffer{c.data_ptr(), static_cast<size_t>(c.numel()), *d}
@@ -74,11 +80,7 @@ void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& 
     joined += mine.back() + "\n";
   }
   // Rank 0's list travels to everyone; each rank compares its own with it.
-  int64_t len = static_cast<int64_t>(joined.size());
-  group.broadcast(Buffer{&len, 1, DType::I64})->wait();
-  std::string root(static_cast<size_t>(len), '\0');
-  if (group.rank() == 0) root = joined;
-  group.broadcast(Buffer{root.data(), root.size(), DType::U8})->wait();
+  const std::string root = broadcast_string(group, joined, 0);
   std::vector<std::string> theirs;
   std::istringstream in(root);
   for (std::string line; std::getline(in, line);) theirs.push_back(line);
@@ -108,7 +110,8 @@ void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& 
 
   std::vector<int32_t> flags(group.size());
   int32_t bad_here = problem.empty() ? 0 : 1;
-  group.allgather(Buffer{&bad_here, 1, DType::I32}, Buffer{flags.data(), flags.size(), DType::I32})->wait();
+  host_collective(group, {{&bad_here, 1, DType::I32}, {flags.data(), flags.size(), DType::I32}},
+                  [&](const std::vector<Buffer>& b) { return group.allgather(b[0], b[1]); });
   std::string bad;
   for (int r = 0; r < group.size(); ++r)
     if (flags[r]) bad += fmt::format("{}{}", bad.empty() ? "" : ",", r);
@@ -120,15 +123,19 @@ void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& 
 }
 
 double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op) {
-  group.allreduce(Buffer{&value, 1, DType::F64}, {.op = op})->wait();
+  host_collective(group, {{&value, 1, DType::F64}},
+                  [&](const std::vector<Buffer>& b) { return group.allreduce(b[0], {.op = op}); });
   return value;
 }
 
 std::string broadcast_string(ProcessGroup& group, std::string value, int root) {
   int64_t n = static_cast<int64_t>(value.size());
-  group.broadcast(Buffer{&n, 1, DType::I64}, {.root = root})->wait();
+  host_collective(group, {{&n, 1, DType::I64}},
+                  [&](const std::vector<Buffer>& b) { return group.broadcast(b[0], {.root = root}); });
   value.resize(static_cast<size_t>(n));
-  if (n > 0) group.broadcast(Buffer{value.data(), static_cast<size_t>(n), DType::U8}, {.root = root})->wait();
+  if (n > 0)
+    host_collective(group, {{value.data(), static_cast<size_t>(n), DType::U8}},
+                    [&](const std::vector<Buffer>& b) { return group.broadcast(b[0], {.root = root}); });
   return value;
 }
 

@@ -1,5 +1,6 @@
 // GradScaler, global-norm clipping and the learning-rate schedule.
 #include <ATen/autocast_mode.h>
+#include <torch/version.h>
 #include <fmt/format.h>
 
 #include <cmath>
@@ -39,13 +40,16 @@ bool GradScaler::unscale(::torch::optim::Optimizer& optimizer, ProcessGroup* gro
   found_inf_ = true;
   ::torch::NoGradGuard no_grad;
   const double inv = 1.0 / scale_;
-  double found_inf = 0.0;
+  // One flag on the gradients' device, read once: a GPU syncs once per step, not once per parameter.
+  ::torch::Tensor nonfinite;
   for (auto& g : optimizer.param_groups())
     for (auto& p : g.params()) {
       if (!p.grad().defined()) continue;
       p.mutable_grad().mul_(inv);
-      if (found_inf == 0.0 && !::torch::isfinite(p.grad()).all().item<bool>()) found_inf = 1.0;
+      ::torch::Tensor bad = ::torch::isfinite(p.grad()).logical_not().any();
+      nonfinite = nonfinite.defined() ? nonfinite.logical_or(bad.to(nonfinite.device())) : bad;
     }
+  double found_inf = nonfinite.defined() && nonfinite.item<bool>() ? 1.0 : 0.0;
   // Every rank must take the same decision, or the replicas drift apart.
   if (group != nullptr && group->size() > 1) found_inf = allreduce_scalar(*group, found_inf, ReduceOp::Max);
   found_inf_ = found_inf > 0;
@@ -73,22 +77,59 @@ bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group)
   return true;
 }
 
-Autocast::Autocast(::torch::ScalarType dtype, bool enabled)
-    : prev_enabled_(at::autocast::is_cpu_enabled()), prev_dtype_(at::autocast::get_autocast_cpu_dtype()) {
-  if (enabled && dtype != ::torch::kBFloat16)
+namespace {
+
+// LibTorch 2.4 on: one autocast API per device type; before: the CPU and
+// CUDA ones by name (deprecated since).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+bool autocast_on(c10::DeviceType device) { return at::autocast::is_autocast_enabled(device); }
+::torch::ScalarType autocast_dtype(c10::DeviceType device) { return at::autocast::get_autocast_dtype(device); }
+void set_autocast(c10::DeviceType device, bool enabled, ::torch::ScalarType dtype) {
+  at::autocast::set_autocast_enabled(device, enabled);
+  at::autocast::set_autocast_dtype(device, dtype);
+}
+#else
+bool autocast_on(c10::DeviceType device) {
+  return device == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+}
+::torch::ScalarType autocast_dtype(c10::DeviceType device) {
+  return device == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+}
+void set_autocast(c10::DeviceType device, bool enabled, ::torch::ScalarType dtype) {
+  if (device == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+}
+#endif
+
+}  // namespace
+
+Autocast::Autocast(::torch::ScalarType dtype, bool enabled, c10::DeviceType device)
+    : device_(device), prev_enabled_(autocast_on(device)), prev_dtype_(autocast_dtype(device)) {
+  if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA)
+    throw InvalidArgument(fmt::format("Autocast: autocast runs on the CPU or a CUDA GPU, not on {}",
+                                      c10::DeviceTypeName(device, /*lower_case=*/true)));
+  if (enabled && device == c10::DeviceType::CPU && dtype != ::torch::kBFloat16)
     throw InvalidArgument(fmt::format("Autocast: LibTorch's CPU autocast runs in bfloat16 only (got {}); HINT: use "
                                       "torch::kBFloat16, or cast the model yourself",
                                       c10::toString(dtype)));
-  at::autocast::set_cpu_enabled(enabled);
-  if (enabled) at::autocast::set_autocast_cpu_dtype(dtype);
+  if (enabled && device == c10::DeviceType::CUDA && dtype != ::torch::kHalf && dtype != ::torch::kBFloat16)
+    throw InvalidArgument(fmt::format("Autocast: CUDA autocast runs in float16 or bfloat16 (got {})",
+                                      c10::toString(dtype)));
+  set_autocast(device, enabled, enabled ? dtype : prev_dtype_);
   at::autocast::increment_nesting();
 }
+
+bool autocast_enabled(c10::DeviceType device) { return autocast_on(device); }
 
 Autocast::~Autocast() {
   // The cached casts of the weights live as long as the outermost scope.
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  at::autocast::set_cpu_enabled(prev_enabled_);
-  at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+  set_autocast(device_, prev_enabled_, prev_dtype_);
 }
 
 void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none) {

@@ -10,6 +10,7 @@
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
 #include "torch/optimizer_test_util.hpp"
+#include "torch/state_key.hpp"
 
 namespace {
 
@@ -24,7 +25,7 @@ using torch::optim::AdamWOptions;
 
 template <class State, class Opt>
 const State* state_of(Opt& opt, const torch::Tensor& p) {
-  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto it = opt.state().find(cohort::torch::state_key(p));
   return it == opt.state().end() ? nullptr : static_cast<const State*>(it->second.get());
 }
 

@@ -843,7 +843,7 @@ TEST(TrainUtils, GradScalerSkipsOnEveryRankWhenOneRankOverflows) {
 TEST(TrainUtils, AutocastScopeRunsBf16AndRestores) {
   torch::nn::Linear fc(8, 4);
   auto x = torch::randn({2, 8});
-  ASSERT_FALSE(at::autocast::is_cpu_enabled());
+  ASSERT_FALSE(cohort::torch::autocast_enabled(c10::DeviceType::CPU));
   {
     cohort::torch::Autocast autocast;
     EXPECT_EQ(fc->forward(x).scalar_type(), torch::kBFloat16);
@@ -851,19 +851,19 @@ TEST(TrainUtils, AutocastScopeRunsBf16AndRestores) {
       cohort::torch::Autocast off(torch::kBFloat16, /*enabled=*/false);
       EXPECT_EQ(fc->forward(x).scalar_type(), torch::kFloat);
     }
-    EXPECT_TRUE(at::autocast::is_cpu_enabled());
+    EXPECT_TRUE(cohort::torch::autocast_enabled(c10::DeviceType::CPU));
     EXPECT_EQ(fc->forward(x).scalar_type(), torch::kBFloat16);
   }
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cohort::torch::autocast_enabled(c10::DeviceType::CPU));
   EXPECT_EQ(fc->forward(x).scalar_type(), torch::kFloat);
   try {
     cohort::torch::Autocast autocast;
     throw std::runtime_error("forward failed");
   } catch (const std::runtime_error&) {
   }
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cohort::torch::autocast_enabled(c10::DeviceType::CPU));
   EXPECT_THROW(cohort::torch::Autocast(torch::kHalf), cohort::InvalidArgument);
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cohort::torch::autocast_enabled(c10::DeviceType::CPU));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include "cohort/error.hpp"
 #include "cohort/torch_train.hpp"
 #include "torch/optimizer_test_util.hpp"
+#include "torch/state_key.hpp"
 
 namespace {
 
@@ -15,7 +16,7 @@ using optimizer_test::set_grads;
 
 
 torch::Tensor momentum_of(torch::optim::SGD& opt, const torch::Tensor& p) {
-  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto it = opt.state().find(cohort::torch::state_key(p));
   return it == opt.state().end() ? torch::Tensor() : static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
 }
 

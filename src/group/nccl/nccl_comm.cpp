@@ -201,12 +201,16 @@ WorkPtr NcclComm::issue(OpDesc d, const std::function<ncclResult_t(ncclComm_t, c
   const Millis timeout = d.timeout.count() > 0 ? d.timeout : setup_.timeout;
   const auto deadline = core::Deadline::after(timeout);
   DeviceGuard guard(device_);
-  cudaError_t ce = cudaEventRecord(caller_ready_, cudaStreamLegacy);
+  // The caller's stream (CudaStreamScope: LibTorch's current stream under
+  // DDP), else the legacy default stream.
+  void* scoped = CudaStreamScope::current();
+  cudaStream_t caller = scoped != nullptr ? static_cast<cudaStream_t>(scoped) : cudaStreamLegacy;
+  cudaError_t ce = cudaEventRecord(caller_ready_, caller);
   if (ce == cudaSuccess) ce = cudaStreamWaitEvent(stream_, caller_ready_, 0);
   if (ce != cudaSuccess) {
     (void)cudaGetLastError();
     lk.unlock();
-    fail(d, 'e', "ordering after the default stream failed: " + cuda_error_text(ce));
+    fail(d, 'e', "ordering after the caller's stream failed: " + cuda_error_text(ce));
   }
   ncclResult_t r = enqueue(comm_, stream_);
   const ncclResult_t immediate = r;

@@ -10,8 +10,9 @@
 //
 // Operations are enqueued on the communicator's own stream from the caller's
 // thread; a CUDA event recorded after each one is its completion. The stream
-// first waits (on the GPU, not the host) for the legacy default stream, so
-// that kernels the caller launched there before the call have produced its
+// first waits (on the GPU, not the host) for the caller's stream (the legacy
+// default stream, or the one a CudaStreamScope names on the calling thread),
+// so that kernels the caller launched there before the call have produced its
 // input. Work::wait polls the event, the communicator's asynchronous error, and
 // (once a second) the group's "failure" key in the store, all against the
 // operation's deadline; on an error or at the deadline it records the first

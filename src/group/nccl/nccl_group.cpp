@@ -80,6 +80,7 @@ class NcclGroup final : public ProcessGroup {
   int rank() const override { return comm_->setup().rank; }
   int size() const override { return comm_->setup().size; }
   std::string backend_name() const override { return "nccl"; }
+  int cuda_device() const override { return comm_->device(); }
   const std::vector<int>& world_ranks() const override { return comm_->setup().world_ranks; }
 
   WorkPtr allreduce(Buffer send, Buffer recv, AllreduceOptions o) override {

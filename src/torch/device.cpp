@@ -1,0 +1,227 @@
+// Device placement of DistributedDataParallel: the checks, the reducer's
+// memory for a CUDA module, and small collectives on any group (device.hpp).
+#include "device.hpp"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <fmt/format.h>
+
+#include <cstring>
+#include <optional>
+#include <sstream>
+
+namespace cohort::torch {
+namespace {
+
+// c10::Stream::native_handle() (the cudaStream_t) exists from LibTorch 2.1 on.
+template <class S>
+concept HasNativeHandle = requires(const S& s) { s.native_handle(); };
+
+template <class S>
+void* native_handle(const S& s) {
+  if constexpr (HasNativeHandle<S>)
+    return s.native_handle();
+  else
+    return nullptr;  // memory_mode() refuses CUDA modules on such a LibTorch
+}
+
+std::string device_text(const ::torch::Device& d) {
+  std::ostringstream s;
+  s << d;
+  return s.str();
+}
+
+::torch::TensorOptions bytes_on(const ::torch::Device& d) {
+  return ::torch::TensorOptions().dtype(::torch::kUInt8).device(d);
+}
+
+// A tensor over memory the reducer owns (no copy, no ownership).
+::torch::Tensor view(void* p, size_t count, DType t, const ::torch::Device& d) {
+  return ::torch::from_blob(p, {static_cast<int64_t>(count)},
+                            ::torch::TensorOptions().dtype(to_scalar_type(t)).device(d));
+}
+::torch::Tensor bytes(const void* p, size_t n, const ::torch::Device& d) {
+  return ::torch::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)}, bytes_on(d));
+}
+
+// Device mode: buckets in the GPU's memory; every operation is queued on
+// LibTorch's current stream of the calling thread (autograd's stream in a
+// hook, the caller's in the end-of-backward callback).
+class DeviceGradMemory final : public ddp::GradMemory {
+ public:
+  explicit DeviceGradMemory(::torch::Device d) : dev_(d) {}
+  bool buckets_on_host() const override { return false; }
+  bool grads_on_host() const override { return false; }
+  std::shared_ptr<std::byte[]> allocate(ProcessGroup&, size_t n) override {
+    // The caching allocator's blocks are 512-byte aligned. The tensor lives
+    // as long as the returned pointer (its deleter holds it).
+    ::torch::Tensor t = ::torch::zeros({static_cast<int64_t>(std::max<size_t>(n, 1))}, bytes_on(dev_));
+    auto* p = static_cast<std::byte*>(t.data_ptr());
+    return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
+  }
+  void grad_to_bucket(void* bucket, const void* grad, size_t n) override { copy(bucket, grad, n); }
+  void bucket_to_grad(void* grad, const void* bucket, size_t n) override { copy(grad, bucket, n); }
+  void zero_bucket(void* bucket, size_t n) override {
+    ::torch::NoGradGuard no_grad;
+    bytes(bucket, n, dev_).zero_();
+  }
+  void convert(Buffer dst, Buffer src, double divisor) override {
+    ::torch::NoGradGuard no_grad;
+    ::torch::Tensor s = view(src.data, src.count, src.dtype, dev_);
+    ::torch::Tensor d = view(dst.data, dst.count, dst.dtype, dev_);
+    if (divisor == 1.0)
+      d.copy_(s);
+    else if (dst.data == src.data && dst.dtype == src.dtype && dst.dtype != DType::F16 && dst.dtype != DType::BF16)
+      d.div_(divisor);
+    else  // divide in f32 (or f64) as the host hooks do, then round once
+      d.copy_(s.to(src.dtype == DType::F64 ? ::torch::kDouble : ::torch::kFloat).div_(divisor));
+  }
+  void host_to_bucket(void* bucket, const void* host, size_t n) override {
+    ::torch::NoGradGuard no_grad;
+    bytes(bucket, n, dev_).copy_(bytes(host, n, ::torch::kCPU));  // from pageable memory: returns when read
+  }
+  void bucket_to_host(void* host, const void* bucket, size_t n) override {
+    ::torch::NoGradGuard no_grad;
+    bytes(host, n, ::torch::kCPU).copy_(bytes(bucket, n, dev_));  // to pageable memory: synchronous
+  }
+
+ private:
+  void copy(void* dst, const void* src, size_t n) {
+    ::torch::NoGradGuard no_grad;
+    bytes(dst, n, dev_).copy_(bytes(src, n, dev_));
+  }
+  ::torch::Device dev_;
+};
+
+// Staged mode: host buckets (the group's memory, shared on one host);
+// gradients come from the GPU and go back to it. Copies between the GPU and
+// pageable host memory return when the data has arrived, so the group may
+// read the bucket as soon as grad_to_bucket returns.
+class StagedGradMemory final : public ddp::GradMemory {
+ public:
+  explicit StagedGradMemory(::torch::Device d) : dev_(d), host_(ddp::host_grad_memory()) {}
+  bool buckets_on_host() const override { return true; }
+  bool grads_on_host() const override { return false; }
+  std::shared_ptr<std::byte[]> allocate(ProcessGroup& group, size_t n) override { return group.allocate_buffer(n); }
+  void grad_to_bucket(void* bucket, const void* grad, size_t n) override {
+    ::torch::NoGradGuard no_grad;
+    bytes(bucket, n, ::torch::kCPU).copy_(bytes(grad, n, dev_));
+  }
+  void bucket_to_grad(void* grad, const void* bucket, size_t n) override {
+    ::torch::NoGradGuard no_grad;
+    bytes(grad, n, dev_).copy_(bytes(bucket, n, ::torch::kCPU));
+  }
+  void zero_bucket(void* bucket, size_t n) override { std::memset(bucket, 0, n); }
+  void convert(Buffer dst, Buffer src, double divisor) override { host_->convert(dst, src, divisor); }
+  void host_to_bucket(void* bucket, const void* host, size_t n) override { std::memcpy(bucket, host, n); }
+  void bucket_to_host(void* host, const void* bucket, size_t n) override { std::memcpy(host, bucket, n); }
+
+ private:
+  ::torch::Device dev_;
+  std::shared_ptr<ddp::GradMemory> host_;
+};
+
+}  // namespace
+
+::torch::ScalarType to_scalar_type(DType t) {
+  switch (t) {
+    case DType::F32: return ::torch::kFloat;
+    case DType::F64: return ::torch::kDouble;
+    case DType::F16: return ::torch::kHalf;
+    case DType::BF16: return ::torch::kBFloat16;
+    case DType::I8: return ::torch::kChar;
+    case DType::U8: return ::torch::kByte;
+    case DType::I32: return ::torch::kInt;
+    case DType::I64: return ::torch::kLong;
+  }
+  throw InvalidArgument(fmt::format("no LibTorch dtype for cohort dtype {}", static_cast<int>(t)));
+}
+
+::torch::Device common_device(const std::vector<std::string>& names, const std::vector<::torch::Tensor>& tensors) {
+  std::optional<::torch::Device> first;
+  size_t first_at = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const ::torch::Device d = tensors[i].device();
+    if (!d.is_cpu() && !d.is_cuda())
+      throw InvalidArgument(fmt::format(
+          "DistributedDataParallel: '{}' is on {}; cohort's DDP trains modules on the CPU or on a CUDA GPU. HINT: "
+          "move the module with module->to(torch::kCPU) or module->to(torch::Device(torch::kCUDA, local_rank))",
+          names[i], device_text(d)));
+    if (!first) {
+      first = d;
+      first_at = i;
+    } else if (d != *first) {
+      throw InvalidArgument(fmt::format(
+          "DistributedDataParallel: the module is split across devices: '{}' is on {} but '{}' is on {}; DDP "
+          "replicates a module that lives on one device. HINT: move the whole module to one device "
+          "(module->to(device)) before wrapping it; a model split across GPUs needs pipeline or tensor parallelism",
+          names[first_at], device_text(*first), names[i], device_text(d)));
+    }
+  }
+  return first.value_or(::torch::Device(::torch::kCPU));
+}
+
+MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group) {
+  const int gpu = group.cuda_device();
+  if (device.is_cpu()) {
+    if (gpu < 0) return MemoryMode::Host;
+    throw InvalidArgument(fmt::format(
+        "DistributedDataParallel: the module is on the CPU but the process group's backend ({}) moves GPU memory "
+        "only (cuda:{}). HINT: move the module to that GPU (module->to(torch::Device(torch::kCUDA, {}))), or train "
+        "on the CPU with COHORT_BACKEND=native",
+        group.backend_name(), gpu, gpu));
+  }
+  if (gpu >= 0 && device.index() != gpu)
+    throw InvalidArgument(fmt::format(
+        "DistributedDataParallel: the module is on {} but this rank's {} group uses cuda:{} (LOCAL_RANK's GPU). "
+        "HINT: move the module with module->to(torch::Device(torch::kCUDA, {})); one process per GPU",
+        device_text(device), group.backend_name(), gpu, gpu));
+  if (!HasNativeHandle<c10::Stream>)
+    throw InvalidArgument("DistributedDataParallel: CUDA modules need LibTorch 2.1 or newer (c10::Stream::native_handle)");
+  return gpu >= 0 ? MemoryMode::Device : MemoryMode::Staged;
+}
+
+std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device) {
+  switch (mode) {
+    case MemoryMode::Host: return nullptr;
+    case MemoryMode::Device: return std::make_shared<DeviceGradMemory>(device);
+    case MemoryMode::Staged: return std::make_shared<StagedGradMemory>(device);
+  }
+  return nullptr;
+}
+
+void* current_stream_handle(const ::torch::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  return native_handle(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+}
+
+::torch::Tensor in_group_memory(const ProcessGroup& group, const ::torch::Tensor& t) {
+  const int gpu = group.cuda_device();
+  const ::torch::Device want = gpu >= 0 ? ::torch::Device(::torch::kCUDA, static_cast<c10::DeviceIndex>(gpu))
+                                        : ::torch::Device(::torch::kCPU);
+  if (t.device() == want && t.is_contiguous()) return t;
+  return t.to(want).contiguous();
+}
+
+void host_collective(ProcessGroup& group, const std::vector<Buffer>& host,
+                     const std::function<WorkPtr(const std::vector<Buffer>&)>& issue) {
+  const int gpu = group.cuda_device();
+  if (gpu < 0) {
+    issue(host)->wait();
+    return;
+  }
+  const ::torch::Device dev(::torch::kCUDA, static_cast<c10::DeviceIndex>(gpu));
+  std::vector<::torch::Tensor> on_gpu;
+  std::vector<Buffer> bufs;
+  for (const Buffer& h : host) {
+    on_gpu.push_back(bytes(h.data, h.bytes(), ::torch::kCPU).to(dev));
+    bufs.push_back({on_gpu.back().data_ptr(), h.count, h.dtype});
+  }
+  {
+    CudaStreamScope scope(current_stream_handle(dev));  // the uploads above are queued there
+    issue(bufs)->wait();
+  }
+  for (size_t i = 0; i < host.size(); ++i)
+    if (host[i].bytes() > 0) std::memcpy(host[i].data, on_gpu[i].cpu().data_ptr(), host[i].bytes());
+}
+
+}  // namespace cohort::torch

@@ -1,0 +1,61 @@
+// Where a DistributedDataParallel module lives, and the reducer memory that
+// goes with it (docs/gpu.md):
+//   Host    a CPU module on a host group (native, mpi): buckets in host
+//           memory, the engine's own copies (a null ReducerOptions::memory).
+//   Device  a CUDA module on a group that moves GPU memory (nccl): buckets in
+//           the GPU's memory from LibTorch's caching allocator; copies and the
+//           compression hooks' conversions queued on LibTorch's current
+//           stream; collectives ordered after that stream (CudaStreamScope).
+//   Staged  a CUDA module on a host group: gradients are copied to host
+//           buckets (shared memory on one host) and the results back, as
+//           PyTorch's gloo does with CUDA tensors. Several ranks may share one
+//           GPU this way (NCCL refuses that), and CPU-only ranks may join.
+// Only device-generic c10 APIs are used (c10::Stream, the device guard
+// interface): the adapter compiles against a CPU LibTorch and runs CUDA
+// modules when it is linked against a CUDA one.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/ddp.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/torch.hpp"
+
+namespace cohort::torch {
+
+enum class MemoryMode : int { Host, Device, Staged };  // declared in cohort/torch.hpp
+
+// The one device every tensor is on, or InvalidArgument naming two tensors on
+// different devices, or one on a device type cohort does not run (meta, ...).
+// `names` and `tensors` run in parallel.
+::torch::Device common_device(const std::vector<std::string>& names, const std::vector<::torch::Tensor>& tensors);
+
+// The mode for a module on `device` under `group`, or InvalidArgument saying
+// why they do not fit (a CPU module on nccl, a module on another GPU than
+// the group's, a CUDA module with a LibTorch without CUDA).
+MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group);
+
+// The reducer's memory for Device and Staged modes (nullptr for Host).
+std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device);
+
+// LibTorch's current stream on `device`, as a cudaStream_t; nullptr for the CPU.
+void* current_stream_handle(const ::torch::Device& device);
+
+// ScalarType of a cohort element type.
+::torch::ScalarType to_scalar_type(DType t);
+
+// `t` in the memory the group's collectives move: itself when it is there
+// already, else a contiguous copy on the group's GPU (nccl) or the CPU.
+::torch::Tensor in_group_memory(const ProcessGroup& group, const ::torch::Tensor& t);
+
+// Issues a collective on small host buffers and waits for it; on a group that
+// moves GPU memory only, through tensors on its GPU (copied back after).
+void host_collective(ProcessGroup& group, const std::vector<Buffer>& host,
+                     const std::function<WorkPtr(const std::vector<Buffer>&)>& issue);
+
+}  // namespace cohort::torch

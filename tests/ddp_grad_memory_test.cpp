@@ -1,0 +1,192 @@
+// The reducer's device path (ReducerOptions::memory, as the LibTorch adapter
+// uses for a module on a GPU), run without a GPU: a GradMemory that says its
+// buckets and gradients are device memory, backed by host memory and counting
+// every call. It shows that with such memory the reducer never touches a
+// gradient or bucket byte itself (everything goes through the memory), that
+// its control collectives are staged through bucket memory, and that the
+// compression hooks convert through it; the results are the same closed-form
+// averages as on the host. The real CUDA memory is exercised by
+// tests/torch/ddp_cuda_test.cpp on a GPU (scripts/gpu-check.sh).
+#include <atomic>
+#include <cstring>
+#include <set>
+
+#include "ddp_test_util.hpp"
+
+namespace cohort::ddp {
+namespace {
+
+using namespace test;
+using cohort::testing::run_ranks;
+
+// "Device" memory: host bytes handed out by allocate() only. Copies check
+// that their bucket side lies in memory it allocated.
+class CountingDeviceMemory final : public GradMemory {
+ public:
+  bool buckets_on_host() const override { return false; }
+  bool grads_on_host() const override { return false; }
+  std::shared_ptr<std::byte[]> allocate(ProcessGroup&, size_t bytes) override {
+    ++allocations;
+    // Plain heap memory, not the group's shared buffers: a device bucket is not something peers map.
+    auto p = std::shared_ptr<std::byte[]>(new std::byte[bytes + 64]());
+    regions.push_back({p.get(), bytes + 64});
+    return p;
+  }
+  void grad_to_bucket(void* bucket, const void* grad, size_t bytes) override {
+    expect_bucket(bucket, bytes);
+    ++grad_to_bucket_calls;
+    std::memcpy(bucket, grad, bytes);
+  }
+  void bucket_to_grad(void* grad, const void* bucket, size_t bytes) override {
+    expect_bucket(bucket, bytes);
+    ++bucket_to_grad_calls;
+    std::memcpy(grad, bucket, bytes);
+  }
+  void zero_bucket(void* bucket, size_t bytes) override {
+    expect_bucket(bucket, bytes);
+    ++zero_calls;
+    std::memset(bucket, 0, bytes);
+  }
+  void convert(Buffer dst, Buffer src, double divisor) override {
+    expect_bucket(dst.data, dst.bytes());
+    expect_bucket(src.data, src.bytes());
+    ++convert_calls;
+    host_grad_memory()->convert(dst, src, divisor);
+  }
+  void host_to_bucket(void* bucket, const void* host, size_t bytes) override {
+    expect_bucket(bucket, bytes);
+    ++staged_in;
+    std::memcpy(bucket, host, bytes);
+  }
+  void bucket_to_host(void* host, const void* bucket, size_t bytes) override {
+    expect_bucket(bucket, bytes);
+    ++staged_out;
+    std::memcpy(host, bucket, bytes);
+  }
+
+  int allocations = 0, grad_to_bucket_calls = 0, bucket_to_grad_calls = 0, zero_calls = 0, convert_calls = 0;
+  int staged_in = 0, staged_out = 0;
+
+ private:
+  void expect_bucket(const void* p, size_t bytes) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    for (const auto& [start, size] : regions)
+      if (b >= start && b + bytes <= start + size) return;
+    ADD_FAILURE() << "a bucket-side pointer outside the memory's allocations";
+  }
+  std::vector<std::pair<const std::byte*, size_t>> regions;
+};
+
+class GradMemoryTest : public ::testing::TestWithParam<Config> {};
+
+TEST_P(GradMemoryTest, EveryByteMovesThroughTheMemoryAndTheAverageIsExact) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    Grads g(mixed_model());
+    auto mem = std::make_shared<CountingDeviceMemory>();
+    ReducerOptions o = small_buckets();
+    o.memory = mem;
+    o.grads_valid_until_finalize = true;  // ignored for device gradients: the group reads buckets only
+    Reducer red(pg, g.specs, o);
+    EXPECT_GE(mem->allocations, 1);
+    // The construction check (an allgather of signatures) went through bucket memory.
+    EXPECT_EQ(mem->staged_in, n > 1 ? 2 : 0);
+    const size_t np = g.specs.size();
+    size_t nonempty = 0;
+    for (const ParamSpec& s : g.specs) nonempty += s.count > 0;
+    for (int t = 0; t < 2; ++t) {
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+      for (size_t p : shuffled(np, 31 * r + t)) red.mark_ready(p, g.ptr(p));
+      red.finalize();
+      expect_values(g.specs, r, "device memory", [&](size_t p, size_t i) { return g.at(p, i); },
+                    [&](size_t p, size_t i) { return avg_value(n, p, i, t); });
+    }
+    EXPECT_EQ(mem->grad_to_bucket_calls, static_cast<int>(2 * nonempty));
+    EXPECT_EQ(mem->bucket_to_grad_calls, static_cast<int>(2 * nonempty));
+  });
+}
+
+TEST_P(GradMemoryTest, UnusedParametersAndTheUsedMapGoThroughTheMemory) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    Grads g(mixed_model());
+    const size_t never = 9, registered = 0;
+    g.specs[never].grad = nullptr;
+    auto mem = std::make_shared<CountingDeviceMemory>();
+    ReducerOptions o = small_buckets();
+    o.find_unused_parameters = true;
+    o.memory = mem;
+    Reducer red(pg, g.specs, o);
+    const int staged_before = mem->staged_in;
+    g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
+    for (size_t p = g.specs.size(); p-- > 0;)
+      if (p != never && p != registered) red.mark_ready(p, g.ptr(p));
+    red.finalize();
+    EXPECT_EQ(mem->zero_calls, 1);                 // `never`: no gradient anywhere, zeros
+    EXPECT_EQ(mem->staged_in, staged_before + 1);  // the used map, allreduced in bucket memory
+    EXPECT_EQ(mem->staged_out, mem->staged_in);
+    EXPECT_FALSE(red.used_anywhere(never));
+    EXPECT_TRUE(red.used_anywhere(registered));
+    auto got = [&](size_t p, size_t i) {
+      return p == never ? get_value(red.bucket_slot(p), i, g.specs[p].dtype) : g.at(p, i);
+    };
+    expect_values(g.specs, r, "device find_unused", got,
+                  [&](size_t p, size_t i) { return p == never ? 0.0 : avg_value(n, p, i, 0); });
+  });
+}
+
+TEST_P(GradMemoryTest, CompressionHooksConvertThroughTheMemory) {
+  auto [transport, n] = GetParam();
+  for (auto [hook, name] : {std::pair{fp16_compress_hook(), "fp16"}, std::pair{bf16_compress_hook(), "bf16"}}) {
+    run_ranks(n, transport, [&](ProcessGroup& pg) {
+      const int r = pg.rank();
+      Grads g(mixed_model());
+      auto mem = std::make_shared<CountingDeviceMemory>();
+      ReducerOptions o = small_buckets();
+      o.memory = mem;
+      o.comm_hook = hook;
+      Reducer red(pg, g.specs, o);
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
+      for (size_t p : shuffled(g.specs.size(), 7 * r)) red.mark_ready(p, g.ptr(p));
+      red.finalize();
+      expect_values(g.specs, r, name, [&](size_t p, size_t i) { return g.at(p, i); },
+                    [&](size_t p, size_t i) { return avg_value(n, p, i, 0); });
+      // Every non-empty bucket: one conversion after the sum, one before it
+      // unless the bucket already is in the compressed type.
+      EXPECT_GE(mem->convert_calls, static_cast<int>(red.plan().size()));
+    });
+  }
+  // A value the compressed type rounds away: the bytes really travelled compressed.
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    std::vector<float> w(1000, 1.0f + 1.0f / 4096);
+    ReducerOptions o;
+    o.memory = std::make_shared<CountingDeviceMemory>();
+    o.comm_hook = fp16_compress_hook();
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data()}}, o);
+    red.mark_ready(0, w.data());
+    red.finalize();
+    for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(w[i], 1.0f) << "rank " << pg.rank() << " element " << i;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GradMemoryTest, ::testing::ValuesIn(configs()), config_name);
+
+TEST(HostGradMemory, ConvertDividesAndRoundsOnce) {
+  auto host = host_grad_memory();
+  EXPECT_TRUE(host->buckets_on_host());
+  std::vector<float> f = {1.0f, 3.0f, -6.0f};
+  std::vector<uint16_t> h(3);
+  host->convert({h.data(), 3, DType::F16}, {f.data(), 3, DType::F32}, 1.0);
+  std::vector<double> d(3);
+  host->convert({d.data(), 3, DType::F64}, {h.data(), 3, DType::F16}, 2.0);
+  EXPECT_EQ(d, (std::vector<double>{0.5, 1.5, -3.0}));
+  host->convert({f.data(), 3, DType::F32}, {f.data(), 3, DType::F32}, 3.0);  // in place
+  EXPECT_EQ(f[2], -2.0f);
+  std::vector<int32_t> ints(3);
+  EXPECT_THROW(host->convert({ints.data(), 3, DType::I32}, {f.data(), 3, DType::F32}, 1.0), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace cohort::ddp
