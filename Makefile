@@ -11,6 +11,15 @@ all: build
 deps:
 	@scripts/install-deps.sh
 
+# LIBTORCH=2.13.0 (any PyTorch release on PyPI): build against that LibTorch,
+# installed from PyTorch's CPU wheel by scripts/install-libtorch.sh, in
+# build-torch<version>/. Default: Debian's libtorch-dev 1.13 (README "Which LibTorch").
+LIBTORCH ?=
+ifneq ($(LIBTORCH),)
+BUILD := build-torch$(LIBTORCH)
+CMAKE_FLAGS += -DCOHORT_LIBTORCH=$$(scripts/install-libtorch.sh $(LIBTORCH))
+endif
+
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
 

@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fp16-autocast", cfg.fp16_autocast,
                "run the forward pass under fp16 autocast with a GradScaler (--device cuda only)")
       ->excludes(bf16);
+  app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
   app.add_option("--device", cfg.device,
                  "where model, data and loss live: cpu, cuda (this rank's GPU: LOCAL_RANK's, or the nccl group's) or "
                  "auto (cuda when LibTorch sees a GPU)")

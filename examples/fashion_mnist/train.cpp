@@ -326,7 +326,13 @@ int train(const TrainConfig& cfg) {
   dopts.gradient_as_bucket_view = cfg.grad_bucket_view && !(device.is_cuda() && pg->cuda_device() < 0);
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
-  cohort::torch::DistributedDataParallel ddp(model.module, pg, dopts);
+  // --no-ddp (one rank only): the same program without DDP, the baseline DDP's overhead is measured against.
+  std::optional<cohort::torch::DistributedDataParallel> ddp;
+  if (cfg.no_ddp && world > 1)
+    throw cohort::InvalidArgument(fmt::format("--no-ddp trains one replica; this job has {} ranks (run it with "
+                                              "--nproc-per-node 1)",
+                                              world));
+  if (!cfg.no_ddp) ddp.emplace(model.module, pg, dopts);
   auto params = model.module->parameters();
   // fp16 autocast: the loss is scaled before backward so small gradients do
   // not underflow in fp16; the scaler skips a step whose gradients overflowed.
@@ -401,7 +407,7 @@ int train(const TrainConfig& cfg) {
       auto y = torch::from_blob(batch->y.data(), {b}, torch::kLong).to(device);
       opt.param_groups()[0].options().set_lr(cohort::torch::warmup_cosine_lr(step + schedule_offset, cfg.warmup_steps, total_steps, peak_lr));
       cohort::torch::zero_grad(opt);  // set to none: backward hands over fresh gradients (no zeroing pass)
-      ddp.pre_forward();
+      if (ddp) ddp->pre_forward();
       torch::Tensor loss;
       std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");
       if (cfg.bf16_autocast || cfg.fp16_autocast) {
@@ -415,8 +421,12 @@ int train(const TrainConfig& cfg) {
       std::optional<cohort::timeline::Span> backward_span(std::in_place, "backward");  // includes DDP's finalize()
       const torch::Tensor scaled = scaler.scale(loss);  // the loss itself without --fp16-autocast
       if (cfg.no_allreduce) {
-        auto guard = ddp.no_sync();
-        scaled.backward();
+        if (ddp) {
+          auto guard = ddp->no_sync();
+          scaled.backward();
+        } else {
+          scaled.backward();
+        }
         if (cfg.lockstep) {
           cohort::timeline::Span span("lockstep barrier");
           pg->barrier()->wait();

@@ -31,7 +31,8 @@ struct TrainConfig {
   double first_bucket_mb = 1.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out
   bool bf16_autocast = false;
-  bool fp16_autocast = false;  // CUDA only, with a GradScaler
+  bool fp16_autocast = false;
+  bool no_ddp = false;  // one rank, no DistributedDataParallel: the baseline for DDP's overhead  // CUDA only, with a GradScaler
   std::string device = "auto";  // cpu, cuda (GPU LOCAL_RANK, or the nccl group's), auto (cuda when a GPU is visible)
   double clip_grad_norm = 0.0;
   bool no_allreduce = false;

@@ -303,6 +303,22 @@ std::shared_ptr<ProcessGroup> create_nccl_group(const GroupSetup& setup, std::op
                     "check CUDA_VISIBLE_DEVICES, or use COHORT_BACKEND=native with host buffers",
                     why));
   }
+  // One GPU per rank: NCCL refuses two ranks of a communicator on one GPU
+  // ("Duplicate GPU detected"), so say it here, with the fix, before it does.
+  if (local_rank && *local_rank >= devices) {
+    std::string why = fmt::format(
+        "rank {}: backend 'nccl' runs one process per GPU, but this is local rank {} and only {} GPU{} visible "
+        "here, so two ranks would share one GPU",
+        setup.rank, *local_rank, devices, devices == 1 ? " is" : "s are");
+    try {
+      setup.store->compare_set("failure", Bytes{}, Bytes(why.begin(), why.end()));
+    } catch (const std::exception&) {
+    }
+    throw InvalidArgument(fmt::format("{}; HINT: start at most {} rank{} per node (--nproc-per-node {}), or use "
+                                      "COHORT_BACKEND=native, which stages GPU tensors through host memory and lets "
+                                      "ranks share a GPU",
+                                      why, devices, devices == 1 ? "" : "s", devices));
+  }
   const int device = (local_rank ? *local_rank : setup.rank) % devices;
   // The caller's thread works on this rank's GPU from now on, as with
   // torch.cuda.set_device(LOCAL_RANK): its cudaMalloc'd buffers land there.

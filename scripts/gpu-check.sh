@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# One command that verifies cohort's GPU path on a machine with NVIDIA GPUs
+# (docs/gpu.md). It builds cohort against the machine's own CUDA, NCCL and
+# LibTorch (the CUDA PyTorch of `python3`), then runs, each step bounded by a
+# timeout and logged to its own file under $OUT (or ./gpu-check-logs):
+#   nccl       nccl_backend_test
+#   bench      cohort bench --device cuda -c 1: every collective, then
+#              allreduce in every dtype with sum, avg and max (0 wrong)
+#   ddp        tests/torch/ddp_cuda_test: DDP on CUDA tensors equal to one
+#              process on the global batch (world 1 on nccl, world 2 sharing
+#              the GPU on the native backend), the refusals
+#   errors     bad input: two ranks on one GPU with nccl, --device cuda with
+#              CUDA hidden, --device cpu on nccl (each must fail, naming why)
+#   accuracy   the example, 10 epochs on the GPU (world 1, nccl): test accuracy
+#   speed      images/s at world 1 on the GPU: cohort with DDP, cohort without
+#              DDP (--no-ddp), PyTorch DDP (nccl) on the same model, same run
+# and prints one summary table; exits non-zero if any step failed.
+#
+# Such a machine has no package registry: what the build needs beyond CUDA,
+# NCCL, LibTorch, CMake and ninja (fmt, CLI11, nlohmann-json, hwloc,
+# GoogleTest, and the Fashion-MNIST data) comes as Debian .deb files that
+#   scripts/gpu-check.sh --prepare [DIR]     (default DIR: gpu-deps/)
+# downloads on a development machine (Debian 12, apt). The check unpacks them
+# into a private prefix. Run it with
+#   scripts/gpu-check.sh [--deps DIR] [--quick]
+# (--quick: 2 epochs instead of 10 and shorter speed runs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEBS=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libhwloc-dev libhwloc15 libgtest-dev libgmock-dev
+      zlib1g-dev dataset-fashion-mnist)
+
+if [[ ${1:-} == --prepare ]]; then
+  set -e
+  dir=${2:-gpu-deps}
+  mkdir -p "$dir"
+  (cd "$dir" && apt-get download "${DEBS[@]}")
+  echo "gpu-check: $(ls "$dir"/*.deb | wc -l) packages in $dir ($(du -sh "$dir" | cut -f1)); carry that folder to the GPU machine"
+  exit 0
+fi
+
+deps=gpu-deps
+epochs=10
+speed_steps=1500
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --deps) deps=$2; shift 2 ;;
+    --quick) epochs=2; speed_steps=600; shift ;;
+    *) echo "gpu-check: unknown option $1 (use --prepare [DIR], --deps DIR, --quick)" >&2; exit 2 ;;
+  esac
+done
+logs=${OUT:-$ROOT/gpu-check-logs}
+mkdir -p "$logs"
+results=()  # "step|status|detail"
+failed=0
+record() { results+=("$1|$2|$3"); [[ $2 == ok ]] || failed=1; echo "gpu-check: $1: $2 ${3:+($3)}"; }
+# run STEP SECONDS CMD...: the command's output to $logs/STEP.log, bounded by a timeout.
+run() {
+  local step=$1 secs=$2; shift 2
+  timeout -k 10 "$secs" "$@" >"$logs/$step.log" 2>&1
+}
+
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$logs/gpu.txt" 2>&1 || true
+gpu=$(head -1 "$logs/gpu.txt")
+echo "gpu-check: GPU: ${gpu:-none found}"
+
+# ---- the private prefix ----
+prefix=${TMPDIR:-/tmp}/cohort-gpu-prefix
+if ! ls "$deps"/*.deb >/dev/null 2>&1; then
+  echo "gpu-check: no .deb files in $deps; run scripts/gpu-check.sh --prepare $deps on a Debian machine first" >&2
+  exit 2
+fi
+rm -rf "$prefix" && mkdir -p "$prefix"
+for d in "$deps"/*.deb; do dpkg-deb -x "$d" "$prefix" 2>/dev/null || dpkg -x "$d" "$prefix"; done
+sed -i "s|^prefix=.*|prefix=$prefix/usr|" "$prefix"/usr/lib/x86_64-linux-gnu/pkgconfig/hwloc.pc
+# zlib: the deb's header with the system's runtime library (the deb's libz.so
+# points at a runtime that is not unpacked, and its static libz.a is not PIC).
+rm -f "$prefix"/usr/lib/x86_64-linux-gnu/libz.so "$prefix"/usr/lib/x86_64-linux-gnu/libz.a
+zlib=$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
+export PKG_CONFIG_PATH=$prefix/usr/lib/x86_64-linux-gnu/pkgconfig
+export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+data=$prefix/usr/share/datasets/fashion-mnist
+
+# ---- build against this machine's CUDA, NCCL and LibTorch ----
+libtorch=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+torch_version=$(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')
+nccl=$(python3 -c 'import importlib.util, os; s = importlib.util.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0])')
+nccl_lib=$(ls "$nccl"/lib/libnccl.so* | head -1)
+build=${TMPDIR:-/tmp}/cohort-gpu-build
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+if [[ -f $build/CMakeCache.txt ]] && ! grep -q "COHORT_LIBTORCH:PATH=$libtorch" "$build/CMakeCache.txt"; then rm -rf "$build"; fi
+run configure 300 cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCOHORT_CUDA=ON -DCOHORT_WITH_MPI=OFF \
+  -DCUDAToolkit_ROOT=/usr/local/cuda -DCOHORT_LIBTORCH="$libtorch" -DCMAKE_PREFIX_PATH="$prefix/usr" \
+  -DNCCL_INCLUDE_DIR="$nccl/include" -DNCCL_LIBRARY="$nccl_lib" -DZLIB_LIBRARY="$zlib" -DZLIB_INCLUDE_DIR="$prefix/usr/include" \
+  -DCMAKE_CUDA_ARCHITECTURES=native
+if [[ $? -ne 0 ]]; then record build FAIL "configure: $logs/configure.log"; fi
+run build 420 cmake --build "$build" -j "$(nproc)" --target cohort_cli nccl_backend_test fashion_mnist ddp_cuda_test
+if [[ $? -eq 0 ]]; then record build ok "LibTorch $torch_version, $(($(date +%s) - start)) s"; else record build FAIL "$logs/build.log"; fi
+cohort=$build/cohort
+
+# ---- the NCCL backend ----
+run nccl 180 "$build/tests/nccl_backend_test"
+if [[ $? -eq 0 ]]; then record nccl ok "$(grep -oE '[0-9]+ tests?' "$logs/nccl.log" | tail -1) passed"; else record nccl FAIL "$logs/nccl.log"; fi
+
+# ---- every collective and dtype on the device, checked ----
+bench_ok=1; rows=0
+for coll in allreduce broadcast reduce allgather reduce_scatter alltoall gather scatter; do
+  run "bench-$coll" 120 "$cohort" run --nproc-per-node 1 "$cohort" bench "$coll" --device cuda -b 8 -e 64M -f 16 -c 1 || bench_ok=0
+done
+for dt in half bf16 int8 uint8 int32 int64 double float; do
+  for op in sum avg max; do
+    run "bench-allreduce-$dt-$op" 60 "$cohort" run --nproc-per-node 1 "$cohort" bench allreduce --device cuda \
+      -d "$dt" -o "$op" -b 8 -e 16M -f 16 -c 1 || bench_ok=0
+  done
+done
+wrong=$(cat "$logs"/bench-*.log | sed 's/^\[rank[0-9]*\]: //' | awk '/^ *[0-9]+ / {n++; if ($NF != 0) w++} END {print (w+0) "/" (n+0)}')
+rows=${wrong#*/}
+if [[ $bench_ok -eq 1 && ${wrong%/*} -eq 0 && $rows -gt 0 ]]; then record bench ok "$rows rows, 0 wrong"
+else record bench FAIL "wrong rows ${wrong}; $logs/bench-*.log"; fi
+
+# ---- DDP on CUDA tensors ----
+run ddp 300 "$build/tests/ddp_cuda_test"
+if [[ $? -eq 0 ]] && ! grep -q SKIPPED "$logs/ddp.log"; then
+  record ddp ok "$(grep -oE '[0-9]+ tests?' "$logs/ddp.log" | tail -1) passed, none skipped"
+else record ddp FAIL "$logs/ddp.log"; fi
+
+# ---- bad input: each must fail quickly and name the cause ----
+errors_ok=1
+COHORT_BACKEND=nccl run err-two-ranks 90 "$cohort" run --nproc-per-node 2 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --max-steps 5
+if [[ $? -eq 0 ]] || ! grep -q "runs one process per GPU" "$logs/err-two-ranks.log"; then errors_ok=0; fi
+CUDA_VISIBLE_DEVICES= run err-no-gpu 90 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --max-steps 5
+if [[ $? -eq 0 ]] || ! grep -q "sees no CUDA GPU" "$logs/err-no-gpu.log"; then errors_ok=0; fi
+COHORT_BACKEND=nccl run err-cpu-on-nccl 90 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cpu \
+  --data-dir "$data" --max-steps 5
+if [[ $? -eq 0 ]] || ! grep -q "moves GPU memory only" "$logs/err-cpu-on-nccl.log"; then errors_ok=0; fi
+if [[ $errors_ok -eq 1 ]]; then record errors ok "3 refusals named"; else record errors FAIL "$logs/err-*.log"; fi
+
+# ---- accuracy: the example on the GPU ----
+COHORT_BACKEND=nccl run accuracy 420 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --epochs "$epochs"
+acc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/accuracy.log" | tail -1)
+if [[ -n $acc ]] && awk -v a="$acc" -v e="$epochs" 'BEGIN {exit !(e < 10 || a >= 91.6)}'; then
+  record accuracy ok "$acc% after $epochs epochs"
+else record accuracy FAIL "${acc:-no}% after $epochs epochs (want >= 91.6); $logs/accuracy.log"; fi
+
+# ---- speed at world 1: cohort DDP, cohort without DDP, PyTorch DDP ----
+ips() { sed -n 's/.*RESULT ddp_summary .*imgs_per_s=\([0-9.]*\).*/\1/p' "$logs/$1.log" | tail -1; }
+common=(--model cnn --epochs 1 --max-steps "$speed_steps" --augment none --lr 0.01 --weight-decay 0 --warmup-steps 0)
+for rep in 1 2; do
+  COHORT_BACKEND=nccl run "speed-cohort-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
+    --device cuda --data-dir "$data" "${common[@]}"
+  COHORT_BACKEND=nccl run "speed-noddp-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
+    --device cuda --data-dir "$data" --no-ddp "${common[@]}"
+  run "speed-pytorch-$rep" 240 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+    bench/peers/torch_ddp_fmnist.py --device cuda --data-dir "$data" --model cnn --max-steps "$speed_steps"
+done
+best() { local m=0 v; for f in "$@"; do v=$(ips "$f"); [[ -n $v ]] && m=$(awk -v a="$m" -v b="$v" 'BEGIN {print (b > a ? b : a)}'); done; echo "$m"; }
+ours=$(best speed-cohort-1 speed-cohort-2); noddp=$(best speed-noddp-1 speed-noddp-2); torch_ips=$(best speed-pytorch-1 speed-pytorch-2)
+vs_torch=$(awk -v a="$ours" -v b="$torch_ips" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}')
+vs_noddp=$(awk -v a="$ours" -v b="$noddp" 'BEGIN {printf "%.3f", (b > 0 ? a / b : 0)}')
+detail="cohort $ours img/s, no DDP $noddp, PyTorch DDP $torch_ips: ${vs_torch}x PyTorch, ${vs_noddp} of no-DDP"
+if awk -v t="$vs_torch" -v n="$vs_noddp" 'BEGIN {exit !(t >= 1.2 && n >= 0.95)}'; then record speed ok "$detail"
+else record speed FAIL "$detail (want >= 1.2x and >= 0.95)"; fi
+
+# ---- summary ----
+{
+  echo
+  echo "cohort gpu-check, $(date -u +%Y-%m-%dT%H:%MZ), GPU: ${gpu:-?}, LibTorch/CUDA: $torch_version, $(($(date +%s) - start)) s"
+  printf '%-9s %-5s %s\n' step result detail
+  for r in "${results[@]}"; do IFS='|' read -r s st d <<<"$r"; printf '%-9s %-5s %s\n' "$s" "$st" "$d"; done
+} | tee "$logs/summary.txt"
+exit $failed

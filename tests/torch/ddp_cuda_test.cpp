@@ -1,0 +1,270 @@
+// DistributedDataParallel on CUDA modules (docs/gpu.md). Needs a GPU: every
+// test skips without one (scripts/gpu-check.sh runs them on a GPU machine).
+//   - world 1 on the nccl backend, the reducer forced on
+//     (reduce_at_world_size_1): device buckets, copies on LibTorch's stream,
+//     the NCCL stream ordered after it; several SGD steps equal one process
+//     without DDP to 1e-5 relative;
+//   - world 2 sharing the one GPU on the native backend (gradients staged
+//     through host buckets): each rank's half batch gives the gradients of
+//     one process on the whole batch;
+//   - the refusals: a module split across devices, a CPU module on nccl,
+//     gradient_as_bucket_view with staging.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using cohort::testing::run_ranks;
+
+#define REQUIRE_GPU()                 \
+  if (!torch::cuda::is_available()) { \
+    GTEST_SKIP() << "no CUDA GPU visible (this LibTorch: " << TORCH_VERSION << ")"; \
+  }
+
+const torch::Device kGpu(torch::kCUDA, 0);
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool with_unused = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 64));
+    fc2 = register_module("fc2", torch::nn::Linear(64, 4));
+    if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
+    torch::NoGradGuard g;
+    int k = 0;
+    for (auto& p : parameters()) {
+      auto flat = p.view({-1});
+      for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * (k++)) * 0.5;
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
+};
+TORCH_MODULE(Net);
+
+torch::Tensor inputs(int64_t from, int64_t n) {
+  auto i = torch::arange(from * 8, (from + n) * 8, torch::kDouble).view({n, 8});
+  return torch::cos(0.11 * i).to(torch::kFloat);
+}
+torch::Tensor targets(int64_t from, int64_t n) {
+  auto i = torch::arange(from * 4, (from + n) * 4, torch::kDouble).view({n, 4});
+  return torch::sin(0.07 * i).to(torch::kFloat);
+}
+
+std::shared_ptr<cohort::ProcessGroup> borrowed(cohort::ProcessGroup& pg) {
+  return std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
+}
+
+// max |got - want| <= rel * max |want| (+ a floor for all-zero tensors).
+void expect_rel_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double rel,
+                      const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << what << ": tensor " << i << " undefined";
+    auto g = got[i].detach().to(torch::kCPU, torch::kDouble), w = want[i].detach().to(torch::kCPU, torch::kDouble);
+    const double err = (g - w).abs().max().item<double>(), scale = w.abs().max().item<double>();
+    EXPECT_LE(err, rel * scale + 1e-12) << what << ": tensor " << i << " max error " << err << " of " << scale;
+  }
+}
+
+std::vector<torch::Tensor> params_of(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+std::vector<torch::Tensor> grads_of(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : p.grad());
+  return out;
+}
+
+// One process, no DDP, on the GPU: `steps` SGD steps on global batches of `n`.
+std::vector<torch::Tensor> reference_params(int64_t n, int steps) {
+  Net net;
+  net->to(kGpu);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    torch::mse_loss(net->forward(inputs(s * n, n).to(kGpu)), targets(s * n, n).to(kGpu)).backward();
+    opt.step();
+  }
+  return params_of(*net);
+}
+
+std::shared_ptr<cohort::ProcessGroup> nccl_world_of_one() {
+  cohort::InitOptions o;
+  o.backend = "nccl";
+  o.rank = 0;
+  o.world_size = 1;
+  o.store = std::make_shared<cohort::MemoryStore>();
+  return cohort::init_process_group(o);
+}
+
+struct NcclCase {
+  const char* name;
+  bool bucket_view;
+  bool several_buckets;
+};
+
+TEST(DdpCuda, WorldOneOnNcclEqualsOneProcess) {
+  REQUIRE_GPU();
+  auto pg = nccl_world_of_one();
+  ASSERT_EQ(pg->cuda_device(), 0);
+  constexpr int64_t kBatch = 32;
+  constexpr int kSteps = 4;
+  const auto want = reference_params(kBatch, kSteps);
+  for (const NcclCase& c : {NcclCase{"one bucket", false, false}, NcclCase{"several buckets", false, true},
+                            NcclCase{"gradient_as_bucket_view", true, true}}) {
+    Net net;
+    net->to(kGpu);
+    cohort::torch::DistributedDataParallelOptions o;
+    o.reduce_at_world_size_1 = true;  // exercise the device buckets with one GPU
+    o.gradient_as_bucket_view = c.bucket_view;
+    if (c.several_buckets) {
+      o.bucket_cap_mb = 0.002;
+      o.first_bucket_mb = 0.001;
+    }
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pg, o);
+    EXPECT_TRUE(ddp.device().is_cuda());
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      ddp.pre_forward();
+      torch::mse_loss(net->forward(inputs(s * kBatch, kBatch).to(kGpu)), targets(s * kBatch, kBatch).to(kGpu))
+          .backward();
+      opt.step();
+    }
+    EXPECT_EQ(ddp.stats().iteration, uint64_t(kSteps - 1)) << c.name << ": the reducer ran every step";
+    expect_rel_close(params_of(*net), want, 1e-5, c.name);
+  }
+}
+
+TEST(DdpCuda, Fp16CompressionOnTheDevice) {
+  REQUIRE_GPU();
+  auto pg = nccl_world_of_one();
+  Net ref;
+  ref->to(kGpu);
+  torch::mse_loss(ref->forward(inputs(0, 16).to(kGpu)), targets(0, 16).to(kGpu)).backward();
+  for (auto [hook, name] : {std::pair{cohort::ddp::fp16_compress_hook(), "fp16"},
+                            std::pair{cohort::ddp::bf16_compress_hook(), "bf16"}}) {
+    Net net;
+    net->to(kGpu);
+    cohort::torch::DistributedDataParallelOptions o;
+    o.reduce_at_world_size_1 = true;
+    o.comm_hook = hook;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), pg, o);
+    ddp.pre_forward();
+    torch::mse_loss(net->forward(inputs(0, 16).to(kGpu)), targets(0, 16).to(kGpu)).backward();
+    // One rounding to the compressed type: 2^-11 (fp16) or 2^-8 (bf16) relative.
+    expect_rel_close(grads_of(*net), grads_of(*ref), std::string(name) == "fp16" ? 1e-3 : 8e-3, name);
+  }
+}
+
+TEST(DdpCuda, TwoRanksShareTheGpuOnTheNativeBackend) {
+  REQUIRE_GPU();
+  constexpr int64_t kBatch = 32;
+  constexpr int kSteps = 4;
+  const auto want = reference_params(kBatch, kSteps);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    const int r = pg.rank();
+    Net net;
+    net->to(kGpu);
+    cohort::torch::DistributedDataParallelOptions o;
+    o.bucket_cap_mb = 0.002;
+    o.first_bucket_mb = 0.001;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg), o);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    const int64_t half = kBatch / 2;
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      ddp.pre_forward();
+      const int64_t from = s * kBatch + r * half;
+      torch::mse_loss(net->forward(inputs(from, half).to(kGpu)), targets(from, half).to(kGpu)).backward();
+      opt.step();
+    }
+    expect_rel_close(params_of(*net), want, 1e-5, "rank " + std::to_string(r));
+  });
+}
+
+TEST(DdpCuda, StagedFindUnusedAndNoSync) {
+  REQUIRE_GPU();
+  // Two micro-batches accumulated (the first under no_sync) on each of two
+  // ranks: the gradients of one process on all four micro-batches.
+  Net ref(true);
+  ref->to(kGpu);
+  for (int m = 0; m < 4; ++m) torch::mse_loss(ref->forward(inputs(m * 8, 8).to(kGpu)), targets(m * 8, 8).to(kGpu)).backward();
+  std::vector<torch::Tensor> want;
+  for (auto& g : grads_of(*ref)) want.push_back(g.defined() ? g / 4 : g);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    const int r = pg.rank();
+    Net net(true);
+    net->to(kGpu);
+    cohort::torch::DistributedDataParallelOptions o;
+    o.find_unused_parameters = true;
+    cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg), o);
+    {
+      auto guard = ddp.no_sync();
+      ddp.pre_forward();
+      torch::mse_loss(net->forward(inputs(r * 16, 8).to(kGpu)), targets(r * 16, 8).to(kGpu)).backward();
+    }
+    ddp.pre_forward();
+    torch::mse_loss(net->forward(inputs(r * 16 + 8, 8).to(kGpu)), targets(r * 16 + 8, 8).to(kGpu)).backward();
+    auto got = grads_of(*net);
+    EXPECT_FALSE(got.back().defined()) << "the spare layer had no gradient anywhere: it stays none";
+    got.pop_back();
+    got.pop_back();
+    want.resize(got.size());
+    for (auto& g : got) g = g / 2;  // each rank's sum of two micro-batch means, averaged: /2 more for the mean of 4
+    expect_rel_close(got, want, 1e-5, "rank " + std::to_string(r));
+  });
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(DdpCuda, RefusesWhatCannotWork) {
+  REQUIRE_GPU();
+  {
+    auto pg = nccl_world_of_one();
+    Net split;
+    split->fc1->to(kGpu);  // fc2 stays on the CPU
+    std::string m = error_of([&] { cohort::torch::DistributedDataParallel(split.ptr(), pg); });
+    EXPECT_NE(m.find("split across devices"), std::string::npos) << m;
+    EXPECT_NE(m.find("fc2.weight"), std::string::npos) << m;
+    Net cpu;
+    m = error_of([&] { cohort::torch::DistributedDataParallel(cpu.ptr(), pg); });
+    EXPECT_NE(m.find("moves GPU memory only"), std::string::npos) << m;
+  }
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    Net net;
+    net->to(kGpu);
+    cohort::torch::DistributedDataParallelOptions o;
+    o.gradient_as_bucket_view = true;
+    std::string m = error_of([&] { cohort::torch::DistributedDataParallel(net.ptr(), borrowed(pg), o); });
+    EXPECT_NE(m.find("gradient_as_bucket_view needs the buckets on the module's device"), std::string::npos) << m;
+  });
+}
+
+TEST(DdpCuda, CheckpointFromTheGpuLoadsOnTheCpu) {
+  REQUIRE_GPU();
+  Net gpu;
+  gpu->to(kGpu);
+  {
+    torch::NoGradGuard g;
+    for (auto& p : gpu->parameters()) p.add_(1.0);
+  }
+  Net cpu;
+  cohort::torch::load_module_state(*cpu, cohort::torch::module_state(*gpu));
+  expect_rel_close(params_of(*cpu), params_of(*gpu), 0, "module state");
+}
+
+}  // namespace
