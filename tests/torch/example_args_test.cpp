@@ -5,6 +5,7 @@
 // runs here without a launcher.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <torch/torch.h>
 
 #include <cstdio>
 #include <string>
@@ -46,6 +47,31 @@ TEST(ExampleArgs, BadFlagsAreRefusedNamingTheFlag) {
     EXPECT_NE(status, 0) << args;
     EXPECT_LT(status, 128) << args << ": killed by a signal\n" << out;
     EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
+  }
+}
+
+// Device flags are checked once the group exists: under the launcher.
+TEST(ExampleArgs, DeviceFlagsThatCannotWorkAreRefused) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is visible: --device cuda would work here";
+  const std::string launch = std::string(COHORT_BIN) + " run --nproc-per-node ";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      // A CPU LibTorch says so; a CUDA one on a machine without a GPU says that instead.
+      {"1 --device cuda", {"--device cuda: ", "HINT", "--device cpu"}},
+      {"1 --fp16-autocast", {"--fp16-autocast runs on a GPU (--device cuda), not on cpu"}},
+      {"2 --no-ddp", {"--no-ddp trains one replica; this job has 2 ranks"}},
+  };
+  for (const auto& [args, wants] : cases) {
+    const auto space = args.find(' ');
+    const std::string cmd = launch + args.substr(0, space) + " " + COHORT_FASHION_MNIST_BIN + args.substr(space) +
+                            " --max-steps 2 --train-limit 256";
+    FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[4096];
+    for (size_t n; (n = fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+    const int status = pclose(p);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << args << "\n" << out;
+    for (const auto& want : wants) EXPECT_NE(out.find(want), std::string::npos) << args << ": no '" << want << "'\n" << out;
   }
 }
 
