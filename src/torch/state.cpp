@@ -8,24 +8,11 @@
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "device.hpp"
 #include "state_key.hpp"
 
 namespace cohort::torch {
 namespace {
-
-::torch::ScalarType to_scalar(DType t) {
-  switch (t) {
-    case DType::F32: return ::torch::kFloat;
-    case DType::F64: return ::torch::kDouble;
-    case DType::F16: return ::torch::kHalf;
-    case DType::BF16: return ::torch::kBFloat16;
-    case DType::I8: return ::torch::kChar;
-    case DType::U8: return ::torch::kByte;
-    case DType::I32: return ::torch::kInt;
-    case DType::I64: return ::torch::kLong;
-  }
-  throw InvalidArgument("unknown dtype in a checkpoint tensor");
-}
 
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "[";
@@ -93,7 +80,7 @@ NamedTensor to_named(const std::string& name, const ::torch::Tensor& t) {
 }
 
 ::torch::Tensor from_named(const NamedTensor& n) {
-  auto t = ::torch::empty(n.shape, ::torch::TensorOptions().dtype(to_scalar(n.dtype)));
+  auto t = ::torch::empty(n.shape, ::torch::TensorOptions().dtype(to_scalar_type(n.dtype)));
   if (n.bytes.size() != static_cast<size_t>(t.numel() * t.element_size()))
     throw InvalidArgument(fmt::format("checkpoint tensor '{}' has {} bytes for shape {}", n.name, n.bytes.size(), shape_str(n.shape)));
   if (!n.bytes.empty()) std::memcpy(t.data_ptr(), n.bytes.data(), n.bytes.size());
