@@ -17,11 +17,12 @@ deps:
 LIBTORCH ?=
 ifneq ($(LIBTORCH),)
 BUILD := build-torch$(LIBTORCH)
-CMAKE_FLAGS += -DCOHORT_LIBTORCH=$$(scripts/install-libtorch.sh $(LIBTORCH))
 endif
 
+# (An install that fails stops here, rather than configuring without it.)
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+	$(if $(LIBTORCH),lt=$$(scripts/install-libtorch.sh $(LIBTORCH)) &&) \
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS) $(if $(LIBTORCH),-DCOHORT_LIBTORCH=$$lt)
 
 build: deps $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)

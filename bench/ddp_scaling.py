@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """DDP throughput: cohort's Fashion-MNIST example against PyTorch DDP (gloo) on
-the same models, world sizes 1 and 2, interleaved REPS times (median). One
+the same models, world sizes 1 and 2, interleaved REPS times (median). The
+peers are Debian's PyTorch 1.13 (/usr/bin/python3) and PyTorch 2.13 (a
+virtual environment from scripts/install-pytorch-peer.sh); the ratios are
+against the faster of the two. One
 intra-op thread per rank (OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1) on both sides.
 Invoked by bench/ddp_scaling.sh; results go to docs/performance.md.
 
@@ -44,8 +47,11 @@ def run(cmd):
 MODES = {"sync": [], "lockstep": ["--no-allreduce", "--lockstep"], "nosync": ["--no-allreduce"]}
 
 
+BUILD = f"{ROOT}/build"
+
+
 def ours(model, world, steps, mode):
-    cmd = [f"{ROOT}/build/cohort", "run", "--nproc-per-node", str(world), f"{ROOT}/build/fashion_mnist", "--model", model,
+    cmd = [f"{BUILD}/cohort", "run", "--nproc-per-node", str(world), f"{BUILD}/fashion_mnist", "--model", model,
            "--max-steps", str(steps), "--augment", "none", "--epochs", "1",
            # The peer's optimizer: SGD(lr 0.01 x world, momentum 0.9), no weight decay, no schedule. Weight decay
            # alone costs our MLP ~8% (one more pass over 40 MB of parameters per step), so it must match.
@@ -53,8 +59,8 @@ def ours(model, world, steps, mode):
     return run(cmd + MODES[mode])
 
 
-def peer(model, world, steps, mode):
-    cmd = ["/usr/bin/python3", "-m", "torch.distributed.run", "--redirects", "9:0", "--tee", "9:0", "--standalone",
+def peer(python, model, world, steps, mode):
+    cmd = [python, "-m", "torch.distributed.run", "--redirects", "9:0", "--tee", "9:0", "--standalone",
            "--nproc_per_node", str(world), f"{HERE}/peers/torch_ddp_fmnist.py", "--model", model, "--max-steps", str(steps)]
     return run(cmd + MODES[mode])
 
@@ -69,19 +75,34 @@ def ensure_peer():
 
 
 def main():
+    global BUILD
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models", default="cnn,mlp")
+    ap.add_argument("--build", default=BUILD, help="cohort's build directory (its LibTorch is the one it was built with)")
+    ap.add_argument("--peer-versions", default="1.13,2.13.0",
+                    help="PyTorch peers: 1.13 is Debian's python3-torch, others come from scripts/install-pytorch-peer.sh")
     args = ap.parse_args()
+    BUILD = args.build
     ensure_peer()
+    peers = {}
+    for v in args.peer_versions.split(","):
+        if v == "1.13":
+            peers["pytorch1.13"] = "/usr/bin/python3"
+        else:
+            py = subprocess.run([f"{ROOT}/scripts/install-pytorch-peer.sh", v], stdout=subprocess.PIPE, text=True,
+                                check=True).stdout.strip()
+            peers["pytorch" + ".".join(v.split(".")[:2])] = py
+    whos = ["cohort"] + list(peers)
     steps = {"cnn": 300, "mlp": 120}
     configs = [(1, "sync"), (2, "sync"), (2, "lockstep"), (2, "nosync")]
     res = {}
     for rep in range(args.reps):
         for model in args.models.split(","):
             for w, mode in configs:
-                for who, fn in (("cohort", ours), ("pytorch", peer)):
-                    v = fn(model, w, steps[model], mode)
+                for who in whos:
+                    v = ours(model, w, steps[model], mode) if who == "cohort" else peer(peers[who], model, w,
+                                                                                         steps[model], mode)
                     print(f"# rep {rep + 1}/{args.reps} {who} {model} world {w} {mode}: {v} img/s", file=sys.stderr,
                           flush=True)
                     res.setdefault((who, model, w, mode), []).append(v)
@@ -104,7 +125,7 @@ def main():
           "| lockstep / ceiling | w2 / lockstep |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
-        for who in ("cohort", "pytorch"):
+        for who in whos:
             w1, w2 = med((who, model, 1, "sync")), med((who, model, 2, "sync"))
             ls, ns = med((who, model, 2, "lockstep")), med((who, model, 2, "nosync"))
             f = lambda v: f"{v:.0f}" if v else "-"
@@ -113,10 +134,15 @@ def main():
                   f"| {ratio(w2, ls)} |")
     print()
     for model in args.models.split(","):
-        a, b = med(("cohort", model, 2, "sync")), med(("pytorch", model, 2, "sync"))
-        c, d = med(("cohort", model, 1, "sync")), med(("pytorch", model, 1, "sync"))
-        if a and b and c and d:
-            print(f"- {model}: cohort / PyTorch DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x")
+        a, c = med(("cohort", model, 2, "sync")), med(("cohort", model, 1, "sync"))
+        for who in peers:
+            b, d = med((who, model, 2, "sync")), med((who, model, 1, "sync"))
+            if a and b and c and d:
+                print(f"- {model}: cohort / {who} DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x")
+        best2 = max((med((w, model, 2, "sync")) or 0 for w in peers), default=0)
+        best1 = max((med((w, model, 1, "sync")) or 0 for w in peers), default=0)
+        if a and c and best2 and best1:
+            print(f"- {model}: cohort / the faster PyTorch at world 2: {a / best2:.2f}x; at world 1: {c / best1:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # test. Without a GPU that test checks the run-time detection (init with
 # backend nccl fails with a clear error); with GPUs it runs the collectives.
 # NCCL comes from the system (nccl.h in /usr/local/cuda/include or
-# /usr/include) or else from the nvidia-nccl-cu13 wheel on PyPI, installed
+# /usr/include) or else from the nvidia-nccl-cuNN wheel on PyPI (NN: the
+# toolkit's CUDA major version), installed
 # outside any Python environment. Without CUDA it says so and succeeds.
 #   scripts/ci-cuda-build.sh [build-dir]     (default: build-cuda)
 set -euo pipefail
@@ -21,12 +22,14 @@ dir=${1:-build-cuda}
 jobs=${JOBS:-$(nproc)}
 nccl_args=()
 if [[ ! -f /usr/local/cuda/include/nccl.h && ! -f /usr/include/nccl.h ]]; then
+  # The wheel built for this toolkit's CUDA major version (nvidia-nccl-cu12, -cu13, ...).
+  cuda_major=$($nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
   nccl_version=${COHORT_NCCL_WHEEL_VERSION:-2.30.7}
-  nccl=${COHORT_LIBTORCH_HOME:-$HOME/.cache/cohort}/nccl-$nccl_version
+  nccl=${COHORT_LIBTORCH_HOME:-$HOME/.cache/cohort}/nccl-cu$cuda_major-$nccl_version
   if [[ ! -f $nccl/nvidia/nccl/include/nccl.h ]]; then
-    echo "ci-cuda-build: NCCL not installed; fetching nvidia-nccl-cu13==$nccl_version into $nccl"
+    echo "ci-cuda-build: NCCL not installed; fetching nvidia-nccl-cu$cuda_major==$nccl_version into $nccl"
     rm -rf "$nccl.partial"
-    python3 -m pip install --quiet --no-deps --no-compile --target "$nccl.partial" "nvidia-nccl-cu13==$nccl_version"
+    python3 -m pip install --quiet --no-deps --no-compile --target "$nccl.partial" "nvidia-nccl-cu$cuda_major==$nccl_version"
     rm -rf "$nccl" && mv "$nccl.partial" "$nccl"
   fi
   lib=$(ls "$nccl"/nvidia/nccl/lib/libnccl.so* | head -1)

@@ -9,11 +9,14 @@
 #   ddp        tests/torch/ddp_cuda_test: DDP on CUDA tensors equal to one
 #              process on the global batch (world 1 on nccl, world 2 sharing
 #              the GPU on the native backend), the refusals
-#   errors     bad input: two ranks on one GPU with nccl, --device cuda with
-#              CUDA hidden, --device cpu on nccl (each must fail, naming why)
+#   errors     bad input: more nccl ranks than GPUs, --device cuda with CUDA
+#              hidden, --device cpu on nccl (each must fail, naming why)
 #   accuracy   the example, 10 epochs on the GPU (world 1, nccl): test accuracy
-#   speed      images/s at world 1 on the GPU: cohort with DDP, cohort without
-#              DDP (--no-ddp), PyTorch DDP (nccl) on the same model, same run
+#   speed      images/s at world 1 on the GPU, same model, interleaved: cohort's
+#              DDP with its reducer running (--reduce-at-world-size-1, as
+#              PyTorch's DDP does at world 1), cohort's default (a lone rank
+#              skips the reduction), cohort without DDP (--no-ddp), and
+#              PyTorch DDP (nccl)
 # and prints one summary table; exits non-zero if any step failed.
 #
 # Such a machine has no package registry: what the build needs beyond CUDA,
@@ -63,6 +66,7 @@ run() {
 start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$logs/gpu.txt" 2>&1 || true
 gpu=$(head -1 "$logs/gpu.txt")
+ngpu=$(grep -c . "$logs/gpu.txt"); [[ $ngpu -ge 1 ]] || ngpu=1
 echo "gpu-check: GPU: ${gpu:-none found}"
 
 # ---- the private prefix ----
@@ -127,8 +131,9 @@ else record ddp FAIL "$logs/ddp.log"; fi
 
 # ---- bad input: each must fail quickly and name the cause ----
 errors_ok=1
-COHORT_BACKEND=nccl run err-two-ranks 90 "$cohort" run --nproc-per-node 2 "$build/fashion_mnist" --device cuda \
-  --data-dir "$data" --max-steps 5
+# One rank more than there are GPUs (CUDA_VISIBLE_DEVICES unset: every rank sees them all).
+(unset CUDA_VISIBLE_DEVICES; COHORT_BACKEND=nccl run err-two-ranks 90 "$cohort" run --nproc-per-node $((ngpu + 1)) \
+  "$build/fashion_mnist" --device cuda --data-dir "$data" --max-steps 5)
 if [[ $? -eq 0 ]] || ! grep -q "runs one process per GPU" "$logs/err-two-ranks.log"; then errors_ok=0; fi
 CUDA_VISIBLE_DEVICES= run err-no-gpu 90 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
   --data-dir "$data" --max-steps 5
@@ -151,6 +156,8 @@ ips() { sed -n 's/.*RESULT ddp_summary .*imgs_per_s=\([0-9.]*\).*/\1/p' "$logs/$
 common=(--model cnn --epochs 1 --max-steps "$speed_steps" --augment none --lr 0.01 --weight-decay 0 --warmup-steps 0)
 for rep in 1 2; do
   COHORT_BACKEND=nccl run "speed-cohort-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
+    --device cuda --data-dir "$data" --reduce-at-world-size-1 "${common[@]}"
+  COHORT_BACKEND=nccl run "speed-skip-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
     --device cuda --data-dir "$data" "${common[@]}"
   COHORT_BACKEND=nccl run "speed-noddp-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
     --device cuda --data-dir "$data" --no-ddp "${common[@]}"
@@ -159,9 +166,10 @@ for rep in 1 2; do
 done
 best() { local m=0 v; for f in "$@"; do v=$(ips "$f"); [[ -n $v ]] && m=$(awk -v a="$m" -v b="$v" 'BEGIN {print (b > a ? b : a)}'); done; echo "$m"; }
 ours=$(best speed-cohort-1 speed-cohort-2); noddp=$(best speed-noddp-1 speed-noddp-2); torch_ips=$(best speed-pytorch-1 speed-pytorch-2)
+skip=$(best speed-skip-1 speed-skip-2)
 vs_torch=$(awk -v a="$ours" -v b="$torch_ips" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}')
 vs_noddp=$(awk -v a="$ours" -v b="$noddp" 'BEGIN {printf "%.3f", (b > 0 ? a / b : 0)}')
-detail="cohort $ours img/s, no DDP $noddp, PyTorch DDP $torch_ips: ${vs_torch}x PyTorch, ${vs_noddp} of no-DDP"
+detail="cohort DDP (reducing) $ours img/s, cohort default (lone rank skips) $skip, no DDP $noddp, PyTorch DDP $torch_ips: ${vs_torch}x PyTorch, ${vs_noddp} of no-DDP"
 if awk -v t="$vs_torch" -v n="$vs_noddp" 'BEGIN {exit !(t >= 1.2 && n >= 0.95)}'; then record speed ok "$detail"
 else record speed FAIL "$detail (want >= 1.2x and >= 0.95)"; fi
 

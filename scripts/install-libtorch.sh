@@ -31,6 +31,14 @@ if [[ ! -f $dest.partial/torch/share/cmake/Torch/TorchConfig.cmake ]]; then
   echo "install-libtorch: the torch==$version wheel has no share/cmake/Torch (not a LibTorch)" >&2
   exit 1
 fi
+# PyPI's default torch for Linux is a CUDA build whose CUDA libraries come as
+# other wheels (not installed here: --no-deps), so it would not link.
+if ls "$dest.partial"/torch/lib/libtorch_cuda.so >/dev/null 2>&1; then
+  rm -rf "$dest.partial"
+  echo "install-libtorch: pip gave the CUDA build of torch==$version; point pip at PyTorch's CPU wheels" \
+       "(PIP_INDEX_URL) and run this again, or pass a CUDA LibTorch you unpacked as -DCOHORT_LIBTORCH" >&2
+  exit 1
+fi
 rm -rf "$dest"
 mv "$dest.partial" "$dest"
 echo "$dest/torch"

@@ -116,9 +116,11 @@ int main(int argc, char** argv) {
                "run the forward pass under fp16 autocast with a GradScaler (--device cuda only)")
       ->excludes(bf16);
   app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
+  app.add_flag("--reduce-at-world-size-1", cfg.reduce_at_world_size_1,
+               "run DDP's gradient reduction even with one rank (by default a lone rank skips it), as PyTorch does");
   app.add_option("--device", cfg.device,
                  "where model, data and loss live: cpu, cuda (this rank's GPU: LOCAL_RANK's, or the nccl group's) or "
-                 "auto (cuda when LibTorch sees a GPU)")
+                 "auto (cuda with COHORT_BACKEND=nccl, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "clip gradients to this global norm (0: off)")
       ->check(kNonNegative);

@@ -85,14 +85,16 @@ double evaluate(Model& model, const cohort::data::FashionMnist& test, cohort::Pr
 }
 
 // --device: the CPU, or this rank's GPU (the nccl group's, else GPU
-// LOCAL_RANK modulo the visible ones). Refused with the reason and the fix
+// LOCAL_RANK modulo the visible ones). auto: the GPU on a group that moves
+// GPU memory (nccl), else the CPU; a GPU module on the native backend is
+// staged through host memory, which only --device cuda asks for. Refused with the reason and the fix
 // when LibTorch has no CUDA, no GPU is visible, or the backend cannot move
 // the device's memory.
 torch::Device pick_device(const std::string& want, const cohort::ProcessGroup& pg) {
   const bool cuda_built = c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA);
   const int gpus = cuda_built ? static_cast<int>(torch::cuda::device_count()) : 0;
   const int group_gpu = pg.cuda_device();
-  if (want == "cpu" || (want == "auto" && gpus == 0 && group_gpu < 0)) {
+  if (want == "cpu" || (want == "auto" && group_gpu < 0)) {
     if (group_gpu >= 0)
       throw cohort::InvalidArgument(fmt::format(
           "--device cpu, but the {} backend moves GPU memory only; HINT: --device cuda, or COHORT_BACKEND=native "
@@ -324,6 +326,11 @@ int train(const TrainConfig& cfg) {
   // A GPU module on a host backend (native) stages its gradients through host
   // buckets: .grad cannot be a view of them.
   dopts.gradient_as_bucket_view = cfg.grad_bucket_view && !(device.is_cuda() && pg->cuda_device() < 0);
+  if (lead && cfg.grad_bucket_view && !dopts.gradient_as_bucket_view)
+    std::printf("note: gradients are staged through host buckets (a GPU module on the %s backend): "
+                "gradient_as_bucket_view is off\n",
+                pg->backend_name().c_str());
+  dopts.reduce_at_world_size_1 = cfg.reduce_at_world_size_1;
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
   // --no-ddp (one rank only): the same program without DDP, the baseline DDP's overhead is measured against.

@@ -91,13 +91,15 @@ class GradMemory {
   virtual void grad_to_bucket(void* bucket, const void* grad, size_t bytes) = 0;
   virtual void bucket_to_grad(void* grad, const void* bucket, size_t bytes) = 0;
   virtual void zero_bucket(void* bucket, size_t bytes) = 0;
+  // Used only when buckets_on_host() is false (host buckets are converted
+  // and read by the reducer and the hooks themselves); the defaults throw.
   // Within bucket memory: dst[i] = src[i] / divisor, converted to dst's dtype
   // (dst may be src when their dtypes match; floating-point types). The compression hooks' work.
-  virtual void convert(Buffer dst, Buffer src, double divisor) = 0;
+  virtual void convert(Buffer dst, Buffer src, double divisor);
   // Small control data (the construction check, the used-parameter map)
   // between bucket memory and the host; returns when the copy is done.
-  virtual void host_to_bucket(void* bucket, const void* host, size_t bytes) = 0;
-  virtual void bucket_to_host(void* host, const void* bucket, size_t bytes) = 0;
+  virtual void host_to_bucket(void* bucket, const void* host, size_t bytes);
+  virtual void bucket_to_host(void* host, const void* bucket, size_t bytes);
 };
 
 // Host memory, as described above (what a null ReducerOptions::memory means).

@@ -99,7 +99,7 @@ class DistributedDataParallel {
   DistributedDataParallelOptions opts_;
   ::torch::Device device_{::torch::kCPU};
   MemoryMode mode_;
-  std::shared_ptr<ddp::GradMemory> memory_;  // null: host memory (a CPU module)
+  std::shared_ptr<ddp::GradMemory> memory_;  // the reducer's (host_grad_memory() for a CPU module)
   std::vector<::torch::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<::torch::Tensor> buffers_;

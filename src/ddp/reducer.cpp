@@ -225,7 +225,14 @@ struct Reducer::Impl {
       mem->host_to_bucket(keep.back().get(), h.data, h.bytes());
       bufs.push_back({keep.back().get(), h.count, h.dtype});
     }
-    issue(bufs)->wait(opts.timeout);
+    try {
+      issue(bufs)->wait(opts.timeout);
+    } catch (...) {
+      // The collective may still write into these (a timeout, a failed
+      // peer): never hand them back to the allocator under it.
+      (void)new std::vector<std::shared_ptr<std::byte[]>>(std::move(keep));
+      throw;
+    }
     size_t i = 0;
     for (const Buffer& h : host) mem->bucket_to_host(h.data, bufs[i++].data, h.bytes());
   }

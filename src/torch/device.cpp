@@ -98,7 +98,7 @@ class DeviceGradMemory final : public ddp::GradMemory {
 // read the bucket as soon as grad_to_bucket returns.
 class StagedGradMemory final : public ddp::GradMemory {
  public:
-  explicit StagedGradMemory(::torch::Device d) : dev_(d), host_(ddp::host_grad_memory()) {}
+  explicit StagedGradMemory(::torch::Device d) : dev_(d) {}
   bool buckets_on_host() const override { return true; }
   bool grads_on_host() const override { return false; }
   std::shared_ptr<std::byte[]> allocate(ProcessGroup& group, size_t n) override { return group.allocate_buffer(n); }
@@ -111,13 +111,9 @@ class StagedGradMemory final : public ddp::GradMemory {
     bytes(grad, n, dev_).copy_(bytes(bucket, n, ::torch::kCPU));
   }
   void zero_bucket(void* bucket, size_t n) override { std::memset(bucket, 0, n); }
-  void convert(Buffer dst, Buffer src, double divisor) override { host_->convert(dst, src, divisor); }
-  void host_to_bucket(void* bucket, const void* host, size_t n) override { std::memcpy(bucket, host, n); }
-  void bucket_to_host(void* host, const void* bucket, size_t n) override { std::memcpy(host, bucket, n); }
 
  private:
   ::torch::Device dev_;
-  std::shared_ptr<ddp::GradMemory> host_;
 };
 
 }  // namespace
@@ -175,9 +171,13 @@ MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group)
         "DistributedDataParallel: the module is on {} but this rank's {} group uses cuda:{} (LOCAL_RANK's GPU). "
         "HINT: move the module with module->to(torch::Device(torch::kCUDA, {})); one process per GPU",
         device_text(device), group.backend_name(), gpu, gpu));
+  if (gpu < 0) return MemoryMode::Staged;  // no streams involved: host copies only
   if (!HasNativeHandle<c10::Stream>)
-    throw InvalidArgument("DistributedDataParallel: CUDA modules need LibTorch 2.1 or newer (c10::Stream::native_handle)");
-  return gpu >= 0 ? MemoryMode::Device : MemoryMode::Staged;
+    throw InvalidArgument(
+        "DistributedDataParallel: a CUDA module on the nccl backend needs LibTorch 2.1 or newer "
+        "(c10::Stream::native_handle, to order NCCL after LibTorch's stream); HINT: use a newer LibTorch, or "
+        "COHORT_BACKEND=native (gradients staged through host memory)");
+  return MemoryMode::Device;
 }
 
 std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device) {
@@ -216,9 +216,13 @@ void host_collective(ProcessGroup& group, const std::vector<Buffer>& host,
     on_gpu.push_back(bytes(h.data, h.bytes(), ::torch::kCPU).to(dev));
     bufs.push_back({on_gpu.back().data_ptr(), h.count, h.dtype});
   }
-  {
+  try {
     CudaStreamScope scope(current_stream_handle(dev));  // the uploads above are queued there
     issue(bufs)->wait();
+  } catch (...) {
+    // NCCL may still write into them (a timeout, a failed peer): never free them under it.
+    (void)new std::vector<::torch::Tensor>(std::move(on_gpu));
+    throw;
   }
   for (size_t i = 0; i < host.size(); ++i)
     if (host[i].bytes() > 0) std::memcpy(host[i].data, on_gpu[i].cpu().data_ptr(), host[i].bytes());

@@ -84,7 +84,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   }
   // Collectives below (and the reducer's) start after the work queued on
   // LibTorch's current stream (device mode; nothing otherwise).
-  CudaStreamScope scope(mode_ == MemoryMode::Device ? current_stream_handle(device_) : nullptr);
+  CudaStreamScope scope(stream());
 
   // Everything broadcast below is checked first, kind by kind, so a replica
   // that differs in any of it is named here rather than failing inside the broadcast.
@@ -113,6 +113,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   lent_.resize(params_.size());
   ro.comm_hook = opts_.comm_hook;
   memory_ = grad_memory(mode_, device_);
+  if (!memory_) memory_ = ddp::host_grad_memory();
   ro.memory = memory_;
   reducer_ = std::make_unique<ddp::Reducer>(*group_, std::move(specs), std::move(ro));
 
@@ -159,10 +160,7 @@ void DistributedDataParallel::pre_forward() {
   forwarded_.store(true);
   callback_queued_.store(false);
   if (::torch::GradMode::is_enabled()) reducer_->prepare_for_backward();
-  if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) {
-    CudaStreamScope scope(stream());
-    broadcast_tensors(*group_, buffers_, 0);
-  }
+  if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) broadcast_tensors(*group_, buffers_, 0);
 }
 
 void DistributedDataParallel::on_grad_ready(size_t i) {
@@ -195,12 +193,7 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     // undefined one for this parameter): that counts as zeros, as in PyTorch.
     void* slot = reducer_->bucket_slot(i);
     CudaStreamScope scope(stream());
-    if (!reducer_->in_no_sync() && params_[i].numel() > 0) {
-      if (memory_)
-        memory_->zero_bucket(slot, params_[i].nbytes());
-      else
-        std::memset(slot, 0, params_[i].nbytes());
-    }
+    if (!reducer_->in_no_sync() && params_[i].numel() > 0) memory_->zero_bucket(slot, params_[i].nbytes());
     reducer_->mark_ready(i, slot);
     return;
   }

@@ -52,7 +52,13 @@ void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& 
                          : Buffer{c.data_ptr(), static_cast<size_t>(c.nbytes()), DType::U8};
     works.push_back(group.broadcast(buf, {.root = root}));
   }
-  for (auto& w : works) w->wait();
+  try {
+    for (auto& w : works) w->wait();
+  } catch (...) {
+    // A broadcast may still write into the copies: never free them under it.
+    (void)new std::vector<std::pair<::torch::Tensor, ::torch::Tensor>>(std::move(copies));
+    throw;
+  }
   ::torch::NoGradGuard no_grad;
   for (auto& [orig, c] : copies) orig.copy_(c);
 }

@@ -108,11 +108,18 @@ void set_autocast(c10::DeviceType device, bool enabled, ::torch::ScalarType dtyp
 
 }  // namespace
 
-Autocast::Autocast(::torch::ScalarType dtype, bool enabled, c10::DeviceType device)
-    : device_(device), prev_enabled_(autocast_on(device)), prev_dtype_(autocast_dtype(device)) {
+namespace {
+// Checked before the previous state is read (LibTorch throws its own error for other devices).
+c10::DeviceType autocast_device(c10::DeviceType device) {
   if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA)
     throw InvalidArgument(fmt::format("Autocast: autocast runs on the CPU or a CUDA GPU, not on {}",
                                       c10::DeviceTypeName(device, /*lower_case=*/true)));
+  return device;
+}
+}  // namespace
+
+Autocast::Autocast(::torch::ScalarType dtype, bool enabled, c10::DeviceType device)
+    : device_(autocast_device(device)), prev_enabled_(autocast_on(device)), prev_dtype_(autocast_dtype(device)) {
   if (enabled && device == c10::DeviceType::CPU && dtype != ::torch::kBFloat16)
     throw InvalidArgument(fmt::format("Autocast: LibTorch's CPU autocast runs in bfloat16 only (got {}); HINT: use "
                                       "torch::kBFloat16, or cast the model yourself",

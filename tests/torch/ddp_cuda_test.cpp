@@ -11,11 +11,10 @@
 //     gradient_as_bucket_view with staging.
 #include <gtest/gtest.h>
 
-#include <cmath>
-
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
 #include "test_util.hpp"
+#include "torch/ddp_test_model.hpp"
 
 namespace {
 
@@ -28,35 +27,10 @@ using cohort::testing::run_ranks;
 
 const torch::Device kGpu(torch::kCUDA, 0);
 
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool with_unused = false) {
-    fc1 = register_module("fc1", torch::nn::Linear(8, 64));
-    fc2 = register_module("fc2", torch::nn::Linear(64, 4));
-    if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
-    torch::NoGradGuard g;
-    int k = 0;
-    for (auto& p : parameters()) {
-      auto flat = p.view({-1});
-      for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * (k++)) * 0.5;
-    }
-  }
-  torch::Tensor forward(torch::Tensor x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
-};
-TORCH_MODULE(Net);
-
-torch::Tensor inputs(int64_t from, int64_t n) {
-  auto i = torch::arange(from * 8, (from + n) * 8, torch::kDouble).view({n, 8});
-  return torch::cos(0.11 * i).to(torch::kFloat);
-}
-torch::Tensor targets(int64_t from, int64_t n) {
-  auto i = torch::arange(from * 4, (from + n) * 4, torch::kDouble).view({n, 4});
-  return torch::sin(0.07 * i).to(torch::kFloat);
-}
-
-std::shared_ptr<cohort::ProcessGroup> borrowed(cohort::ProcessGroup& pg) {
-  return std::shared_ptr<cohort::ProcessGroup>(&pg, [](cohort::ProcessGroup*) {});
-}
+using ddp_test::borrowed;
+using ddp_test::inputs;
+using ddp_test::Net;
+using ddp_test::targets;
 
 // max |got - want| <= rel * max |want| (+ a floor for all-zero tensors).
 void expect_rel_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double rel,
@@ -124,8 +98,8 @@ TEST(DdpCuda, WorldOneOnNcclEqualsOneProcess) {
     o.reduce_at_world_size_1 = true;  // exercise the device buckets with one GPU
     o.gradient_as_bucket_view = c.bucket_view;
     if (c.several_buckets) {
-      o.bucket_cap_mb = 0.002;
-      o.first_bucket_mb = 0.001;
+      o.bucket_cap_mb = 0.0005;  // this model's 848 bytes of gradients in several buckets
+      o.first_bucket_mb = 0.0002;
     }
     cohort::torch::DistributedDataParallel ddp(net.ptr(), pg, o);
     EXPECT_TRUE(ddp.device().is_cuda());
@@ -173,8 +147,8 @@ TEST(DdpCuda, TwoRanksShareTheGpuOnTheNativeBackend) {
     Net net;
     net->to(kGpu);
     cohort::torch::DistributedDataParallelOptions o;
-    o.bucket_cap_mb = 0.002;
-    o.first_bucket_mb = 0.001;
+    o.bucket_cap_mb = 0.0005;
+    o.first_bucket_mb = 0.0002;
     cohort::torch::DistributedDataParallel ddp(net.ptr(), borrowed(pg), o);
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     const int64_t half = kBatch / 2;

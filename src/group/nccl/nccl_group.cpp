@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 
 #include "core/log.hpp"
@@ -305,7 +306,10 @@ std::shared_ptr<ProcessGroup> create_nccl_group(const GroupSetup& setup, std::op
   }
   // One GPU per rank: NCCL refuses two ranks of a communicator on one GPU
   // ("Duplicate GPU detected"), so say it here, with the fix, before it does.
-  if (local_rank && *local_rank >= devices) {
+  // Only where every process of the node sees the same GPUs (no
+  // CUDA_VISIBLE_DEVICES): a scheduler that gives each process its own GPU
+  // shows each one GPU, and local rank 1 on its "GPU 0" is another GPU.
+  if (local_rank && *local_rank >= devices && std::getenv("CUDA_VISIBLE_DEVICES") == nullptr) {
     std::string why = fmt::format(
         "rank {}: backend 'nccl' runs one process per GPU, but this is local rank {} and only {} GPU{} visible "
         "here, so two ranks would share one GPU",
