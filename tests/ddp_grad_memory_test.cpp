@@ -54,14 +54,10 @@ class CountingDeviceMemory final : public GradMemory {
     return p;
   }
   void grad_to_bucket(void* bucket, const void* grad, size_t bytes) override {
-    expect_bucket(bucket, bytes);
-    ++grad_to_bucket_calls;
-    std::memcpy(bucket, grad, bytes);
+    counted_copy(grad_to_bucket_calls, bucket, bucket, grad, bytes);
   }
   void bucket_to_grad(void* grad, const void* bucket, size_t bytes) override {
-    expect_bucket(bucket, bytes);
-    ++bucket_to_grad_calls;
-    std::memcpy(grad, bucket, bytes);
+    counted_copy(bucket_to_grad_calls, bucket, grad, bucket, bytes);
   }
   void zero_bucket(void* bucket, size_t bytes) override {
     expect_bucket(bucket, bytes);
@@ -77,20 +73,22 @@ class CountingDeviceMemory final : public GradMemory {
     for (size_t i = 0; i < src.count; ++i) store(dst.data, i, dst.dtype, load(src.data, i, src.dtype) / divisor);
   }
   void host_to_bucket(void* bucket, const void* host, size_t bytes) override {
-    expect_bucket(bucket, bytes);
-    ++staged_in;
-    std::memcpy(bucket, host, bytes);
+    counted_copy(staged_in, bucket, bucket, host, bytes);
   }
   void bucket_to_host(void* host, const void* bucket, size_t bytes) override {
-    expect_bucket(bucket, bytes);
-    ++staged_out;
-    std::memcpy(host, bucket, bytes);
+    counted_copy(staged_out, bucket, host, bucket, bytes);
   }
 
   int allocations = 0, grad_to_bucket_calls = 0, bucket_to_grad_calls = 0, zero_calls = 0, convert_calls = 0;
   int staged_in = 0, staged_out = 0;
 
  private:
+  // A copy one of whose sides (`bucket`) must be memory this allocated.
+  void counted_copy(int& calls, const void* bucket, void* dst, const void* src, size_t bytes) {
+    expect_bucket(bucket, bytes);
+    ++calls;
+    std::memcpy(dst, src, bytes);
+  }
   void expect_bucket(const void* p, size_t bytes) const {
     const auto* b = static_cast<const std::byte*>(p);
     for (const auto& [start, size] : regions)
