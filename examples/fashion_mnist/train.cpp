@@ -175,6 +175,10 @@ int train(const TrainConfig& cfg) {
             model.module->parameters(), torch::optim::SGDOptions(peak_lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay)),
         cohort::torch::sgd_step);
   torch::optim::Optimizer& opt = *optimizer;
+  // fp16 autocast: the loss is scaled before backward so small gradients do
+  // not underflow in fp16; the scaler skips a step whose gradients overflowed.
+  // Its scale and growth tracker are saved with the schedule (exact resume).
+  cohort::torch::GradScaler scaler({.enabled = cfg.fp16_autocast});
 
   cohort::data::SamplerOptions so;
   so.num_replicas = world;
@@ -294,8 +298,11 @@ int train(const TrainConfig& cfg) {
       start_epoch = ck.manifest.epoch;
       position = ck.manifest.sampler_position;
       // The schedule's own step (it differs from `step` after an earlier change of world size).
-      if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object())
+      if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object()) {
         schedule_offset = sched.value("step", step) - step;
+        if (cfg.fp16_autocast && sched.contains("grad_scale"))
+          scaler.load(sched.value("grad_scale", scaler.current_scale()), sched.value("growth_tracker", 0));
+      }
       if (ck.manifest.world_size != world) {
         // Every rank of the old world took sampler_position samples of the
         // epoch's permutation, together its first sampler_position x old world
@@ -341,9 +348,6 @@ int train(const TrainConfig& cfg) {
                                               world));
   if (!cfg.no_ddp) ddp.emplace(model.module, pg, dopts);
   auto params = model.module->parameters();
-  // fp16 autocast: the loss is scaled before backward so small gradients do
-  // not underflow in fp16; the scaler skips a step whose gradients overflowed.
-  cohort::torch::GradScaler scaler({.enabled = cfg.fp16_autocast});
 
   auto save = [&](int64_t epoch, int64_t pos) {
     if (cfg.ckpt_dir.empty()) return;
@@ -353,7 +357,12 @@ int train(const TrainConfig& cfg) {
       m.sampler_position = pos;
       m.world_size = world;
       m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
-      m.lr_schedule = nlohmann::json{{"step", step + schedule_offset}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}}.dump();
+      nlohmann::json schedule{{"step", step + schedule_offset}, {"peak", peak_lr}, {"warmup", cfg.warmup_steps}, {"total", total_steps}};
+      if (cfg.fp16_autocast) {
+        schedule["grad_scale"] = scaler.current_scale();
+        schedule["growth_tracker"] = scaler.growth_tracker();
+      }
+      m.lr_schedule = schedule.dump();
       m.config = nlohmann::json{{"model", cfg.model}, {"epochs", cfg.epochs}, {"batch_size", cfg.batch_size}, {"base_lr", cfg.base_lr},
                                 {"optimizer", cfg.optimizer}, {"momentum", cfg.momentum}, {"weight_decay", cfg.weight_decay},
                                 {"warmup_steps", cfg.warmup_steps}, {"augment", cfg.augment}, {"clip_grad_norm", cfg.clip_grad_norm},
