@@ -2,10 +2,10 @@
 # One command that verifies cohort's GPU path on a machine with NVIDIA GPUs
 # (docs/gpu.md). It builds cohort against the machine's own CUDA, NCCL and
 # LibTorch (the CUDA PyTorch of `python3`), then runs, each step bounded by a
-# timeout and logged to its own file under $OUT (or ./gpu-check-logs):
+# timeout and logged to its own file under ./gpu-check-logs (where $OUT is
+# set, as on the device machine, the logs go to /tmp and are packed into
+# $OUT/gpu-check-logs.tar.gz after every step, since only a few files come back):
 #   nccl       nccl_backend_test
-#   bench      cohort bench --device cuda -c 1: every collective, then
-#              allreduce in every dtype with sum, avg and max (0 wrong)
 #   ddp        tests/torch/ddp_cuda_test: DDP on CUDA tensors equal to one
 #              process on the global batch (world 1 on nccl, world 2 sharing
 #              the GPU on the native backend), the refusals
@@ -17,6 +17,8 @@
 #              PyTorch's DDP does at world 1), cohort's default (a lone rank
 #              skips the reduction), cohort without DDP (--no-ddp), and
 #              PyTorch DDP (nccl)
+#   bench      cohort bench --device cuda -c 1: every collective, then
+#              allreduce in every dtype with sum, avg and max (0 wrong)
 # and prints one summary table; exits non-zero if any step failed.
 #
 # Such a machine has no package registry: what the build needs beyond CUDA,
@@ -52,19 +54,24 @@ while [[ $# -gt 0 ]]; do
     *) echo "gpu-check: unknown option $1 (use --prepare [DIR], --deps DIR, --quick)" >&2; exit 2 ;;
   esac
 done
-logs=${OUT:-$ROOT/gpu-check-logs}
+if [[ -n ${OUT:-} ]]; then logs=${TMPDIR:-/tmp}/gpu-check-logs; rm -rf "$logs"; else logs=$ROOT/gpu-check-logs; fi
 mkdir -p "$logs"
+start=$(date +%s)
 results=()  # "step|status|detail"
 failed=0
-record() { results+=("$1|$2|$3"); [[ $2 == ok ]] || failed=1; echo "gpu-check: $1: $2 ${3:+($3)}"; }
+pack() { [[ -z ${OUT:-} ]] || tar -czf "$OUT/gpu-check-logs.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")" 2>/dev/null || true; }
+record() {
+  results+=("$1|$2|$3"); [[ $2 == ok ]] || failed=1
+  echo "gpu-check: $1: $2 ${3:+($3)} at $(($(date +%s) - start)) s"
+  pack
+}
 # run STEP SECONDS CMD...: the command's output to $logs/STEP.log, bounded by a timeout.
 run() {
   local step=$1 secs=$2; shift 2
   timeout -k 10 "$secs" "$@" >"$logs/$step.log" 2>&1
 }
 
-start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$logs/gpu.txt" 2>&1 || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$logs/gpu.txt" 2>/dev/null || true
 gpu=$(head -1 "$logs/gpu.txt")
 ngpu=$(grep -c . "$logs/gpu.txt"); [[ $ngpu -ge 1 ]] || ngpu=1
 echo "gpu-check: GPU: ${gpu:-none found}"
@@ -91,13 +98,25 @@ libtorch=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))'
 torch_version=$(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')
 nccl=$(python3 -c 'import importlib.util, os; s = importlib.util.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0])')
 nccl_lib=$(ls "$nccl"/lib/libnccl.so* | head -1)
+# LibTorch's CMake package finds CUDA with the old FindCUDA (nvcc on PATH or
+# CUDA_TOOLKIT_ROOT_DIR) and needs libnvrtc, which a toolkit without the
+# runtime-compilation component lacks: then take the one PyTorch's wheels carry.
+cuda_root=/usr/local/cuda
+nvrtc_args=()
+if ! ls "$cuda_root"/lib64/libnvrtc.so* >/dev/null 2>&1; then
+  nvrtc=$(python3 -c 'import glob, importlib.util as u; s = u.find_spec("nvidia"); print(next(iter(sorted(f for d in s.submodule_search_locations for f in glob.glob(d + "/*/lib/libnvrtc.so.*") if "builtins" not in f and ".alt." not in f)), ""))' 2>/dev/null)
+  [[ -n $nvrtc ]] && nvrtc_args=(-DCUDA_nvrtc_LIBRARY="$nvrtc" -DCUDA_NVRTC_LIB="$nvrtc")
+fi
+# The GPU's own architecture, so that LibTorch's CMake need not compile a probe.
+cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+[[ -n $cap ]] && export TORCH_CUDA_ARCH_LIST=$cap
 build=${TMPDIR:-/tmp}/cohort-gpu-build
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 if [[ -f $build/CMakeCache.txt ]] && ! grep -q "COHORT_LIBTORCH:PATH=$libtorch" "$build/CMakeCache.txt"; then rm -rf "$build"; fi
 run configure 300 cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCOHORT_CUDA=ON -DCOHORT_WITH_MPI=OFF \
-  -DCUDAToolkit_ROOT=/usr/local/cuda -DCOHORT_LIBTORCH="$libtorch" -DCMAKE_PREFIX_PATH="$prefix/usr" \
-  -DNCCL_INCLUDE_DIR="$nccl/include" -DNCCL_LIBRARY="$nccl_lib" -DZLIB_LIBRARY="$zlib" -DZLIB_INCLUDE_DIR="$prefix/usr/include" \
-  -DCMAKE_CUDA_ARCHITECTURES=native
+  -DCUDAToolkit_ROOT="$cuda_root" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCOHORT_LIBTORCH="$libtorch" \
+  -DCMAKE_PREFIX_PATH="$prefix/usr" -DNCCL_INCLUDE_DIR="$nccl/include" -DNCCL_LIBRARY="$nccl_lib" \
+  -DZLIB_LIBRARY="$zlib" -DZLIB_INCLUDE_DIR="$prefix/usr/include" "${nvrtc_args[@]}"
 if [[ $? -ne 0 ]]; then record build FAIL "configure: $logs/configure.log"; fi
 run build 420 cmake --build "$build" -j "$(nproc)" --target cohort_cli nccl_backend_test fashion_mnist ddp_cuda_test
 if [[ $? -eq 0 ]]; then record build ok "LibTorch $torch_version, $(($(date +%s) - start)) s"; else record build FAIL "$logs/build.log"; fi
@@ -106,22 +125,6 @@ cohort=$build/cohort
 # ---- the NCCL backend ----
 run nccl 180 "$build/tests/nccl_backend_test"
 if [[ $? -eq 0 ]]; then record nccl ok "$(grep -oE '[0-9]+ tests?' "$logs/nccl.log" | tail -1) passed"; else record nccl FAIL "$logs/nccl.log"; fi
-
-# ---- every collective and dtype on the device, checked ----
-bench_ok=1; rows=0
-for coll in allreduce broadcast reduce allgather reduce_scatter alltoall gather scatter; do
-  run "bench-$coll" 120 "$cohort" run --nproc-per-node 1 "$cohort" bench "$coll" --device cuda -b 8 -e 64M -f 16 -c 1 || bench_ok=0
-done
-for dt in half bf16 int8 uint8 int32 int64 double float; do
-  for op in sum avg max; do
-    run "bench-allreduce-$dt-$op" 60 "$cohort" run --nproc-per-node 1 "$cohort" bench allreduce --device cuda \
-      -d "$dt" -o "$op" -b 8 -e 16M -f 16 -c 1 || bench_ok=0
-  done
-done
-wrong=$(cat "$logs"/bench-*.log | sed 's/^\[rank[0-9]*\]: //' | awk '/^ *[0-9]+ / {n++; if ($NF != 0) w++} END {print (w+0) "/" (n+0)}')
-rows=${wrong#*/}
-if [[ $bench_ok -eq 1 && ${wrong%/*} -eq 0 && $rows -gt 0 ]]; then record bench ok "$rows rows, 0 wrong"
-else record bench FAIL "wrong rows ${wrong}; $logs/bench-*.log"; fi
 
 # ---- DDP on CUDA tensors ----
 run ddp 300 "$build/tests/ddp_cuda_test"
@@ -173,6 +176,23 @@ detail="cohort DDP (reducing) $ours img/s, cohort default (lone rank skips) $ski
 if awk -v t="$vs_torch" -v n="$vs_noddp" 'BEGIN {exit !(t >= 1.2 && n >= 0.95)}'; then record speed ok "$detail"
 else record speed FAIL "$detail (want >= 1.2x and >= 0.95)"; fi
 
+# ---- every collective and dtype on the device, checked (last: the longest step,
+# and what an earlier session already saw pass) ----
+bench_ok=1; rows=0
+for coll in allreduce broadcast reduce allgather reduce_scatter alltoall gather scatter; do
+  run "bench-$coll" 120 "$cohort" run --nproc-per-node 1 "$cohort" bench "$coll" --device cuda -b 8 -e 64M -f 16 -c 1 || bench_ok=0
+done
+for dt in half bf16 int8 uint8 int32 int64 double float; do
+  for op in sum avg max; do
+    run "bench-allreduce-$dt-$op" 60 "$cohort" run --nproc-per-node 1 "$cohort" bench allreduce --device cuda \
+      -d "$dt" -o "$op" -b 8 -e 16M -f 16 -c 1 || bench_ok=0
+  done
+done
+wrong=$(cat "$logs"/bench-*.log | sed 's/^\[rank[0-9]*\]: //' | awk '/^ *[0-9]+ / {n++; if ($NF != 0) w++} END {print (w+0) "/" (n+0)}')
+rows=${wrong#*/}
+if [[ $bench_ok -eq 1 && ${wrong%/*} -eq 0 && $rows -gt 0 ]]; then record bench ok "$rows rows, 0 wrong"
+else record bench FAIL "wrong rows ${wrong}; $logs/bench-*.log"; fi
+
 # ---- summary ----
 {
   echo
@@ -180,4 +200,6 @@ else record speed FAIL "$detail (want >= 1.2x and >= 0.95)"; fi
   printf '%-9s %-5s %s\n' step result detail
   for r in "${results[@]}"; do IFS='|' read -r s st d <<<"$r"; printf '%-9s %-5s %s\n' "$s" "$st" "$d"; done
 } | tee "$logs/summary.txt"
+[[ -z ${OUT:-} ]] || cp "$logs/summary.txt" "$OUT/"
+pack
 exit $failed
