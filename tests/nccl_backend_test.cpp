@@ -246,6 +246,36 @@ TEST(NcclBackend, CollectivesGiveClosedFormResults) {
     });
 }
 
+// DDP on CUDA modules waits this way (docs/gpu.md): the caller's stream waits
+// on the GPU for the operation, the host does not. A memset queued on that
+// stream after the wait must land after the allreduce wrote the buffer, and
+// operations never waited on the host leave the group healthy (the watchdog
+// drops them as they complete; shutdown drains cleanly).
+TEST(NcclBackend, WaitOnStreamOrdersTheStreamNotTheHost) {
+  if (gpu_ranks() < 1) GTEST_SKIP() << "no GPU visible";
+  run_gpu_ranks(1, [](ProcessGroup& pg) {
+    constexpr size_t n = size_t(16) << 20;  // 64 MiB: the allreduce takes a while
+    DeviceFloats a(n);
+    cudaStream_t s = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    for (int i = 0; i < 8; ++i) {
+      a.put(std::vector<float>(n, 3.0f));
+      WorkPtr w = pg.allreduce(a.buf());
+      w->wait_on_stream(s);
+      ASSERT_EQ(cudaMemsetAsync(a.p, 0, n * sizeof(float), s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      EXPECT_TRUE(w->is_completed());
+      const auto out = a.get();
+      ASSERT_EQ(*std::max_element(out.begin(), out.end()), 0.0f) << "the memset ran before the allreduce, step " << i;
+    }
+    // Operations nobody waits on at all: the group stays usable.
+    for (int i = 0; i < 50; ++i) (void)pg.allreduce(a.buf());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // three watchdog rounds
+    pg.barrier()->wait();
+    EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  });
+}
+
 TEST(NcclBackend, SubGroupAndBatchedSendRecv) {
   const int n = gpu_ranks();
   if (n < 2) GTEST_SKIP() << "needs 2 GPUs, " << n << " visible";

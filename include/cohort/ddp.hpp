@@ -91,6 +91,11 @@ class GradMemory {
   virtual void grad_to_bucket(void* bucket, const void* grad, size_t bytes) = 0;
   virtual void bucket_to_grad(void* grad, const void* bucket, size_t bytes) = 0;
   virtual void zero_bucket(void* bucket, size_t bytes) = 0;
+  // Waits for a bucket's collective before its result is used (finalize):
+  // on the host here; GPU memory makes the stream that uses the gradients
+  // wait instead (Work::wait_on_stream), so that backward returns without
+  // draining the GPU.
+  virtual void wait(Work& work, Millis timeout) { work.wait(timeout); }
   // Used only when buckets_on_host() is false (host buckets are converted
   // and read by the reducer and the hooks themselves); the defaults throw.
   // Within bucket memory: dst[i] = src[i] / divisor, converted to dst's dtype

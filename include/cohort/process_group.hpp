@@ -33,6 +33,17 @@ class Work {
   // group's). Throws TimeoutError if the operation has not completed in time;
   // the operation itself keeps its own deadline, so waiting again can succeed.
   virtual void wait(Millis timeout = Millis(0)) = 0;
+  // Orders what is queued on `cuda_stream` (a cudaStream_t) after this
+  // operation, as a CUDA-aware caller needs before it reads the result there.
+  // Backends whose operations run on GPU streams (nccl) make that stream wait
+  // on the GPU and return at once; their deadline is then enforced by the
+  // group's watchdog thread, which fails and aborts the group when it passes,
+  // and the failure surfaces at the group's next call. Others wait on the host,
+  // as wait(timeout) does.
+  virtual void wait_on_stream(void* cuda_stream, Millis timeout = Millis(0)) {
+    (void)cuda_stream;
+    wait(timeout);
+  }
   // The error the operation failed with, or nullptr (also while still running).
   virtual std::exception_ptr error() const = 0;
   // A short description: "allreduce #12 (f32 x 1024, sum)".

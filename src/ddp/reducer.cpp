@@ -392,7 +392,7 @@ struct Reducer::Impl {
     for (size_t b = 0; b < buckets.size(); ++b) {
       CommFuture& f = buckets[b].future;
       try {
-        if (f.work) f.work->wait(opts.timeout);
+        if (f.work) mem->wait(*f.work, opts.timeout);
         if (!happened(stats.buckets[b].completed)) stats.buckets[b].completed = std::chrono::steady_clock::now();
         if (f.then) f.then();
       } catch (const std::exception& e) {

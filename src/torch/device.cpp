@@ -83,6 +83,10 @@ class DeviceGradMemory final : public ddp::GradMemory {
     ::torch::NoGradGuard no_grad;
     bytes(host, n, ::torch::kCPU).copy_(bytes(bucket, n, dev_));  // to pageable memory: synchronous
   }
+  // finalize runs in autograd's end-of-backward callback, where the current
+  // stream is the one backward() was called on: that stream (the optimizer's,
+  // the next forward's) waits for the allreduce; the host goes on queueing.
+  void wait(Work& work, Millis timeout) override { work.wait_on_stream(current_stream_handle(dev_), timeout); }
 
  private:
   void copy(void* dst, const void* src, size_t n) {

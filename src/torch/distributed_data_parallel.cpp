@@ -224,10 +224,12 @@ void DistributedDataParallel::finalize() {
   // (a fresh tensor after set to none), to be copied into the bucket by the
   // next synced backward.
   bool reduced = false;
-  // In device mode finalize() waits for the buckets' collectives (on the
-  // host, so that a failed or hung peer surfaces here) and queues the copies
-  // of the results on the current stream: whatever reads .grad afterwards is
-  // ordered after them.
+  // In device mode finalize() makes the current stream (the caller's, in
+  // autograd's end-of-backward callback) wait for the buckets' collectives on
+  // the GPU, without blocking the host, and queues the copies of the results
+  // on it: whatever reads .grad afterwards is ordered after them. A failed or
+  // hung collective is caught by the NCCL group's watchdog and thrown by the
+  // next collective (docs/gpu.md).
   CudaStreamScope scope(stream());
   try {
     reduced = reducer_->finalize();

@@ -6,19 +6,74 @@
 //     without DDP to 1e-5 relative;
 //   - world 2 sharing the one GPU on the native backend (gradients staged
 //     through host buckets): each rank's half batch gives the gradients of
-//     one process on the whole batch;
+//     one process on the whole batch. The ranks are processes (this test
+//     binary started again for the one test), as under `cohort run`: LibTorch
+//     runs the backward of every CUDA graph in a process on one thread per
+//     device, so ranks as threads of one process would block each other there
+//     (one rank's end-of-backward wait holds the thread the other's hooks need);
 //   - the refusals: a module split across devices, a CPU module on nccl,
 //     gradient_as_bucket_view with staging.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
+
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "proc_util.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
 
 namespace {
 
 using cohort::testing::run_ranks;
+
+constexpr const char* kRankVar = "COHORT_DDP_CUDA_TEST_RANK";
+
+// Runs body(group) on `n` ranks of the native backend, each a process: this
+// binary again, filtered to the current test, with RANK and WORLD_SIZE set
+// (kRankVar marks it). In such a child it runs body on its own rank.
+void in_rank_processes(int n, const std::function<void(cohort::ProcessGroup&)>& body) {
+  if (std::getenv(kRankVar) != nullptr) {
+    cohort::InitOptions o;
+    o.backend = "native";
+    auto pg = cohort::init_process_group(o);
+    body(*pg);
+    pg->shutdown();
+    return;
+  }
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string filter = std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
+  const std::string port = std::to_string(cohort::testing::free_port());
+  const std::string logs = (std::filesystem::temp_directory_path() /
+                            ("ddp_cuda_test." + std::to_string(::getpid()) + "." + info->name()))
+                               .string();
+  std::vector<cohort::testing::Proc> ranks;
+  for (int r = 0; r < n; ++r) {
+    const std::string rank = std::to_string(r), world = std::to_string(n);
+    ranks.push_back(cohort::testing::spawn({exe, filter},
+                                           {{kRankVar, rank},
+                                            {"RANK", rank},
+                                            {"LOCAL_RANK", rank},
+                                            {"WORLD_SIZE", world},
+                                            {"LOCAL_WORLD_SIZE", world},
+                                            {"MASTER_ADDR", "127.0.0.1"},
+                                            {"MASTER_PORT", port},
+                                            {"COHORT_TIMEOUT", "60000"}},
+                                           logs + ".rank" + rank));
+  }
+  const bool finished = cohort::testing::wait_all(ranks, std::chrono::seconds(180));
+  EXPECT_TRUE(finished) << "a rank did not finish within 180 s and was killed";
+  for (int r = 0; r < n; ++r)
+    EXPECT_EQ(ranks[r].exit_code(), 0) << "rank " << r << " (exit " << ranks[r].exit_code() << ", signal "
+                                       << ranks[r].term_signal() << "):\n"
+                                       << ranks[r].out() << ranks[r].err();
+  for (const auto& p : ranks) {
+    std::filesystem::remove(p.out_path);
+    std::filesystem::remove(p.err_path);
+  }
+}
 
 #define REQUIRE_GPU()                 \
   if (!torch::cuda::is_available()) { \
@@ -142,7 +197,7 @@ TEST(DdpCuda, TwoRanksShareTheGpuOnTheNativeBackend) {
   constexpr int64_t kBatch = 32;
   constexpr int kSteps = 4;
   const auto want = reference_params(kBatch, kSteps);
-  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+  in_rank_processes(2, [&](cohort::ProcessGroup& pg) {
     const int r = pg.rank();
     Net net;
     net->to(kGpu);
@@ -172,7 +227,7 @@ TEST(DdpCuda, StagedFindUnusedAndNoSync) {
   for (int m = 0; m < 4; ++m) torch::mse_loss(ref->forward(inputs(m * 8, 8).to(kGpu)), targets(m * 8, 8).to(kGpu)).backward();
   std::vector<torch::Tensor> want;
   for (auto& g : grads_of(*ref)) want.push_back(g.defined() ? g / 4 : g);
-  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+  in_rank_processes(2, [&](cohort::ProcessGroup& pg) {
     const int r = pg.rank();
     Net net(true);
     net->to(kGpu);

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/log.hpp"
@@ -240,7 +241,55 @@ WorkPtr NcclComm::issue(OpDesc d, const std::function<ncclResult_t(ncclComm_t, c
     fail(d, 'e', "recording its completion event failed: " + cuda_error_text(ce));
   }
   COHORT_TRACE(kColl, "{} enqueued on GPU {}", d.describe(), device_);
-  return std::make_shared<NcclWork>(shared_from_this(), std::move(d), done, deadline);
+  auto work = std::make_shared<NcclWork>(shared_from_this(), std::move(d), done, deadline);
+  watch(work);
+  return work;
+}
+
+void NcclComm::watch(const std::shared_ptr<NcclWork>& w) {
+  std::lock_guard<std::mutex> g(watch_->mu);
+  if (watch_->stop) return;
+  watch_->works.push_back(w);
+  if (watchdog_.joinable()) return;
+  watchdog_ = std::thread([state = watch_, device = device_] {
+    (void)cudaSetDevice(device);
+    std::unique_lock<std::mutex> lk(state->mu);
+    while (!state->stop) {
+      state->cv.wait_for(lk, std::chrono::milliseconds(100), [&] { return state->stop; });
+      if (state->stop) break;
+      std::vector<std::shared_ptr<NcclWork>> live = state->works;
+      lk.unlock();
+      std::vector<const NcclWork*> finished;
+      for (const auto& p : live)
+        if (p->watch_once()) finished.push_back(p.get());
+      lk.lock();
+      std::erase_if(state->works, [&](const std::shared_ptr<NcclWork>& e) {
+        return std::find(finished.begin(), finished.end(), e.get()) != finished.end();
+      });
+      // Dropping the last owner of a work can destroy the communicator too (its
+      // destructor then detaches this thread, see stop_watchdog): not under the lock.
+      lk.unlock();
+      live.clear();
+      lk.lock();
+    }
+  });
+}
+
+void NcclComm::stop_watchdog() noexcept {
+  std::vector<std::shared_ptr<NcclWork>> dropped;
+  {
+    std::lock_guard<std::mutex> g(watch_->mu);
+    watch_->stop = true;
+    dropped.swap(watch_->works);
+  }
+  watch_->cv.notify_all();
+  if (watchdog_.joinable()) {
+    if (watchdog_.get_id() == std::this_thread::get_id())
+      watchdog_.detach();  // the last owner of this communicator went away on the watchdog's own thread
+    else
+      watchdog_.join();
+  }
+  dropped.clear();
 }
 
 void NcclComm::check_health(const OpDesc& d) {
@@ -326,6 +375,7 @@ bool NcclComm::is_shut_down() const {
 }
 
 void NcclComm::shutdown() noexcept {
+  stop_watchdog();
   try {
     {
       std::lock_guard<std::mutex> g(mu_);

@@ -19,21 +19,35 @@
 // failure in the store, aborts the communicator and throws a typed error naming
 // the operation. The group is then broken: later calls fail at once.
 //
+// Work::wait_on_stream (DDP on the GPU) does not block the host: the caller's
+// stream waits on the event. So that a hung operation cannot then hang the
+// caller's next synchronisation forever, a watchdog thread (started with the
+// first operation) looks at every operation in flight ten times a second,
+// applies the same checks and deadline as Work::wait, and fails the group
+// (aborting the communicator stops its kernels, so the waiting streams go on).
+// The failure is thrown by the group's next call, as in PyTorch's NCCL
+// process group.
+//
 // Threads: issue from one thread at a time; wait, is_completed and error may
 // be called from any thread. mu_ serialises every NCCL call on the communicator.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "group/native_group.hpp"
 #include "group/nccl/nccl_util.hpp"
 #include "group/op.hpp"
 
 namespace cohort::group::nccl {
+
+class NcclWork;
 
 class NcclComm : public std::enable_shared_from_this<NcclComm> {
  public:
@@ -90,6 +104,23 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::string context(const std::string& what) const;
   std::string record_first_failure(const std::string& why);
   void abort_locked() noexcept;
+  // Hands a new operation to the watchdog, starting it on the first call.
+  void watch(const std::shared_ptr<NcclWork>& w);
+  void stop_watchdog() noexcept;
+
+  // The watchdog's state, shared with its thread so that the thread never
+  // touches the communicator itself (a work it holds may be its last owner).
+  // It owns the operations in flight, so that one whose Work the caller
+  // dropped (DDP drops a bucket's after wait_on_stream) is still watched; it
+  // lets go of each when it finishes or fails, and of all at shutdown.
+  struct Watch {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    std::vector<std::shared_ptr<NcclWork>> works;
+  };
+  std::shared_ptr<Watch> watch_ = std::make_shared<Watch>();
+  std::thread watchdog_;
 
   GroupSetup setup_;
   int device_;
@@ -114,6 +145,12 @@ class NcclWork final : public Work {
   void wait(Millis timeout) override;
   std::exception_ptr error() const override;
   std::string describe() const override { return desc_.describe(); }
+  // The stream waits on the operation's event (the host does not). Throws the
+  // operation's error if it already failed, or the group's.
+  void wait_on_stream(void* cuda_stream, Millis timeout) override;
+  // One round of the watchdog: true once the operation is finished (failed
+  // included); fails the group when its deadline passed or the group is unhealthy.
+  bool watch_once();
 
  private:
   // Queries the event once (mu_ held): true when the work is finished, with

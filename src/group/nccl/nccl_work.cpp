@@ -55,28 +55,30 @@ std::exception_ptr NcclWork::error() const {
   return err_;
 }
 
+bool NcclWork::watch_once() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (poll_locked()) return true;
+  }
+  try {
+    comm_->check_health(desc_);
+    if (deadline_.passed())
+      comm_->fail(desc_, 't', "it did not complete before its deadline (COHORT_TIMEOUT or the call's timeout)");
+  } catch (...) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!done_) {
+      err_ = std::current_exception();
+      done_ = true;
+    }
+    return true;
+  }
+  return false;
+}
+
 void NcclWork::wait(Millis timeout) {
   const Millis t = timeout.count() > 0 ? timeout : comm_->setup().timeout;
   const auto wait_deadline = core::Deadline::after(t);
-  poll_until(core::Deadline::never(), [&] {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (poll_locked()) return true;
-    }
-    try {
-      comm_->check_health(desc_);
-      if (deadline_.passed())
-        comm_->fail(desc_, 't', "it did not complete before its deadline (COHORT_TIMEOUT or the call's timeout)");
-    } catch (...) {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!done_) {
-        err_ = std::current_exception();
-        done_ = true;
-      }
-      return true;
-    }
-    return wait_deadline.passed();
-  });
+  poll_until(core::Deadline::never(), [&] { return watch_once() || wait_deadline.passed(); });
   std::lock_guard<std::mutex> g(mu_);
   if (!done_)
     throw TimeoutError(
@@ -84,6 +86,22 @@ void NcclWork::wait(Millis timeout) {
                     "deadline is in {} ms)",
                     t.count(), desc_.describe(), deadline_.remaining_ms()));
   if (err_) std::rethrow_exception(err_);
+}
+
+void NcclWork::wait_on_stream(void* cuda_stream, Millis /*timeout: the watchdog applies the operation's own*/) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (poll_locked()) {
+      if (err_) std::rethrow_exception(err_);
+      return;
+    }
+  }
+  comm_->check_health(desc_);  // what NCCL already reports fails now, not at the next call
+  const cudaError_t ce = cudaStreamWaitEvent(static_cast<cudaStream_t>(cuda_stream), done_event_, 0);
+  if (ce != cudaSuccess) {
+    (void)cudaGetLastError();
+    comm_->fail(desc_, 'e', "making the caller's stream wait for it failed: " + cuda_error_text(ce));
+  }
 }
 
 }  // namespace cohort::group::nccl
