@@ -1,5 +1,5 @@
 // Every collective x transport x world size x count x dtype x op, ranks as
-// threads, closed-form expected values (DESIGN.md habit 7).
+// threads, closed-form expected values (docs/design.md habit 7).
 #include <gtest/gtest.h>
 
 #include <chrono>

@@ -1,4 +1,4 @@
-// plan_buckets: a pure function, tested directly (DESIGN.md habit 8).
+// plan_buckets: a pure function, tested directly (docs/design.md habit 8).
 #include <gtest/gtest.h>
 
 #include <map>

@@ -1,4 +1,4 @@
-// Shared buffers (src/transport/shm/shared_buffer.hpp): allocation and the
+// Shared buffers (src/transport/shared_buffer.hpp): allocation and the
 // registry, and a peer's mappings, here with this process as its own peer
 // (/proc/self/fd works like /proc/<peer>/fd). Allreduces on shared buffers:
 // collectives_test (AllreduceSharedBuffers) and debug_log_test.
@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "transport/shm/shared_buffer.hpp"
+#include "transport/shared_buffer.hpp"
 
 namespace cohort::transport {
 namespace {

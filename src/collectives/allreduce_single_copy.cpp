@@ -22,7 +22,7 @@
 // progress thread shares a core with training (DDP on 2 cores). Per rank with
 // 2 ranks: 80% of the buffer's bytes of memory traffic, against ~180%.
 //
-// Shared buffers (ProcessGroup::allocate_buffer, transport/shm/shared_buffer.hpp):
+// Shared buffers (ProcessGroup::allocate_buffer, transport/shared_buffer.hpp):
 // with the addresses each rank also sends the SharedRef of its buffers. Where
 // a peer's buffer is one, this rank maps it once (cached by the connection)
 // and reduces straight from the peer's memory and stores the result straight
@@ -55,7 +55,7 @@
 #include "core/check.hpp"
 #include "core/log.hpp"
 #include "core/reduce.hpp"
-#include "transport/shm/shared_buffer.hpp"
+#include "transport/shared_buffer.hpp"
 
 namespace cohort::collectives {
 

@@ -1,4 +1,4 @@
-// Deadlines. Every wait in cohort has one (DESIGN.md habit 9).
+// Deadlines. Every wait in cohort has one (docs/design.md habit 9).
 #pragma once
 
 #include <chrono>

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
-#include "cohort/process_group.hpp"
 #include "cohort/types.hpp"
 
 namespace cohort {
@@ -77,7 +76,5 @@ std::optional<ReduceOp> parse_reduce_op(std::string_view s) {
   if (l == "avg" || l == "mean") return ReduceOp::Avg;
   return std::nullopt;
 }
-
-const char* version() { return COHORT_VERSION; }
 
 }  // namespace cohort

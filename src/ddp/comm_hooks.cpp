@@ -15,8 +15,8 @@
 #include <fmt/format.h>
 
 #include "cohort/ddp.hpp"
+#include "core/input_pieces.hpp"
 #include "core/reduce.hpp"
-#include "group/op.hpp"
 
 namespace cohort::ddp {
 namespace {
@@ -107,7 +107,7 @@ CommHook compress_hook(DType half, const char* hook_name) {
 
 Buffer GradBucket::buffer() const {
   if (pieces_ != nullptr && !pieces_->empty()) {
-    group::copy_pieces(buffer_, *pieces_);
+    core::copy_pieces(buffer_, *pieces_);
     pieces_->clear();
   }
   return buffer_;

@@ -13,7 +13,7 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/native_group.hpp"
-#include "transport/shm/shared_buffer.hpp"
+#include "transport/shared_buffer.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
 namespace cohort::group {

@@ -7,6 +7,7 @@
 
 #include "collectives/algorithms.hpp"
 #include "core/env.hpp"
+#include "core/input_pieces.hpp"
 #include "core/log.hpp"
 #include "core/reduce.hpp"
 #include "core/timeline.hpp"
@@ -237,7 +238,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   switch (d.coll) {
     case Coll::Allreduce:
       // allreduce_gathered: single copy places the pieces itself (reading its own block's in place)
-      if (a != Algo::SingleCopy) copy_pieces(d.recv, d.pieces);
+      if (a != Algo::SingleCopy) core::copy_pieces(d.recv, d.pieces);
       if (a == Algo::Ring) {
         c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
       } else if (a == Algo::SingleCopy) {

@@ -1,6 +1,5 @@
 #include "group/op.hpp"
 
-#include <cstring>
 
 #include <fmt/format.h>
 
@@ -116,13 +115,6 @@ void check_pieces(Buffer buf, std::span<const InputPiece> pieces) {
                                         p.offset, end));
     end = p.offset + p.count;
   }
-}
-
-void copy_pieces(Buffer buf, std::span<const InputPiece> pieces) {
-  const size_t es = dtype_size(buf.dtype);
-  for (const InputPiece& p : pieces)
-    if (p.count > 0 && p.data != static_cast<std::byte*>(buf.data) + p.offset * es)
-      std::memcpy(static_cast<std::byte*>(buf.data) + p.offset * es, p.data, p.count * es);
 }
 
 void validate(const OpDesc& d, int rank, int size) {

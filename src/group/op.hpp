@@ -13,9 +13,8 @@
 namespace cohort::group {
 
 // allreduce_gathered's pieces: check_pieces throws InvalidArgument unless they
-// lie inside buf, sorted by offset, without overlap; copy_pieces copies them in.
+// lie inside buf, sorted by offset, without overlap (core::copy_pieces copies them in).
 void check_pieces(Buffer buf, std::span<const InputPiece> pieces);
-void copy_pieces(Buffer buf, std::span<const InputPiece> pieces);
 
 struct OpDesc {
   collectives::Coll coll;

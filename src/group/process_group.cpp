@@ -3,6 +3,7 @@
 #include <new>
 
 #include "cohort/process_group.hpp"
+#include "core/input_pieces.hpp"
 #include "group/op.hpp"
 
 namespace cohort {
@@ -16,11 +17,13 @@ std::shared_ptr<std::byte[]> ProcessGroup::allocate_buffer(size_t bytes) {
 
 WorkPtr ProcessGroup::allreduce_gathered(Buffer buf, std::vector<InputPiece> pieces, AllreduceOptions opts) {
   group::check_pieces(buf, pieces);
-  group::copy_pieces(buf, pieces);
+  core::copy_pieces(buf, pieces);
   return allreduce(buf, buf, opts);
 }
 
 std::pair<size_t, size_t> ProcessGroup::allreduce_direct_block(size_t, DType) const { return {0, 0}; }
+
+const char* version() { return COHORT_VERSION; }
 
 }  // namespace cohort
 

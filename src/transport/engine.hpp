@@ -5,7 +5,7 @@
 // progress together, so two ranks that send to each other never deadlock on
 // full buffers.
 //
-// Waiting policy (DESIGN.md habit 9: 8 ranks on 2 cores must make progress):
+// Waiting policy (docs/design.md habit 9: 8 ranks on 2 cores must make progress):
 // spin for COHORT_SPIN_US, then sched_yield() until COHORT_YIELD_US has passed,
 // then sleep on the shared-memory doorbell (a futex) and/or poll() the TCP
 // sockets, waking at least every 100 ms to check peer liveness and the deadline.

@@ -21,7 +21,7 @@
 
 #include "cohort/error.hpp"
 #include "cohort/types.hpp"
-#include "transport/shm/shared_buffer.hpp"
+#include "transport/shared_buffer.hpp"
 
 namespace cohort::transport {
 
@@ -135,7 +135,7 @@ class Connection {
   virtual void write_remote(uint64_t remote, const void* local, size_t bytes);
   // Direct access: this process's address for the peer's address `remote`
   // (`bytes` from there) inside the peer's shared buffer `ref`
-  // (shm/shared_buffer.hpp), mapped on first use and kept; loads and stores
+  // (shared_buffer.hpp), mapped on first use and kept; loads and stores
   // there reach the peer's memory. nullptr, with the reason in *why, when it
   // cannot be mapped (the caller then uses read_remote / write_remote).
   virtual uint8_t* map_remote(const SharedRef& ref, uint64_t remote, size_t bytes, std::string* why);

@@ -55,7 +55,7 @@ class DeviceGuard {
 // Calls step() until it returns true or the deadline passes (then returns
 // false). Between calls it yields for the first few rounds, then sleeps with a
 // growing pause of up to 1 ms: 8 ranks on 2 cores must still make progress
-// (DESIGN.md habit 9), and a GPU collective rarely finishes within a yield.
+// (docs/design.md habit 9), and a GPU collective rarely finishes within a yield.
 bool poll_until(core::Deadline deadline, const std::function<bool()>& step);
 
 }  // namespace cohort::group::nccl

@@ -1,6 +1,6 @@
 // Shared buffers (shared_buffer.hpp): memfd-backed allocations, a registry
 // of them for find_shared_buffer, and a peer's cache of mapped buffers.
-#include "transport/shm/shared_buffer.hpp"
+#include "transport/shared_buffer.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
