@@ -1,6 +1,6 @@
 // The checks of the collective suite, shared by every backend's tests: each
 // runs on one rank of a group (any size) and checks closed-form expected values
-// (DESIGN.md habit 7). tests/collectives_test.cpp runs them on the native
+// (docs/design.md habit 7). tests/collectives_test.cpp runs them on the native
 // backend with ranks as threads; tests/mpi/mpi_coll_worker.cpp on the mpi
 // backend with ranks as processes under mpirun. Every rank of the group must
 // run the same checks in the same order (they are collective).
@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -26,19 +28,43 @@ inline bool is_int(DType t) {
   return t == DType::I8 || t == DType::U8 || t == DType::I32 || t == DType::I64;
 }
 
-// Input of rank r at element i for op: small integers, exact in every dtype.
+// The value pattern of the reduction checks. k(i), in {1, 2, 3}, comes from a
+// hash of the element's index, so it has no short period: data written at the
+// wrong offset (a chunk shifted by any number of elements, a block sent to the
+// wrong place) breaks the check, where a pattern like i % 3 + 1 let every
+// shift by a multiple of 3 pass. The values are small integers, exact in every
+// dtype: bf16 holds integers up to 256 and i8 up to 127, and the largest
+// result is a sum of 3 * (1 + ... + 8) = 108 at 8 ranks.
+// (SplitMix64's finaliser: every input bit moves every output bit. A plain
+// multiplicative hash is not enough: shifts by 9 elements left the top bits of
+// most elements unchanged, which collective_checks_test.cpp caught.)
+inline uint64_t index_hash(size_t i) {
+  uint64_t z = static_cast<uint64_t>(i) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+inline int k_of(size_t i) { return 1 + static_cast<int>((index_hash(i) >> 33) % 3); }
+// prod: rank r contributes 2 where bit r of the element's mask is set, else 1.
+// Only ranks 0-5 take part, so a product is at most 64.
+inline unsigned prod_mask(size_t i) { return static_cast<unsigned>(index_hash(i) >> 58); }
+
+// Input of rank r at element i for op.
 inline double input(int r, size_t i, ReduceOp op, int n) {
-  if (op == ReduceOp::Prod) return static_cast<size_t>(r) == i % n ? 2.0 : 1.0;
-  return static_cast<double>((r + 1) * static_cast<int>(i % 3 + 1));
+  (void)n;
+  if (op == ReduceOp::Prod) return r < 6 && ((prod_mask(i) >> r) & 1u) ? 2.0 : 1.0;
+  return static_cast<double>((r + 1) * k_of(i));
 }
 
 inline double expected(size_t i, ReduceOp op, int n, DType t) {
-  double k = static_cast<double>(i % 3 + 1);
+  const double k = k_of(i);
   switch (op) {
     case ReduceOp::Sum:
       return k * n * (n + 1) / 2;
-    case ReduceOp::Prod:
-      return n == 1 && i % n != 0 ? 1.0 : 2.0;
+    case ReduceOp::Prod: {
+      const unsigned ranks = (1u << std::min(n, 6)) - 1;
+      return std::ldexp(1.0, std::popcount(prod_mask(i) & ranks));
+    }
     case ReduceOp::Min:
       return k;
     case ReduceOp::Max:
@@ -201,9 +227,10 @@ inline void check_broadcast_reduce_every_root(ProcessGroup& pg) {
   for (size_t count : {size_t(0), size_t(1), size_t(3 * n + 1), size_t(300000)})
     for (int root = 0; root < n; ++root) {
       Vec b(count, DType::I32);
-      for (size_t i = 0; i < count; ++i) b.set(i, pg.rank() == root ? double(root * 1000 + i % 1000) : -1);
+      // root * 10^6 + i: no two elements alike (i32 holds it), so a misplaced piece shows
+      for (size_t i = 0; i < count; ++i) b.set(i, pg.rank() == root ? double(root * 1000000 + i) : -1);
       pg.broadcast(b.buf(), {.root = root})->wait();
-      EXPECT_ELEMS(count, b.get(i), double(root * 1000 + i % 1000), "broadcast root " << root << " count " << count);
+      EXPECT_ELEMS(count, b.get(i), double(root * 1000000 + i), "broadcast root " << root << " count " << count);
 
       for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max}) {
         Vec in(count, DType::F32), out(count, DType::F32);
