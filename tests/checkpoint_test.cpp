@@ -15,6 +15,7 @@
 #include "checkpoint/ckpt_test_util.hpp"
 #include "checkpoint/layout.hpp"
 #include "cohort/checkpoint.hpp"
+#include "test_deps.hpp"
 
 using namespace cohort;
 using namespace cohort::testing;
@@ -397,7 +398,7 @@ TEST(Checkpoint, BadArgumentsThrowBeforeWritingAnything) {
 }
 
 TEST(Checkpoint, PlainPythonVerifiesAndReadsACheckpoint) {
-  if (std::system("command -v python3 >/dev/null 2>&1") != 0) GTEST_SKIP() << "python3 not found";
+  if (std::system("command -v python3 >/dev/null 2>&1") != 0) COHORT_MISSING_DEP("python3 not found");
   TempDir dir;
   std::string path = save_checkpoint(dir.path(), 12, sample_files(0), sample_manifest(0));
   std::string script = (fs::path(__FILE__).parent_path() / "checkpoint" / "read_safetensors.py").string();

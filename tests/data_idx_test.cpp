@@ -12,6 +12,7 @@
 #include "cohort/data.hpp"
 #include "cohort/error.hpp"
 #include "data/file_bytes.hpp"
+#include "test_deps.hpp"
 
 namespace cohort::data {
 namespace {
@@ -266,7 +267,7 @@ TEST_F(FashionMnistFiles, MissingFilesSayHowToGetThem) {
 
 TEST(RealFashionMnist, SplitsHaveTheirKnownShapes) {
   const std::string dir = FashionMnistOptions{}.dir;
-  if (!FashionMnist::available(dir)) GTEST_SKIP() << dir << " is missing: apt install dataset-fashion-mnist";
+  if (!FashionMnist::available(dir)) COHORT_MISSING_DEP(dir << " is missing: apt install dataset-fashion-mnist");
   IdxArray images = read_idx(dir + "/train-images-idx3-ubyte.gz");
   EXPECT_EQ(images.dims, (std::vector<int64_t>{60000, 28, 28}));
   EXPECT_EQ(images.data.size(), 47040000u);

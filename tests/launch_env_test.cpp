@@ -11,6 +11,7 @@
 #include "cohort/cohort.hpp"
 #include "group/launch_env.hpp"
 #include "proc_util.hpp"
+#include "test_deps.hpp"
 
 namespace cohort {
 namespace {
@@ -314,7 +315,7 @@ size_t count_of(const std::string& text, const std::string& part) {
 
 TEST(LaunchEnvJob, MpirunTwoRanks) {
   const std::string mpirun = find_in_path("mpirun");
-  if (mpirun.empty()) GTEST_SKIP() << "mpirun not found in PATH (apt-get install openmpi-bin): skipping the mpirun job";
+  if (mpirun.empty()) COHORT_MISSING_DEP("mpirun not found in PATH (apt-get install openmpi-bin): skipping the mpirun job");
   clear_launcher_env();
   const std::string port = std::to_string(testing::free_port());
   std::vector<testing::Proc> ps{testing::spawn(

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "launch_harness.hpp"
+#include "test_deps.hpp"
 
 namespace lt = launch_test;
 namespace fs = std::filesystem;
@@ -151,7 +152,7 @@ TEST(Launcher, OneNodeC10dPicksFreePortsLikeStandalone) {
 }
 
 TEST(Launcher, PythonScriptsAndModulesRunWithPython) {
-  if (system("python3 -c pass >/dev/null 2>&1") != 0) GTEST_SKIP() << "no python3";
+  if (system("python3 -c pass >/dev/null 2>&1") != 0) COHORT_MISSING_DEP("no python3");
   std::string dir = lt::temp_dir();
   std::ofstream(dir + "/show.py") << "import os, sys\nprint('py', os.environ['RANK'], sys.argv[1:])\n";
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", dir + "/show.py", "--lr", "1"});

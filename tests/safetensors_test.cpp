@@ -16,6 +16,7 @@
 #include "checkpoint/crc32c.hpp"
 #include "checkpoint/safetensors.hpp"
 #include "cohort/checkpoint.hpp"
+#include "test_deps.hpp"
 
 using namespace cohort;
 using namespace cohort::testing;
@@ -296,7 +297,7 @@ std::string reader_script() {
 TEST(SafetensorsPython, PlainPythonReadsEveryDType) {
   int status = 0;
   run("command -v python3 >/dev/null 2>&1", &status);
-  if (status != 0) GTEST_SKIP() << "python3 not found";
+  if (status != 0) COHORT_MISSING_DEP("python3 not found");
   std::vector<NamedTensor> tensors;
   std::vector<std::string> expect;
   int seed = 0;

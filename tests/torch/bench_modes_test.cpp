@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "launch_harness.hpp"
+#include "test_deps.hpp"
 
 namespace {
 
@@ -50,7 +51,7 @@ std::string run_mode(const std::vector<std::string>& mode_flags, std::string* ou
 }
 
 TEST(BenchModes, LockstepWaitsOncePerStepWithoutGradientTraffic) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string out;
   std::string dir = run_mode({"--no-allreduce", "--lockstep"}, &out);
   EXPECT_NE(out.find("allreduce=off+barrier"), std::string::npos) << out;
@@ -64,7 +65,7 @@ TEST(BenchModes, LockstepWaitsOncePerStepWithoutGradientTraffic) {
 }
 
 TEST(BenchModes, NoAllreduceNeitherReducesNorWaits) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string out;
   std::string dir = run_mode({"--no-allreduce"}, &out);
   EXPECT_NE(out.find("allreduce=off\n"), std::string::npos) << out;

@@ -11,6 +11,7 @@
 
 #include "mpi/mpirun_args.hpp"
 #include "proc_util.hpp"
+#include "test_deps.hpp"
 
 namespace {
 
@@ -68,8 +69,8 @@ std::vector<std::string> under_mpirun() {
 
 TEST(DdpMpirun, SameLossesAndAccuracyAsCohortRun) {
   if (!fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
-    GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
-  if (access(COHORT_MPIEXEC, X_OK) != 0) GTEST_SKIP() << COHORT_MPIEXEC " not installed (apt-get install openmpi-bin)";
+    COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  if (access(COHORT_MPIEXEC, X_OK) != 0) COHORT_MISSING_DEP(COHORT_MPIEXEC " not installed (apt-get install openmpi-bin)");
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
 
   std::vector<std::string> launcher = {COHORT_BIN, "run", "--standalone", "--nproc-per-node", "2"};

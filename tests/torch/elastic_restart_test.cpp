@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "launch_harness.hpp"
+#include "test_deps.hpp"
 
 namespace {
 
@@ -64,7 +65,7 @@ double accuracy(const std::string& out) {
 }
 
 TEST(ElasticRestart, KilledRankRestartsResumesAndReachesTheSameAccuracy) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto full = lt::run(job(base + "/a", {}), env, 600);
@@ -108,7 +109,7 @@ int newest_step(const std::string& dir) {
 }
 
 TEST(ElasticRestart, LauncherKilledWhileCheckpointingLeavesTheLastCheckpointLoadable) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir(), ckpt = base + "/k";
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   // A checkpoint after every step, so the launcher's death often lands inside a save.
@@ -149,7 +150,7 @@ namespace {
 // restarts once and still reaches the demo's accuracy target, 91.6 % (an
 // uninterrupted run: 91.80 %). About 2 minutes on 2 cores.
 TEST(ElasticRestart, TheTenEpochDemoWithAKilledRankReachesItsAccuracyTarget) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   std::random_device rd;

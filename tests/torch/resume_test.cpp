@@ -10,6 +10,7 @@
 #include <regex>
 
 #include "launch_harness.hpp"
+#include "test_deps.hpp"
 
 namespace {
 
@@ -34,7 +35,7 @@ std::vector<std::string> job(const std::string& ckpt, std::vector<std::string> e
 }
 
 TEST(Resume, KilledRunResumesWithIdenticalLosses) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto full = lt::run(job(base + "/a", {}), env, 600);
@@ -64,7 +65,7 @@ TEST(Resume, KilledRunResumesWithIdenticalLosses) {
 // AdamW's state (step count for the bias corrections, both moments) goes
 // into the checkpoint and comes back: the resumed losses match to the bit.
 TEST(Resume, AdamWResumesWithIdenticalLosses) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto full = lt::run(job(base + "/a", {"--optimizer", "adamw"}, 50), env, 600);
@@ -83,7 +84,7 @@ TEST(Resume, AdamWResumesWithIdenticalLosses) {
 }
 
 TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto first = lt::run(job(base + "/c", {}, 40), env, 600);
@@ -110,7 +111,7 @@ TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
 // A new job in a directory that holds an earlier run's checkpoints (with a
 // higher step): after a restart it resumes its own checkpoint, not theirs.
 TEST(Resume, ARestartResumesThisJobsCheckpointNotAnEarlierRunsHigherOne) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // the earlier run: step 20 saved
@@ -126,7 +127,7 @@ TEST(Resume, ARestartResumesThisJobsCheckpointNotAnEarlierRunsHigherOne) {
 }
 
 TEST(Resume, AnotherWorldSizeContinuesTheEpochWhereTheOldWorldStopped) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // 2 ranks: checkpoint at step 20
@@ -147,7 +148,7 @@ TEST(Resume, AnotherWorldSizeContinuesTheEpochWhereTheOldWorldStopped) {
 // checkpoint's, or --resume is refused naming both values; a changed --lr,
 // --momentum, ... only gets a note.
 TEST(Resume, AChangedBatchSizeOrSeedIsRefusedNamingBoth) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   ASSERT_EQ(lt::run(job(base + "/a", {"--train-limit", "4096"}, 25), env, 600).status, 0);  // checkpoint at step 20
@@ -188,7 +189,7 @@ namespace {
 // A missing or truncated data file: the example's error names the file, what
 // is wrong with it, and the flag that chose the directory.
 TEST(ExampleData, AMissingOrTruncatedFileIsNamed) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   const std::string dir = lt::temp_dir();
   const std::string src = "/usr/share/datasets/fashion-mnist";
   const std::vector<std::string> args = {"run", "--standalone", "--nproc-per-node", "1", COHORT_FASHION_MNIST_BIN,
@@ -218,7 +219,7 @@ namespace {
 // --bf16-autocast (cohort::torch::Autocast around the forward) trains: the
 // loss falls over a few steps on 2 ranks, as it does without it.
 TEST(ExampleData, Bf16AutocastTrains) {
-  if (!have_data()) GTEST_SKIP() << "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)";
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_FASHION_MNIST_BIN, "--bf16-autocast",
                     "--max-steps", "60", "--train-limit", "8192", "--augment", "none", "--log-losses"},
