@@ -12,23 +12,12 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
+#include "core/fd.hpp"
 
 namespace cohort::data {
 namespace {
 
 constexpr size_t kMaxZlibChunk = size_t{1} << 30;  // zlib counts in 32-bit uInt
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 class Inflater {
  public:
@@ -56,7 +45,7 @@ bool all_zero(std::span<const uint8_t> bytes) {
 }  // namespace
 
 std::vector<uint8_t> read_file_bytes(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  core::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) throw IoError(fmt::format("cannot open {}: {}", path, std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw IoError(fmt::format("cannot stat {}: {}", path, std::strerror(errno)));

@@ -17,11 +17,6 @@
 
 namespace cohort::store::net {
 
-void Fd::reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = fd;
-}
-
 std::string errno_text(int err) { return fmt::format("{} (errno {})", std::strerror(err), err); }
 
 void set_nonblocking(int fd) {

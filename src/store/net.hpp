@@ -9,34 +9,11 @@
 #include <string>
 
 #include "core/clock.hpp"
+#include "core/fd.hpp"
 
 namespace cohort::store::net {
 
-// Owns a file descriptor; closes it once.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) reset(o.release());
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release() {
-    int f = fd_;
-    fd_ = -1;
-    return f;
-  }
-  void reset(int fd = -1);
-
- private:
-  int fd_ = -1;
-};
+using core::Fd;  // the sockets below are held in core::Fd (core/fd.hpp)
 
 std::string errno_text(int err);  // "Connection refused (errno 111)"
 void set_nonblocking(int fd);

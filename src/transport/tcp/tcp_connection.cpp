@@ -239,7 +239,8 @@ class TcpConnection final : public Connection {
 std::unique_ptr<Connection> TcpTransport::take(int peer) {
   auto it = fds_.find(peer);
   if (it == fds_.end()) throw InvalidArgument(fmt::format("tcp transport: no connection to rank {}", peer));
-  std::vector<int> fds = std::move(it->second);
+  std::vector<int> fds;  // the connection owns them from here
+  for (core::Fd& fd : it->second) fds.push_back(fd.release());
   fds_.erase(it);
   return std::make_unique<TcpConnection>(std::move(fds), peer);
 }

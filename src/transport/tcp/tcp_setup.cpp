@@ -79,18 +79,17 @@ std::string choose_local_address(const std::string& route_hint) {
     hints.ai_socktype = SOCK_DGRAM;
     addrinfo* res = nullptr;
     if (getaddrinfo(host.c_str(), "9", &hints, &res) == 0 && res != nullptr) {
-      int s = ::socket(AF_INET, SOCK_DGRAM, 0);
+      core::Fd s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
       std::string out;
-      if (s >= 0 && ::connect(s, res->ai_addr, res->ai_addrlen) == 0) {
+      if (s.valid() && ::connect(s.get(), res->ai_addr, res->ai_addrlen) == 0) {
         sockaddr_in local{};
         socklen_t len = sizeof(local);
-        if (getsockname(s, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+        if (getsockname(s.get(), reinterpret_cast<sockaddr*>(&local), &len) == 0) {
           char buf[INET_ADDRSTRLEN];
           inet_ntop(AF_INET, &local.sin_addr, buf, sizeof(buf));
           out = buf;
         }
       }
-      if (s >= 0) close(s);
       freeaddrinfo(res);
       if (!out.empty()) return out;
     }
@@ -113,31 +112,26 @@ std::string choose_local_address(const std::string& route_hint) {
   return found;
 }
 
-TcpTransport::~TcpTransport() {
-  for (auto& [peer, fds] : fds_)
-    for (int fd : fds) close(fd);
-}
-
 std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& store, core::Deadline deadline) {
   std::unique_ptr<TcpTransport> t(new TcpTransport());
   t->local_addr_ = choose_local_address(opts.route_hint);
   const uint64_t group_hash = std::hash<std::string>{}(opts.group_id);
   const std::string secret = core::job_secret();
 
-  int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (lfd < 0) throw IoError(fmt::format("socket() failed: {}", err(errno)));
+  // The listening socket: closed on every way out of here (core::Fd).
+  core::Fd lfd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!lfd.valid()) throw IoError(fmt::format("socket() failed: {}", err(errno)));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   inet_pton(AF_INET, t->local_addr_.c_str(), &addr.sin_addr);
   addr.sin_port = 0;
-  if (::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(lfd, 1024) != 0) {
-    int e = errno;
-    close(lfd);
+  if (::bind(lfd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(lfd.get(), 1024) != 0) {
+    const int e = errno;
     throw IoError(fmt::format("cannot listen on {}: {}; HINT: set COHORT_SOCKET_IFNAME to an interface of this host",
                               t->local_addr_, err(e)));
   }
   socklen_t alen = sizeof(addr);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &alen);
+  getsockname(lfd.get(), reinterpret_cast<sockaddr*>(&addr), &alen);
   const std::string me = fmt::format("{}:{}", t->local_addr_, ntohs(addr.sin_port));
   store.set_string(fmt::format("tcp/{}", opts.my_rank), me);
   COHORT_INFO(kNet, "tcp: listening on {} (group {})", me, opts.group_id);
@@ -149,7 +143,7 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
   for (int p : opts.peers) {
     if (p > opts.my_rank) {
       to_accept[p] = nsocks;
-      t->fds_[p].assign(nsocks, -1);
+      t->fds_[p].resize(nsocks);  // filled by socket index as they are accepted
       continue;
     }
     for (int k = 0; k < nsocks; ++k) {
@@ -160,17 +154,16 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
       pa.sin_family = AF_INET;
       pa.sin_port = htons(port);
       inet_pton(AF_INET, host.c_str(), &pa.sin_addr);
-      int fd = -1;
+      core::Fd fd;
       int last_err = 0;
-      while (fd < 0) {
-        fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        tune_socket(fd);
-        if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
+      while (!fd.valid()) {
+        fd.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (!fd.valid()) throw IoError(fmt::format("socket() failed: {}", err(errno)));
+        tune_socket(fd.get());
+        if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
         last_err = errno;
-        close(fd);
-        fd = -1;
+        fd.reset();
         if (deadline.passed()) {
-          close(lfd);
           throw TimeoutError(
               fmt::format("rank {} cannot connect to rank {} at {}:{}: {}; HINT: is a firewall blocking the "
                           "port? set COHORT_SOCKET_IFNAME to the interface that reaches the other hosts",
@@ -179,36 +172,33 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       // Answer the acceptor's challenge with our proof of the job secret (tcp_hello.hpp).
-      store::net::set_nonblocking(fd);
+      store::net::set_nonblocking(fd.get());
       int e = 0;
       size_t got = 0;
       uint8_t challenge[tcp_hello::kChallengeBytes];
       tcp_hello::Nonce nonce{};
       tcp_hello::Verdict cv = tcp_hello::Verdict::Short;
       bool ok =
-          store::net::recv_all(fd, challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
+          store::net::recv_all(fd.get(), challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
           (cv = tcp_hello::check_challenge(challenge, sizeof(challenge), &nonce)) == tcp_hello::Verdict::Ok;
       if (ok) {
         auto hello = tcp_hello::encode_hello(secret, nonce, {group_hash, opts.my_rank, static_cast<uint32_t>(k)});
-        ok = store::net::send_all(fd, hello.data(), hello.size(), deadline, &e) == store::net::IoStatus::Ok;
+        ok = store::net::send_all(fd.get(), hello.data(), hello.size(), deadline, &e) == store::net::IoStatus::Ok;
       }
       if (!ok) {
-        close(fd);
-        close(lfd);
         throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed: {}", opts.my_rank, p, host, port,
                                     e                                 ? store::net::errno_text(e)
                                     : cv != tcp_hello::Verdict::Short ? std::string(tcp_hello::verdict_text(cv))
                                                                       : std::string("timed out or closed")),
                         p);
       }
-      t->fds_[p].push_back(fd);
+      t->fds_[p].push_back(std::move(fd));
     }
   }
 
   while (!to_accept.empty()) {
-    pollfd pfd{lfd, POLLIN, 0};
+    pollfd pfd{lfd.get(), POLLIN, 0};
     if (deadline.passed()) {
-      close(lfd);
       std::string missing;
       for (auto& [p, left] : to_accept) missing += fmt::format("{}{}", missing.empty() ? "" : ",", p);
       throw TimeoutError(
@@ -217,10 +207,10 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
                       opts.my_rank, missing, me));
     }
     if (::poll(&pfd, 1, std::min(100, deadline.remaining_ms())) <= 0) continue;
-    int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    tune_socket(fd);
-    store::net::set_nonblocking(fd);
+    core::Fd fd(::accept4(lfd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd.valid()) continue;
+    tune_socket(fd.get());
+    store::net::set_nonblocking(fd.get());
     // Challenge the connector; only a Hello proving the job secret makes this socket ours.
     const tcp_hello::Nonce nonce = tcp_hello::make_nonce();
     const auto challenge = tcp_hello::encode_challenge(nonce);
@@ -232,11 +222,11 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     tcp_hello::Verdict v = tcp_hello::Verdict::Short;
     // The magic and version first, so that a stranger is turned away without waiting for the rest.
     size_t rest = 0;
-    if (store::net::send_all(fd, challenge.data(), challenge.size(), hs_deadline, &e) == store::net::IoStatus::Ok &&
-        store::net::recv_all(fd, hello, 8, hs_deadline, &e, &got) == store::net::IoStatus::Ok) {
+    if (store::net::send_all(fd.get(), challenge.data(), challenge.size(), hs_deadline, &e) == store::net::IoStatus::Ok &&
+        store::net::recv_all(fd.get(), hello, 8, hs_deadline, &e, &got) == store::net::IoStatus::Ok) {
       v = tcp_hello::check_hello(hello, 8, secret, nonce, &h);  // Short when the header is right
       if (v == tcp_hello::Verdict::Short &&
-          store::net::recv_all(fd, hello + 8, sizeof(hello) - 8, hs_deadline, &e, &rest) == store::net::IoStatus::Ok)
+          store::net::recv_all(fd.get(), hello + 8, sizeof(hello) - 8, hs_deadline, &e, &rest) == store::net::IoStatus::Ok)
         v = tcp_hello::check_hello(hello, sizeof(hello), secret, nonce, &h);
     }
     std::string why;
@@ -245,22 +235,20 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     else if (h.group_hash != group_hash)
       why = "a handshake for another group or job";
     else if (to_accept.count(h.rank) == 0 || h.socket >= static_cast<uint32_t>(nsocks) ||
-             t->fds_[h.rank][h.socket] != -1)
+             t->fds_[h.rank][h.socket].valid())
       why = fmt::format("an unexpected rank {} socket {}", h.rank, h.socket);
     if (!why.empty()) {
       sockaddr_in from{};
       socklen_t flen = sizeof(from);
       char buf[INET_ADDRSTRLEN] = "?";
-      if (getpeername(fd, reinterpret_cast<sockaddr*>(&from), &flen) == 0)
+      if (getpeername(fd.get(), reinterpret_cast<sockaddr*>(&from), &flen) == 0)
         inet_ntop(AF_INET, &from.sin_addr, buf, sizeof(buf));
       COHORT_WARN(kNet, "tcp: rank {} refused a connection from {} on {}: {}", opts.my_rank, buf, me, why);
-      close(fd);
-      continue;
+      continue;  // fd closes here
     }
-    t->fds_[h.rank][h.socket] = fd;
+    t->fds_[h.rank][h.socket] = std::move(fd);
     if (--to_accept[h.rank] == 0) to_accept.erase(h.rank);
   }
-  close(lfd);
   return t;
 }
 

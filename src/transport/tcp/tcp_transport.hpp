@@ -20,6 +20,7 @@
 
 #include "cohort/store.hpp"
 #include "core/clock.hpp"
+#include "core/fd.hpp"
 #include "transport/transport.hpp"
 
 namespace cohort::transport {
@@ -35,14 +36,13 @@ struct TcpOptions {
 class TcpTransport {
  public:
   static std::unique_ptr<TcpTransport> open(const TcpOptions& opts, Store& store, core::Deadline deadline);
-  ~TcpTransport();
   // The connection to `peer`, made by open(). Call once per peer.
   std::unique_ptr<Connection> take(int peer);
   const std::string& local_address() const { return local_addr_; }
 
  private:
   TcpTransport() = default;
-  std::map<int, std::vector<int>> fds_;  // peer -> its connected sockets, by index
+  std::map<int, std::vector<core::Fd>> fds_;  // peer -> its connected sockets, by index
   std::string local_addr_;
 };
 
