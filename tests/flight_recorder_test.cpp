@@ -99,14 +99,20 @@ TEST(FlightRecorder, ZeroEntriesTurnsItOff) {
 }
 
 TEST(FlightRecorder, ProgressRoundTripsAndRejectsJunk) {
-  Progress p{7, 123, 1024, 1700000000000, 6, 99, 512};
+  Progress p{7, 123, 1024, 1700000000000, 6, 99, 512, 1700000001234};
   auto q = Progress::decode(p.encode());
   ASSERT_TRUE(q.has_value());
   EXPECT_EQ(*q, p);
+  // A record from a cohort before v2 still reads; its age is unknown (0).
+  auto old = Progress::decode("v1 7 123 1024 1700000000000 6 99 512");
+  ASSERT_TRUE(old.has_value());
+  EXPECT_EQ(old->completed, 6);
+  EXPECT_EQ(old->published_wall_ms, 0);
   EXPECT_FALSE(Progress::decode("").has_value());
   EXPECT_FALSE(Progress::decode("v1 1 2 3").has_value());
   EXPECT_FALSE(Progress::decode(p.encode() + " tail").has_value());
   EXPECT_FALSE(Progress::decode("v2 1 2 3 4 5 6 7").has_value());
+  EXPECT_FALSE(Progress::decode("v3 1 2 3 4 5 6 7 8").has_value());
 }
 
 HungCall call5() {
@@ -136,6 +142,22 @@ TEST(HangVerdict, NamesTheRankThatNeverEntered) {
   EXPECT_EQ(v,
             "hang verdict: rank 1 never entered allreduce #5 (group 0, 1048576 elements, f32); ranks 0,2 have "
             "waited 2.0 s in it; rank 1's last completed operation was allreduce #4 (f32 x 1048576, sum)");
+}
+
+TEST(HangVerdict, SaysHowOldWhatItReportsIs) {
+  Progress late = at(4, 4);
+  late.published_wall_ms = 9000;
+  std::string v = form_hang_verdict(call5(), {at(5, 4), late}, 12500);
+  EXPECT_NE(v.find("rank 1's last completed operation was allreduce #4 (f32 x 1048576, sum) (as published 3.5 s ago)"),
+            std::string::npos)
+      << v;
+  Progress fresh = at(-1, -1);
+  fresh.published_wall_ms = 12000;
+  v = form_hang_verdict(call5(), {at(5, 4), fresh}, 12500);
+  EXPECT_NE(v.find("rank 1's last completed operation was none: it had completed no collective in this group when "
+                   "it last published its progress, 0.5 s ago"),
+            std::string::npos)
+      << v;
 }
 
 TEST(HangVerdict, WaitedTimeComesFromTheOthersCallTimes) {

@@ -3,6 +3,8 @@
 // its sequence number, and the late rank's last completed operation.
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include "launch_harness.hpp"
 
 namespace cohort {
@@ -37,6 +39,32 @@ TEST_P(HangLaunch, VerdictNamesTheLateRankOnce) {
   // A rank that timed out carries the same verdict in its own error.
   EXPECT_NE(r.err.find("[4096 bytes] failed: hang verdict: rank 1 never entered allreduce #5"), std::string::npos)
       << all;
+}
+
+// A rank that freezes in the middle of busy work (SIGSTOP between two of a
+// thousand back-to-back allreduces, each queued to its progress thread): the
+// verdict names its last completed operation, not "none", because a busy rank
+// publishes its progress too, and says how old that record is.
+TEST_P(HangLaunch, ABusyRankThatFreezesHasPublishedItsProgress) {
+  auto r = launch_test::run({"run", "--standalone", "--nproc-per-node", "2", "--no-python", prog("hang_worker"),
+                             "stop", "1", "1000", "262144"},
+                            {{"COHORT_TIMEOUT", "3s"},
+                             {"COHORT_TRANSPORT", GetParam()},
+                             {"COHORT_FLIGHT_RECORDER_HEARTBEAT", "100ms"},
+                             {"COHORT_TERM_TIMEOUT", "1s"}},
+                            90);
+  const std::string all = r.out + r.err;
+  EXPECT_NE(r.status, 0) << all;
+  EXPECT_NE(r.err.find("cohort run: hang verdict: rank 1 never entered allreduce #999 (group 0, 262144 elements, f32)"),
+            std::string::npos)
+      << all;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m,
+                                std::regex("rank 1's last completed operation was allreduce #([0-9]+) \\(f32 x 262144, "
+                                           "sum\\) \\(as published ([0-9.]+) s ago\\)")))
+      << all;
+  EXPECT_GT(std::stoi(m[1].str()), 0) << "a busy rank's progress reached the store: " << m[0];
+  EXPECT_LT(std::stod(m[2].str()), 60.0) << m[0];
 }
 
 // Processes under `cohort run`: rank 1 passes a different count; every rank

@@ -19,8 +19,8 @@ const core::Knob kEntries{
     "recorder and the heartbeat off",
     core::KnobKind::Int};
 const core::Knob kHeartbeat{"COHORT_FLIGHT_RECORDER_HEARTBEAT", "1s",
-                            "how often an idle rank publishes its last called / completed collective to the store (for "
-                            "the hang verdict); 0 turns the heartbeat off",
+                            "how often a rank, idle or busy, publishes its last called / completed collective to the "
+                            "store (for the hang verdict); 0 turns the heartbeat off",
                             core::KnobKind::Seconds};
 
 constexpr auto kRelaxed = std::memory_order_relaxed;
@@ -46,20 +46,23 @@ std::string FlightEntry::describe() const {
 }
 
 std::string Progress::encode() const {
-  return fmt::format("v1 {} {} {} {} {} {} {}", called, called_fp, called_count, called_wall_ms, completed,
-                     completed_fp, completed_count);
+  return fmt::format("v2 {} {} {} {} {} {} {} {}", called, called_fp, called_count, called_wall_ms, completed,
+                     completed_fp, completed_count, published_wall_ms);
 }
 
+// v2 adds the publication time; a v1 record (an older cohort) still reads, its age unknown.
 std::optional<Progress> Progress::decode(const std::string& s) {
   Progress p;
-  long long called = 0, wall = 0, completed = 0;
+  long long called = 0, wall = 0, completed = 0, published = 0;
   unsigned long long ccount = 0, dcount = 0;
   unsigned cfp = 0, dfp = 0;
   int used = 0;
-  if (std::sscanf(s.c_str(), "v1 %lld %u %llu %lld %lld %u %llu%n", &called, &cfp, &ccount, &wall, &completed, &dfp,
-                  &dcount, &used) != 7 ||
-      static_cast<size_t>(used) != s.size())
-    return std::nullopt;
+  const bool v2 = s.rfind("v2 ", 0) == 0;
+  const int fields = v2 ? std::sscanf(s.c_str(), "v2 %lld %u %llu %lld %lld %u %llu %lld%n", &called, &cfp, &ccount,
+                                      &wall, &completed, &dfp, &dcount, &published, &used)
+                        : std::sscanf(s.c_str(), "v1 %lld %u %llu %lld %lld %u %llu%n", &called, &cfp, &ccount, &wall,
+                                      &completed, &dfp, &dcount, &used);
+  if (fields != (v2 ? 8 : 7) || static_cast<size_t>(used) != s.size()) return std::nullopt;
   p.called = called;
   p.called_fp = cfp;
   p.called_count = ccount;
@@ -67,6 +70,7 @@ std::optional<Progress> Progress::decode(const std::string& s) {
   p.completed = completed;
   p.completed_fp = dfp;
   p.completed_count = dcount;
+  p.published_wall_ms = published;
   return p;
 }
 

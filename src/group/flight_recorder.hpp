@@ -44,7 +44,8 @@ struct FlightEntry {
 };
 
 // What a rank publishes to the store as its heartbeat: the last operation it
-// called and the last one it completed (seq -1: none yet).
+// called and the last one it completed (seq -1: none yet), and when it
+// published that, so that a reader can say how old it is.
 struct Progress {
   int64_t called = -1;
   uint32_t called_fp = 0;
@@ -53,6 +54,7 @@ struct Progress {
   int64_t completed = -1;
   uint32_t completed_fp = 0;
   uint64_t completed_count = 0;
+  int64_t published_wall_ms = 0;  // when it was written to the store (ms since the epoch; 0: unknown)
 
   bool operator==(const Progress&) const = default;
   std::string encode() const;  // one short text line

@@ -20,17 +20,25 @@ const char* has(const std::vector<int>& ranks) {
   return ranks.size() == 1 ? "has" : "have";
 }
 
-std::string describe_completed(const Progress& p) {
-  if (p.completed < 0) return "none (it has completed no collective in this group yet)";
-  return describe_call(static_cast<uint64_t>(p.completed), p.completed_fp, p.completed_count);
+// What a rank's published progress says it completed, and how old that is:
+// the record is what the rank knew when it published it, not what it does now.
+std::string describe_completed(const Progress& p, int64_t now_wall_ms) {
+  std::string age;  // "3.5 s ago", or empty when the record does not say (an older cohort's)
+  if (p.published_wall_ms > 0 && now_wall_ms >= p.published_wall_ms)
+    age = fmt::format("{:.1f} s ago", static_cast<double>(now_wall_ms - p.published_wall_ms) / 1000.0);
+  if (p.completed < 0)
+    return fmt::format("none: it had completed no collective in this group when it last published its progress{}",
+                       age.empty() ? "" : ", " + age);
+  std::string what = describe_call(static_cast<uint64_t>(p.completed), p.completed_fp, p.completed_count);
+  return age.empty() ? what : fmt::format("{} (as published {})", what, age);
 }
+
+}  // namespace
 
 int64_t wall_ms_now() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
-
-}  // namespace
 
 std::string heartbeat_key(int rank) {
   return fmt::format("fr/hb/{}", rank);
@@ -90,7 +98,7 @@ std::string form_hang_verdict(const HungCall& call, const std::vector<std::optio
     parts.push_back(
         fmt::format("rank {} is stuck in an earlier operation: it has not completed #{} (its last "
                     "completed operation was {})",
-                    r, ranks[r]->completed + 1, describe_completed(*ranks[r])));
+                    r, ranks[r]->completed + 1, describe_completed(*ranks[r], now_wall_ms)));
   if (!waiting.empty()) {
     if (never.empty() && behind.empty() && silent.empty())
       parts.push_back(
@@ -108,14 +116,17 @@ std::string form_hang_verdict(const HungCall& call, const std::vector<std::optio
                     "runs with COHORT_FLIGHT_RECORDER_HEARTBEAT=0)",
                     who(silent)));
   for (int r : never)
-    parts.push_back(fmt::format("rank {}'s last completed operation was {}", r, describe_completed(*ranks[r])));
+    parts.push_back(
+        fmt::format("rank {}'s last completed operation was {}", r, describe_completed(*ranks[r], now_wall_ms)));
   return fmt::format("hang verdict: {}", fmt::join(parts, "; "));
 }
 
 std::string diagnose_hang(const HangInputs& in, const HungCall& call) {
   try {
     in.group_store->set(heartbeat_key(in.rank), [&] {
-      std::string s = in.recorder->progress().encode();
+      Progress mine = in.recorder->progress();
+      mine.published_wall_ms = wall_ms_now();
+      std::string s = mine.encode();
       return Bytes(s.begin(), s.end());
     }());
   } catch (const std::exception& e) {

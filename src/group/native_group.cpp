@@ -160,6 +160,13 @@ void NativeGroup::progress_loop() {
     auto [d, w] = std::move(queue_.front());
     queue_.pop_front();
     run_locked(lk, d, *w);
+    // Busy with queued work back to back, the wait above never times out:
+    // publish here too, once a heartbeat period has passed (native_group_diag.cpp).
+    if (heartbeat_ms_ > 0 && FlightRecorder::now_ns() - last_heartbeat_ns_ >= heartbeat_ms_ * 1'000'000) {
+      lk.unlock();
+      publish_heartbeat();
+      lk.lock();
+    }
   }
 }
 

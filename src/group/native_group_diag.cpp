@@ -8,16 +8,23 @@
 namespace cohort::group {
 
 // Progress thread (or create()), without mu_: publishes this rank's progress
-// when it changed since the last heartbeat. A store that fails is logged, not
+// when it changed since the last heartbeat, with the time it did so. The
+// progress thread calls it when it has been idle for a heartbeat period and,
+// when it is busy, after an operation once a period has passed since the last
+// one: a rank that hangs in the middle of busy work has published progress at
+// most a period old. A store that fails is logged, not
 // fatal: the collectives do not need it. Heartbeats then stop for good, so that
 // a store that is gone (rank 0 finished first) cannot hold this thread in the
 // client's reconnect loop, and shutdown() in turn.
 void NativeGroup::publish_heartbeat() {
   if (heartbeat_failed_ || !recorder_.enabled()) return;  // a disabled recorder knows nothing to publish
   Progress p = recorder_.progress();
+  last_heartbeat_ns_ = FlightRecorder::now_ns();
   if (p == published_ && p.called >= 0) return;
   try {
-    std::string s = p.encode();
+    Progress stamped = p;
+    stamped.published_wall_ms = wall_ms_now();
+    std::string s = stamped.encode();
     setup_.store->set(heartbeat_key(setup_.rank), Bytes(s.begin(), s.end()));
     published_ = p;
   } catch (const std::exception& e) {
