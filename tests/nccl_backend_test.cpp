@@ -246,27 +246,34 @@ TEST(NcclBackend, CollectivesGiveClosedFormResults) {
     });
 }
 
-// DDP on CUDA modules waits this way (docs/gpu.md): the caller's stream waits
-// on the GPU for the operation, the host does not. A memset queued on that
-// stream after the wait must land after the allreduce wrote the buffer, and
-// operations never waited on the host leave the group healthy (the watchdog
-// drops them as they complete; shutdown drains cleanly).
+// DDP's wait_on_stream waits this way (docs/gpu.md): a stream waits on the
+// GPU for the operation, the host does not. An out-of-place allreduce into b
+// is held back by work queued first on the legacy default stream (the NCCL
+// stream waits for it); a copy of b queued on another, non-blocking stream
+// after wait_on_stream must see the result, where without the wait it would
+// run at once and copy the zeros b starts with. Operations never waited on
+// the host then leave the group healthy (the watchdog drops them as they
+// complete; shutdown drains cleanly).
 TEST(NcclBackend, WaitOnStreamOrdersTheStreamNotTheHost) {
   if (gpu_ranks() < 1) GTEST_SKIP() << "no GPU visible";
   run_gpu_ranks(1, [](ProcessGroup& pg) {
-    constexpr size_t n = size_t(16) << 20;  // 64 MiB: the allreduce takes a while
-    DeviceFloats a(n);
+    constexpr size_t n = size_t(16) << 20;  // 64 MiB
+    DeviceFloats a(n), b(n), c(n), busy(size_t(64) << 20);  // busy: 256 MiB to write over and over
     cudaStream_t s = nullptr;
     ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 4; ++i) {
       a.put(std::vector<float>(n, 3.0f));
-      WorkPtr w = pg.allreduce(a.buf());
+      ASSERT_EQ(cudaMemset(b.p, 0, n * sizeof(float)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(c.p, 0, n * sizeof(float)), cudaSuccess);
+      for (int k = 0; k < 40; ++k)  // about 10 GB of writes on the legacy stream: milliseconds on any GPU
+        ASSERT_EQ(cudaMemsetAsync(busy.p, k, busy.n * sizeof(float), cudaStreamLegacy), cudaSuccess);
+      WorkPtr w = pg.allreduce(a.buf(), b.buf());
       w->wait_on_stream(s);
-      ASSERT_EQ(cudaMemsetAsync(a.p, 0, n * sizeof(float), s), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(c.p, b.p, n * sizeof(float), cudaMemcpyDeviceToDevice, s), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
       EXPECT_TRUE(w->is_completed());
-      const auto out = a.get();
-      ASSERT_EQ(*std::max_element(out.begin(), out.end()), 0.0f) << "the memset ran before the allreduce, step " << i;
+      const auto out = c.get();
+      ASSERT_EQ(*std::min_element(out.begin(), out.end()), 3.0f) << "the copy ran before the allreduce, round " << i;
     }
     // Operations nobody waits on at all: the group stays usable.
     for (int i = 0; i < 50; ++i) (void)pg.allreduce(a.buf());

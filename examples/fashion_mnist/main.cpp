@@ -118,6 +118,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
   app.add_flag("--reduce-at-world-size-1", cfg.reduce_at_world_size_1,
                "run DDP's gradient reduction even with one rank (by default a lone rank skips it), as PyTorch does");
+  app.add_flag("--ddp-wait-on-stream", cfg.ddp_wait_on_stream,
+               "a CUDA module on nccl: backward orders the stream after the gradient allreduce instead of waiting "
+               "on the host (the CPU queues ahead; a failure shows at the next step)");
   app.add_option("--device", cfg.device,
                  "where model, data and loss live: cpu, cuda (this rank's GPU: LOCAL_RANK's, or the nccl group's) or "
                  "auto (cuda with COHORT_BACKEND=nccl, else cpu)")

@@ -338,6 +338,7 @@ int train(const TrainConfig& cfg) {
                 "gradient_as_bucket_view is off\n",
                 pg->backend_name().c_str());
   dopts.reduce_at_world_size_1 = cfg.reduce_at_world_size_1;
+  dopts.wait_on_stream = cfg.ddp_wait_on_stream;
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
   // --no-ddp (one rank only): the same program without DDP, the baseline DDP's overhead is measured against.
@@ -351,6 +352,10 @@ int train(const TrainConfig& cfg) {
 
   auto save = [&](int64_t epoch, int64_t pos) {
     if (cfg.ckpt_dir.empty()) return;
+    // Every rank's last step is complete and its gradient collectives did not
+    // fail before rank 0 writes (with DDP's stream-ordered wait a failure
+    // would otherwise show only at the next collective).
+    pg->barrier()->wait();
     if (lead) {
       cohort::Manifest m;
       m.epoch = epoch;

@@ -35,6 +35,7 @@ struct TrainConfig {
   bool no_ddp = false;  // one rank, no DistributedDataParallel: the baseline for DDP's overhead  // CUDA only, with a GradScaler
   std::string device = "auto";  // cpu, cuda (GPU LOCAL_RANK, or the nccl group's), auto (cuda on the nccl backend)
   bool reduce_at_world_size_1 = false;  // DDP's reducer runs even alone (as PyTorch's does)
+  bool ddp_wait_on_stream = false;      // DistributedDataParallelOptions::wait_on_stream
   double clip_grad_norm = 0.0;
   bool no_allreduce = false;
   bool lockstep = false;  // with no_allreduce: a barrier per step (ranks in lockstep, no gradient traffic)

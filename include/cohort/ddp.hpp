@@ -165,8 +165,12 @@ class GradBucket {
 // A hook's answer: the communication it started and what to do once it is done.
 struct CommFuture {
   WorkPtr work;                // nullptr: nothing to wait for
-  // Runs in finalize(), on its thread, after work completed without error:
-  // e.g. decompress the scratch result into the bucket's buffer. May be empty.
+  // Runs in finalize(), on its thread, after GradMemory::wait(work): on the
+  // host, work has completed without error; with GPU memory that orders a
+  // stream instead (DDP's wait_on_stream), work may still be running, and
+  // `then` must only queue work on the current stream (the compression hooks
+  // convert there). E.g. decompress the scratch result into the bucket's
+  // buffer. May be empty.
   std::function<void()> then;
 };
 

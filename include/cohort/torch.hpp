@@ -47,6 +47,14 @@ struct DistributedDataParallelOptions {
   // reducer anyway, as PyTorch does (the GPU check uses it to exercise the
   // device buckets on one GPU).
   bool reduce_at_world_size_1 = false;
+  // A CUDA module on the nccl backend. By default backward() waits on the
+  // host for the buckets' allreduces, so a failed or hung peer fails this
+  // very backward(). True returns as soon as the current stream is ordered
+  // after them (as PyTorch's DDP does): the CPU can queue the optimizer step
+  // while the GPU finishes, and a failure is thrown by the next step's
+  // pre_forward() or the group's next collective, after the optimizer has
+  // applied that step (docs/gpu.md).
+  bool wait_on_stream = false;
 };
 
 // Where the module's gradients are reduced (src/torch/device.hpp, docs/gpu.md).

@@ -90,6 +90,11 @@ struct Reducer::Impl {
   uint64_t finalized = 0;
   IterationStats stats;
   std::string failed;  // non-empty: why this reducer can no longer be used
+  // The last finalize()'s collectives that were still running when it
+  // returned (GradMemory::wait ordered a GPU stream after them instead of
+  // waiting): checked for errors when the next iteration begins, and their
+  // buckets are never freed while one runs.
+  std::vector<WorkPtr> unconfirmed;
 
   Impl(ProcessGroup& g, std::vector<ParamSpec> ps, ReducerOptions o)
       : group(g),
@@ -243,7 +248,28 @@ struct Reducer::Impl {
       stats.buckets.push_back(BucketStats{.index = b, .bytes = plan[b].bytes(), .params = plan[b].params.size()});
   }
 
+  // Throws the failure of a collective that finalize() did not wait for on
+  // the host; forgets those that completed.
+  void check_unconfirmed() {
+    for (auto it = unconfirmed.begin(); it != unconfirmed.end();) {
+      if (std::exception_ptr e = (*it)->error()) {
+        std::string why = "unknown error";
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& x) {
+          why = x.what();
+        }
+        failed = fmt::format("rank {}: this reducer can no longer be used: {} of iteration {} failed after "
+                             "backward() had returned (its gradients were wrong): {}",
+                             group.rank(), (*it)->describe(), stats.iteration, why);
+        throw Error(failed);
+      }
+      it = (*it)->is_completed() ? unconfirmed.erase(it) : it + 1;
+    }
+  }
+
   void begin_iteration() {
+    check_unconfirmed();
     open = true;
     std::fill(ready.begin(), ready.end(), 0);
     ready_count = 0;
@@ -392,7 +418,10 @@ struct Reducer::Impl {
     for (size_t b = 0; b < buckets.size(); ++b) {
       CommFuture& f = buckets[b].future;
       try {
-        if (f.work) mem->wait(*f.work, opts.timeout);
+        if (f.work) {
+          mem->wait(*f.work, opts.timeout);
+          if (!f.work->is_completed()) unconfirmed.push_back(f.work);
+        }
         if (!happened(stats.buckets[b].completed)) stats.buckets[b].completed = std::chrono::steady_clock::now();
         if (f.then) f.then();
       } catch (const std::exception& e) {
@@ -428,10 +457,15 @@ Reducer::Reducer(ProcessGroup& group, std::vector<ParamSpec> params, ReducerOpti
 }
 
 Reducer::~Reducer() {
-  // A failed finalize can leave collectives running on bucket memory; freeing
-  // it would let them write into whatever is allocated there next. Leak those
-  // buffers instead (only after an error, which ends the job anyway).
+  // A failed finalize, or one that only ordered a GPU stream after its
+  // collectives (unconfirmed), can leave collectives running on bucket
+  // memory; freeing it would let them write into whatever is allocated there
+  // next. Leak those buffers instead (after an error, which ends the job
+  // anyway, or when the caller drops DDP before its GPU work completed).
   bool running = false;
+  for (const WorkPtr& w : impl_->unconfirmed) running = running || !w->is_completed();
+  if (running)
+    for (Impl::Bucket& b : impl_->buckets) (void)new BucketScratch(std::move(b.scratch));
   for (Impl::Bucket& b : impl_->buckets) {
     if (b.future.work && !b.future.work->is_completed()) {
       running = true;

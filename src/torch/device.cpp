@@ -48,7 +48,7 @@ std::string device_text(const ::torch::Device& d) {
 // hook, the caller's in the end-of-backward callback).
 class DeviceGradMemory final : public ddp::GradMemory {
  public:
-  explicit DeviceGradMemory(::torch::Device d) : dev_(d) {}
+  DeviceGradMemory(::torch::Device d, bool wait_on_stream) : dev_(d), wait_on_stream_(wait_on_stream) {}
   bool buckets_on_host() const override { return false; }
   bool grads_on_host() const override { return false; }
   std::shared_ptr<std::byte[]> allocate(ProcessGroup&, size_t n) override {
@@ -84,9 +84,15 @@ class DeviceGradMemory final : public ddp::GradMemory {
     bytes(host, n, ::torch::kCPU).copy_(bytes(bucket, n, dev_));  // to pageable memory: synchronous
   }
   // finalize runs in autograd's end-of-backward callback, where the current
-  // stream is the one backward() was called on: that stream (the optimizer's,
-  // the next forward's) waits for the allreduce; the host goes on queueing.
-  void wait(Work& work, Millis timeout) override { work.wait_on_stream(current_stream_handle(dev_), timeout); }
+  // stream is the one backward() was called on. wait_on_stream: that stream
+  // (the optimizer's, the next forward's) waits for the allreduce and the
+  // host goes on queueing; otherwise the host waits.
+  void wait(Work& work, Millis timeout) override {
+    if (wait_on_stream_)
+      work.wait_on_stream(current_stream_handle(dev_), timeout);
+    else
+      work.wait(timeout);
+  }
 
  private:
   void copy(void* dst, const void* src, size_t n) {
@@ -94,6 +100,7 @@ class DeviceGradMemory final : public ddp::GradMemory {
     bytes(dst, n, dev_).copy_(bytes(src, n, dev_));
   }
   ::torch::Device dev_;
+  bool wait_on_stream_;
 };
 
 // Staged mode: host buckets (the group's memory, shared on one host);
@@ -184,10 +191,10 @@ MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group)
   return MemoryMode::Device;
 }
 
-std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device) {
+std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device, bool wait_on_stream) {
   switch (mode) {
     case MemoryMode::Host: return nullptr;
-    case MemoryMode::Device: return std::make_shared<DeviceGradMemory>(device);
+    case MemoryMode::Device: return std::make_shared<DeviceGradMemory>(device, wait_on_stream);
     case MemoryMode::Staged: return std::make_shared<StagedGradMemory>(device);
   }
   return nullptr;

@@ -41,7 +41,9 @@ enum class MemoryMode : int { Host, Device, Staged };  // declared in cohort/tor
 MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group);
 
 // The reducer's memory for Device and Staged modes (nullptr for Host).
-std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device);
+// wait_on_stream: Device mode orders the current stream after the buckets'
+// collectives instead of waiting on the host (DistributedDataParallelOptions::wait_on_stream).
+std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device, bool wait_on_stream);
 
 // LibTorch's current stream on `device`, as a cudaStream_t; nullptr for the CPU.
 void* current_stream_handle(const ::torch::Device& device);

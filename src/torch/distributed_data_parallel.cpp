@@ -112,7 +112,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   ro.grads_valid_until_finalize = true;
   lent_.resize(params_.size());
   ro.comm_hook = opts_.comm_hook;
-  memory_ = grad_memory(mode_, device_);
+  memory_ = grad_memory(mode_, device_, opts_.wait_on_stream);
   if (!memory_) memory_ = ddp::host_grad_memory();
   ro.memory = memory_;
   reducer_ = std::make_unique<ddp::Reducer>(*group_, std::move(specs), std::move(ro));
@@ -224,12 +224,11 @@ void DistributedDataParallel::finalize() {
   // (a fresh tensor after set to none), to be copied into the bucket by the
   // next synced backward.
   bool reduced = false;
-  // In device mode finalize() makes the current stream (the caller's, in
-  // autograd's end-of-backward callback) wait for the buckets' collectives on
-  // the GPU, without blocking the host, and queues the copies of the results
-  // on it: whatever reads .grad afterwards is ordered after them. A failed or
-  // hung collective is caught by the NCCL group's watchdog and thrown by the
-  // next collective (docs/gpu.md).
+  // In device mode finalize() waits for the buckets' collectives on the host
+  // (or, with wait_on_stream, makes the current stream, the caller's in
+  // autograd's end-of-backward callback, wait for them on the GPU) and queues
+  // the copies of the results on the current stream: whatever reads .grad
+  // afterwards is ordered after them (docs/gpu.md).
   CudaStreamScope scope(stream());
   try {
     reduced = reducer_->finalize();

@@ -60,7 +60,11 @@ void in_rank_processes(int n, const std::function<void(cohort::ProcessGroup&)>& 
                                             {"LOCAL_WORLD_SIZE", world},
                                             {"MASTER_ADDR", "127.0.0.1"},
                                             {"MASTER_PORT", port},
-                                            {"COHORT_TIMEOUT", "60000"}},
+                                            {"COHORT_TIMEOUT", "60s"},
+                                            // the child runs exactly this test, whatever sharding the parent runs under
+                                            {"GTEST_SHARD_INDEX", "0"},
+                                            {"GTEST_TOTAL_SHARDS", "1"},
+                                            {"GTEST_OUTPUT", ""}},
                                            logs + ".rank" + rank));
   }
   const bool finished = cohort::testing::wait_all(ranks, std::chrono::seconds(180));
@@ -136,6 +140,7 @@ struct NcclCase {
   const char* name;
   bool bucket_view;
   bool several_buckets;
+  bool wait_on_stream = false;
 };
 
 TEST(DdpCuda, WorldOneOnNcclEqualsOneProcess) {
@@ -146,12 +151,15 @@ TEST(DdpCuda, WorldOneOnNcclEqualsOneProcess) {
   constexpr int kSteps = 4;
   const auto want = reference_params(kBatch, kSteps);
   for (const NcclCase& c : {NcclCase{"one bucket", false, false}, NcclCase{"several buckets", false, true},
-                            NcclCase{"gradient_as_bucket_view", true, true}}) {
+                            NcclCase{"gradient_as_bucket_view", true, true},
+                            NcclCase{"wait_on_stream", false, true, true},
+                            NcclCase{"wait_on_stream, gradient_as_bucket_view", true, true, true}}) {
     Net net;
     net->to(kGpu);
     cohort::torch::DistributedDataParallelOptions o;
     o.reduce_at_world_size_1 = true;  // exercise the device buckets with one GPU
     o.gradient_as_bucket_view = c.bucket_view;
+    o.wait_on_stream = c.wait_on_stream;
     if (c.several_buckets) {
       o.bucket_cap_mb = 0.0005;  // this model's 848 bytes of gradients in several buckets
       o.first_bucket_mb = 0.0002;

@@ -97,6 +97,9 @@ void NcclWork::wait_on_stream(void* cuda_stream, Millis /*timeout: the watchdog 
     }
   }
   comm_->check_health(desc_);  // what NCCL already reports fails now, not at the next call
+  // The stream's device, not whatever device this thread has current: a null
+  // stream means that device's legacy default stream.
+  DeviceGuard guard(comm_->device());
   const cudaError_t ce = cudaStreamWaitEvent(static_cast<cudaStream_t>(cuda_stream), done_event_, 0);
   if (ce != cudaSuccess) {
     (void)cudaGetLastError();
