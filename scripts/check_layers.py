@@ -55,13 +55,10 @@ PUBLIC_HEADERS = {
     "src/core": {"cohort/error.hpp", "cohort/types.hpp", "cohort/timeline.hpp"},
 }
 
-# Includes that cross the layers today, each with the reason it is allowed for
-# now. Keep this list short and shrinking: a new entry needs a reason here and
-# in docs/design.md ("Known exceptions").
-EXCEPTIONS = {
-    # The launcher's doctor starts a real group and probes TCP to diagnose a
-    # host; it moves out of libcohort with the launcher (issue 24, item 2).
-}
+# Single includes that cross the table, as (file, include) pairs, each with the
+# reason beside it. Empty now; a new entry needs its reason here and in
+# docs/design.md ("Known exceptions").
+EXCEPTIONS = set()
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 SOURCE_EXT = (".hpp", ".cpp", ".h", ".cc")

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -42,21 +43,35 @@ struct Proc {
 };
 
 // Starts argv with extra environment variables, stdout/stderr to files.
+// Everything the child needs is built before fork(): between fork and exec a
+// child of a multithreaded parent (progress threads, CUDA, autograd) may call
+// only async-signal-safe functions, so no setenv, malloc or stdio there.
 inline Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
                   const std::string& log_prefix) {
   Proc p;
   p.out_path = log_prefix + ".out";
   p.err_path = log_prefix + ".err";
+  std::vector<std::string> vars;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv(*e);
+    if (env.count(kv.substr(0, kv.find('='))) == 0) vars.push_back(std::move(kv));
+  }
+  for (const auto& [k, v] : env) vars.push_back(k + "=" + v);
+  std::vector<char*> args, envp;
+  for (const auto& s : argv) args.push_back(const_cast<char*>(s.c_str()));
+  args.push_back(nullptr);
+  for (auto& s : vars) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  const int out = ::open(p.out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int err = ::open(p.err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   p.pid = fork();
   if (p.pid == 0) {
-    for (auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
-    if (!freopen(p.out_path.c_str(), "w", stdout) || !freopen(p.err_path.c_str(), "w", stderr)) _exit(127);
-    std::vector<char*> a;
-    for (auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    execv(a[0], a.data());
+    if (out < 0 || err < 0 || dup2(out, STDOUT_FILENO) < 0 || dup2(err, STDERR_FILENO) < 0) _exit(127);
+    execve(args[0], args.data(), envp.data());
     _exit(127);
   }
+  if (out >= 0) ::close(out);
+  if (err >= 0) ::close(err);
   return p;
 }
 

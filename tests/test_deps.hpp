@@ -13,7 +13,8 @@ namespace cohort::testing {
 
 inline bool in_ci() {
   const char* ci = std::getenv("CI");
-  return ci != nullptr && std::string(ci) == "true";
+  const std::string v = ci != nullptr ? ci : "";
+  return v == "true" || v == "True" || v == "TRUE" || v == "1";
 }
 
 }  // namespace cohort::testing

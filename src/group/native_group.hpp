@@ -118,7 +118,6 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   int subgroups_ = 0;
   FlightRecorder recorder_{FlightRecorder::configured_entries()};
   int64_t heartbeat_ms_ = recorder_.enabled() ? FlightRecorder::configured_heartbeat_ms() : 0;
-  Progress published_;             // the last heartbeat (progress thread only)
   int64_t last_heartbeat_ns_ = 0;  // when it was published (FlightRecorder::now_ns; progress thread only)
   bool heartbeat_failed_ = false;  // the store refused one: no more (progress thread only)
   std::string tcp_local_addr_;  // the address this rank's TCP connections use (for the INFO log)

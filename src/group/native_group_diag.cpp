@@ -8,11 +8,12 @@
 namespace cohort::group {
 
 // Progress thread (or create()), without mu_: publishes this rank's progress
-// when it changed since the last heartbeat, with the time it did so. The
-// progress thread calls it when it has been idle for a heartbeat period and,
-// when it is busy, after an operation once a period has passed since the last
-// one: a rank that hangs in the middle of busy work has published progress at
-// most a period old. A store that fails is logged, not
+// with the time it did so, every heartbeat period whether or not it changed,
+// so that the record's age says how long ago the rank was last alive. The
+// progress thread calls it when it has been idle for a period and, when it is
+// busy, after an operation once a period has passed since the last one: a
+// rank that hangs in the middle of busy work has published progress at most a
+// period old. A store that fails is logged, not
 // fatal: the collectives do not need it. Heartbeats then stop for good, so that
 // a store that is gone (rank 0 finished first) cannot hold this thread in the
 // client's reconnect loop, and shutdown() in turn.
@@ -20,13 +21,10 @@ void NativeGroup::publish_heartbeat() {
   if (heartbeat_failed_ || !recorder_.enabled()) return;  // a disabled recorder knows nothing to publish
   Progress p = recorder_.progress();
   last_heartbeat_ns_ = FlightRecorder::now_ns();
-  if (p == published_ && p.called >= 0) return;
   try {
-    Progress stamped = p;
-    stamped.published_wall_ms = wall_ms_now();
-    std::string s = stamped.encode();
+    p.published_wall_ms = wall_ms_now();
+    std::string s = p.encode();
     setup_.store->set(heartbeat_key(setup_.rank), Bytes(s.begin(), s.end()));
-    published_ = p;
   } catch (const std::exception& e) {
     heartbeat_failed_ = true;
     COHORT_INFO(kColl, "group {}: could not publish the heartbeat ({}); no more heartbeats for this group",
