@@ -25,6 +25,7 @@
 
 #include "cohort/ddp.hpp"
 #include "core/check.hpp"
+#include "core/exception_text.hpp"
 #include "core/log.hpp"
 #include "ddp/iteration_record.hpp"
 #include "ddp/messages.hpp"
@@ -253,15 +254,9 @@ struct Reducer::Impl {
   void check_unconfirmed() {
     for (auto it = unconfirmed.begin(); it != unconfirmed.end();) {
       if (std::exception_ptr e = (*it)->error()) {
-        std::string why = "unknown error";
-        try {
-          std::rethrow_exception(e);
-        } catch (const std::exception& x) {
-          why = x.what();
-        }
         failed = fmt::format("rank {}: this reducer can no longer be used: {} of iteration {} failed after "
                              "backward() had returned (its gradients were wrong): {}",
-                             group.rank(), (*it)->describe(), stats.iteration, why);
+                             group.rank(), (*it)->describe(), stats.iteration, core::exception_text(e));
         throw Error(failed);
       }
       it = (*it)->is_completed() ? unconfirmed.erase(it) : it + 1;
@@ -464,15 +459,10 @@ Reducer::~Reducer() {
   // anyway, or when the caller drops DDP before its GPU work completed).
   bool running = false;
   for (const WorkPtr& w : impl_->unconfirmed) running = running || !w->is_completed();
-  if (running)
-    for (Impl::Bucket& b : impl_->buckets) (void)new BucketScratch(std::move(b.scratch));
-  for (Impl::Bucket& b : impl_->buckets) {
-    if (b.future.work && !b.future.work->is_completed()) {
-      running = true;
-      (void)new BucketScratch(std::move(b.scratch));
-    }
-  }
-  if (running) (void)new std::shared_ptr<std::byte[]>(std::move(impl_->storage));
+  for (const Impl::Bucket& b : impl_->buckets) running = running || (b.future.work && !b.future.work->is_completed());
+  if (!running) return;
+  for (Impl::Bucket& b : impl_->buckets) (void)new BucketScratch(std::move(b.scratch));
+  (void)new std::shared_ptr<std::byte[]>(std::move(impl_->storage));
 }
 
 void Reducer::prepare_for_backward() {

@@ -40,6 +40,12 @@ int64_t wall_ms_now() {
       .count();
 }
 
+Bytes heartbeat_record(Progress p) {
+  p.published_wall_ms = wall_ms_now();
+  const std::string s = p.encode();
+  return Bytes(s.begin(), s.end());
+}
+
 std::string heartbeat_key(int rank) {
   return fmt::format("fr/hb/{}", rank);
 }
@@ -123,12 +129,7 @@ std::string form_hang_verdict(const HungCall& call, const std::vector<std::optio
 
 std::string diagnose_hang(const HangInputs& in, const HungCall& call) {
   try {
-    in.group_store->set(heartbeat_key(in.rank), [&] {
-      Progress mine = in.recorder->progress();
-      mine.published_wall_ms = wall_ms_now();
-      std::string s = mine.encode();
-      return Bytes(s.begin(), s.end());
-    }());
+    in.group_store->set(heartbeat_key(in.rank), heartbeat_record(in.recorder->progress()));
   } catch (const std::exception& e) {
     COHORT_WARN(kColl, "hang verdict: could not publish this rank's progress: {}", e.what());
   }

@@ -30,6 +30,7 @@ namespace cohort::group {
 constexpr const char* kHangVerdictKey = "hang_verdict";  // in the world store ("cohort/<attempt>/hang_verdict")
 std::string heartbeat_key(int rank);                     // "fr/hb/<rank>" in a group's store
 int64_t wall_ms_now();                                   // Progress's wall-clock times: ms since the epoch
+Bytes heartbeat_record(Progress p);                      // p stamped as published now, encoded for the store
 
 // The call that timed out, as every rank identifies it.
 struct HungCall {

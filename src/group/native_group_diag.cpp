@@ -19,12 +19,9 @@ namespace cohort::group {
 // client's reconnect loop, and shutdown() in turn.
 void NativeGroup::publish_heartbeat() {
   if (heartbeat_failed_ || !recorder_.enabled()) return;  // a disabled recorder knows nothing to publish
-  Progress p = recorder_.progress();
   last_heartbeat_ns_ = FlightRecorder::now_ns();
   try {
-    p.published_wall_ms = wall_ms_now();
-    std::string s = p.encode();
-    setup_.store->set(heartbeat_key(setup_.rank), Bytes(s.begin(), s.end()));
+    setup_.store->set(heartbeat_key(setup_.rank), heartbeat_record(recorder_.progress()));
   } catch (const std::exception& e) {
     heartbeat_failed_ = true;
     COHORT_INFO(kColl, "group {}: could not publish the heartbeat ({}); no more heartbeats for this group",

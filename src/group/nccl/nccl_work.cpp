@@ -1,6 +1,7 @@
 // NcclWork: completion of one NCCL operation, seen through its CUDA event.
 #include <fmt/format.h>
 
+#include "core/exception_text.hpp"
 #include "group/nccl/nccl_comm.hpp"
 
 namespace cohort::group::nccl {
@@ -15,15 +16,10 @@ bool NcclWork::poll_locked() const {
   // After an abort NCCL's kernels stop early and the event completes anyway:
   // a broken group's unfinished-looking work failed, whatever the event says.
   if (std::exception_ptr b = comm_->broken()) {
-    std::string why = "unknown error";
-    try {
-      std::rethrow_exception(b);
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
     (void)cudaGetLastError();
     err_ = std::make_exception_ptr(Error(fmt::format("rank {}: {} did not complete: this group failed: {}",
-                                                     comm_->setup().rank, desc_.describe(), why)));
+                                                     comm_->setup().rank, desc_.describe(),
+                                                     core::exception_text(b))));
     done_ = true;
     return true;
   }
