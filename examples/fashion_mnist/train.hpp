@@ -1,4 +1,6 @@
-// The training loop of the Fashion-MNIST example.
+// The Fashion-MNIST example's configuration (main() fills it from the flags)
+// and its training program, train() (train.cpp: an outline of the parts in
+// parts.hpp, which users copy one at a time).
 #pragma once
 
 #include <cstdint>
@@ -31,8 +33,8 @@ struct TrainConfig {
   double first_bucket_mb = 1.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out
   bool bf16_autocast = false;
-  bool fp16_autocast = false;
-  bool no_ddp = false;  // one rank, no DistributedDataParallel: the baseline for DDP's overhead  // CUDA only, with a GradScaler
+  bool fp16_autocast = false;  // CUDA only, with a GradScaler
+  bool no_ddp = false;  // one rank, no DistributedDataParallel: the baseline for DDP's overhead
   std::string device = "auto";  // cpu, cuda (GPU LOCAL_RANK, or the nccl group's), auto (cuda on the nccl backend)
   bool reduce_at_world_size_1 = false;  // DDP's reducer runs even alone (as PyTorch's does)
   bool ddp_wait_on_stream = false;      // DistributedDataParallelOptions::wait_on_stream

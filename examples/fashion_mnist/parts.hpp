@@ -1,0 +1,154 @@
+// The parts train() is made of, each small enough to copy on its own. Every
+// declaration says what the part needs and what it does; the file named in
+// each section holds it:
+//   setup.cpp          the device, the data, the model, the optimizer, DDP
+//   checkpointing.cpp  where the run stands; writing a checkpoint; resuming
+//   loop.cpp           one training step, one epoch, evaluation
+//   train.cpp          train(), the outline that calls them in order, and the
+//                      lines it reports
+// Every rank calls each part; "rank 0 prints" marks the ones that print.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cohort/cohort.hpp"
+#include "cohort/data.hpp"
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+#include "train.hpp"
+
+// The batches that `samples` samples fill, the last one possibly partial.
+inline int64_t batches(int64_t samples, int64_t batch_size) { return (samples + batch_size - 1) / batch_size; }
+
+// ---- setup.cpp ----
+
+// A model behind one forward function, whichever class --model chose.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(torch::Tensor)> forward;
+};
+
+// The optimizer and how it steps (--optimizer-step): cohort's fused one-pass
+// update or the optimizer's own step(), the same arithmetic.
+struct Optimizer {
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::function<void()> step;
+};
+
+// --device: cpu, cuda or auto for this rank; throws InvalidArgument with the
+// reason and the fix when the device cannot be used.
+torch::Device pick_device(const std::string& want, const cohort::ProcessGroup& pg);
+// The train (60000 images) or test (10000) split in `dir`; an IoError names
+// the file, what is wrong with it, and --data-dir.
+cohort::data::FashionMnist load_fashion_mnist(const std::string& dir, bool train);
+// --model's network, initialised from LibTorch's generator (seed it first),
+// moved to `device`.
+Model make_model(const std::string& name, const torch::Device& device);
+// --optimizer over `module`'s parameters at learning rate `lr`. The module
+// must be on its device already: the optimizer keeps the tensors it is given.
+Optimizer make_optimizer(const TrainConfig& cfg, torch::nn::Module& module, double lr);
+// DistributedDataParallel over the model as the flags ask, or nullptr with
+// --no-ddp (which refuses more than one rank). Collective: its constructor
+// broadcasts rank 0's weights, so build it after a resume has loaded them.
+// Rank 0 prints when the gradients cannot be views of the buckets.
+std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConfig& cfg, const Model& model,
+                                                                 const std::shared_ptr<cohort::ProcessGroup>& pg,
+                                                                 const torch::Device& device);
+
+// ---- checkpointing.cpp ----
+
+// Where the run stands: a checkpoint records it and a resume restores it.
+struct Progress {
+  int64_t step = 0;      // optimizer steps taken
+  int64_t epoch = 0;     // the epoch under way (0-based)
+  int64_t position = 0;  // samples of that epoch this rank has trained on: the sampler's position
+};
+
+// Linear warmup, then cosine decay to 0 at `total` steps, from `peak` (the
+// base learning rate scaled by the world size). The schedule's step is the
+// run's step + offset: they differ after a resume at another world size,
+// which continues the schedule from the same point of the run.
+struct LrSchedule {
+  double peak = 0;
+  int warmup = 0;
+  int64_t total = 0;
+  int64_t offset = 0;
+  double lr(int64_t step) const { return cohort::torch::warmup_cosine_lr(step + offset, warmup, total, peak); }
+};
+
+// TORCHELASTIC_RESTART_COUNT: how often the launcher has restarted the job (0: the first attempt).
+int restart_count();
+// The job's id, the same in every restart: cohort run's COHORT_RUN_ID, else
+// torchrun's TORCHELASTIC_RUN_ID, else "".
+std::string job_run_id();
+// What the checkpoints record of this run's configuration: what a resume
+// must match, what it may change, and the job's id.
+nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, int64_t train_samples, int world,
+                          const std::string& run_id);
+// Where this run starts: from scratch, or where the checkpoint that --resume
+// or a restart chooses left off, with the model, optimizer, scaler, schedule
+// offset and CPU RNG restored. Collective (rank 0 chooses, every rank loads;
+// --checkpoint-dir must be visible to every rank); rank 0 prints what it
+// chose and skipped. Throws InvalidArgument when the checkpoint does not fit
+// this run (`config`, from run_config()). `per_rank_samples` is the sampler's size.
+Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,
+                int64_t per_rank_samples, Model& model, torch::optim::Optimizer& optimizer,
+                cohort::torch::GradScaler& scaler, LrSchedule& schedule);
+// Saves a checkpoint of `at` into --checkpoint-dir (nothing without one),
+// keeping the newest --keep. Collective: every rank calls it, rank 0 writes
+// and prints; barriers before and after.
+void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
+                      torch::optim::Optimizer& optimizer, const cohort::torch::GradScaler& scaler,
+                      const LrSchedule& schedule, const nlohmann::json& config);
+
+// ---- loop.cpp ----
+
+// What one rank trains with: train() builds it once, the loop's parts use it.
+struct Trainer {
+  const TrainConfig& cfg;
+  cohort::ProcessGroup& pg;
+  torch::Device device;
+  Model& model;
+  Optimizer& optimizer;
+  cohort::torch::GradScaler& scaler;           // enabled with --fp16-autocast only
+  cohort::torch::DistributedDataParallel* ddp;  // nullptr with --no-ddp
+  std::vector<torch::Tensor> params;            // the model's parameters, for clipping and counting
+};
+
+// Steps past --warmup-timing-steps and the seconds they took, for the throughput summary.
+struct StepTimes {
+  int64_t steps = 0;
+  double seconds = 0;
+};
+
+struct EpochResult {
+  bool stopped = false;   // --max-steps was reached in this epoch
+  double seconds = 0;     // the epoch's wall time on this rank
+  double train_loss = 0;  // the mean over this rank's steps, averaged over the ranks
+};
+
+// One step on the batch (x, y), on the model's device: learning rate `lr`,
+// forward (under --bf16/--fp16-autocast), backward (DDP averages the
+// gradients while it runs), clipping, the optimizer step. Returns the
+// unscaled loss. Collective with DDP.
+torch::Tensor train_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr);
+// Trains epoch `at.epoch` from sample `at.position` of this rank's share to
+// its end, or until --max-steps; advances `at`. Calls `save` every
+// --checkpoint-every steps (not at the epoch's last: the end-of-epoch save
+// follows). Rank 0 prints progress, and with --log-losses every step's loss.
+// Collective.
+EpochResult train_epoch(Trainer& t, const cohort::data::FashionMnist& train_set,
+                        cohort::data::DistributedSampler& sampler, Progress& at, const LrSchedule& schedule,
+                        cohort::StepMetrics& metrics, StepTimes& timed,
+                        const std::function<void(const Progress&)>& save);
+// Test accuracy over the whole test set: each rank evaluates every world-th
+// sample and the counts are summed. Collective.
+double evaluate(Model& model, const cohort::data::FashionMnist& test, cohort::ProcessGroup& pg,
+                const torch::Device& device);
