@@ -1,6 +1,7 @@
-// CPU layout from sysfs (core/cpu_layout.hpp), the --bind plan as a pure
-// function (launch/binding.hpp) on made-up machines, and `cohort run --bind`
-// end to end: each worker's sched_getaffinity must match the binding asked for.
+// The CPU layout hwloc reads (topo::load_cpu_layout), the --bind plan as a
+// pure function (launch/binding.hpp) on made-up machines, and `cohort run
+// --bind` end to end: each worker's sched_getaffinity must match the binding
+// asked for, and the core lists `cohort topo` prints.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,16 +9,18 @@
 #include <fstream>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "cohort/error.hpp"
-#include "core/cpu_layout.hpp"
+#include "core/cpu_list.hpp"
 #include "launch/binding.hpp"
 #include "launch/options.hpp"
 #include "launch_harness.hpp"
 
 namespace lt = launch_test;
 namespace fs = std::filesystem;
-using cohort::core::CpuLayout;
 using cohort::core::CpuList;
+using cohort::topo::CpuLayout;
 using namespace cohort::launch;
 
 namespace {
@@ -33,10 +36,12 @@ CpuLayout two_sockets() {
   return l;
 }
 
-void write(const fs::path& p, const std::string& text) {
-  fs::create_directories(p.parent_path());
-  std::ofstream(p) << text << "\n";
-}
+// Sets an environment variable for one scope (hwloc reads HWLOC_SYNTHETIC at load).
+struct ScopedEnv {
+  std::string name;
+  ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) { setenv(name.c_str(), value.c_str(), 1); }
+  ~ScopedEnv() { unsetenv(name.c_str()); }
+};
 
 }  // namespace
 
@@ -51,35 +56,43 @@ TEST(CpuList, ParsesAndPrintsTheKernelFormat) {
   EXPECT_EQ(cohort::core::cpu_list_text({}), "none");
 }
 
-TEST(CpuLayout, ReadsAFakeSysfsTree) {
-  fs::path root = lt::temp_dir();
-  write(root / "cpu/online", "0-3");
-  write(root / "node/node0/cpulist", "0-1");
-  write(root / "node/node1/cpulist", "2-3");
-  write(root / "node/node2/cpulist", "");  // memory-only node: no CPU to bind to
-  write(root / "cpu/cpu0/topology/thread_siblings_list", "0,2");
-  write(root / "cpu/cpu2/topology/thread_siblings_list", "0,2");
-  write(root / "cpu/cpu1/topology/thread_siblings_list", "1,3");
-  write(root / "cpu/cpu3/topology/thread_siblings_list", "1,3");
-  CpuLayout l = cohort::core::read_cpu_layout(root.string());
-  EXPECT_EQ(l.online, (CpuList{0, 1, 2, 3}));
-  ASSERT_EQ(l.numa.size(), 2u);
-  EXPECT_EQ(l.numa[1], (CpuList{2, 3}));
+TEST(CpuLayout, ReadsHwlocsMachine) {
+  // hwloc's synthetic description: 2 NUMA nodes x 2 cores x 2 hardware threads,
+  // numbered in order (node0 = CPUs 0-3, core k = {2k, 2k+1}).
+  ScopedEnv synthetic("HWLOC_SYNTHETIC", "numa:2 core:2 pu:2");
+  CpuLayout l = cohort::topo::load_cpu_layout();
+  EXPECT_EQ(l.online, (CpuList{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(l.numa, (std::vector<CpuList>{{0, 1, 2, 3}, {4, 5, 6, 7}}));
   EXPECT_EQ(l.numa_ids, (std::vector<int>{0, 1}));
-  EXPECT_EQ(l.cores, (std::vector<CpuList>{{0, 2}, {1, 3}}));
-  EXPECT_NE(cohort::core::describe_host_cpus(l, {0, 1}).find("2 NUMA node(s) (node0: 0-1, node1: 2-3)"),
-            std::string::npos);
-  fs::remove_all(root);
+  EXPECT_EQ(l.cores, (std::vector<CpuList>{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_NE(cohort::topo::render_cpu_layout(l).find("cores: 0-1 | 2-3 | 4-5 | 6-7"), std::string::npos)
+      << cohort::topo::render_cpu_layout(l);
 }
 
-TEST(CpuLayout, WithoutNodeDirectoriesEveryCpuIsOneNode) {
-  fs::path root = lt::temp_dir();
-  write(root / "cpu/online", "0-2");
-  CpuLayout l = cohort::core::read_cpu_layout(root.string());
-  ASSERT_EQ(l.numa.size(), 1u);
-  EXPECT_EQ(l.numa[0], (CpuList{0, 1, 2}));
-  EXPECT_EQ(l.cores.size(), 3u);  // no topology files: each CPU its own core
-  fs::remove_all(root);
+TEST(CpuLayout, ThisHostsLayoutCoversItsCpus) {
+  CpuLayout l = cohort::topo::load_cpu_layout();
+  ASSERT_FALSE(l.online.empty());
+  ASSERT_FALSE(l.cores.empty());
+  CpuList all;
+  for (const auto& c : l.cores) all.insert(all.end(), c.begin(), c.end());
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(all, l.online) << "every CPU is in exactly one core";
+}
+
+TEST(CpuLayout, BindWithABrokenHwlocNamesItAndAutoStillRuns) {
+  // hwloc falls back to the real machine on almost any bad setting, so the
+  // failure comes from a reader that throws as load_topology's fail() does.
+  auto broken = []() -> CpuLayout { throw cohort::IoError("hwloc could not load the host topology (test)"); };
+  try {
+    plan_binding_here(BindMode::Core, 2, broken);
+    FAIL() << "--bind core ran without a CPU layout";
+  } catch (const cohort::IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("--bind core needs this host's CPU layout"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--bind none"), std::string::npos) << e.what();
+  }
+  BindPlan a = plan_binding_here(BindMode::Auto, 2, broken);
+  EXPECT_EQ(a.mode, BindMode::None);
+  EXPECT_NE(describe_binding(BindMode::Auto, a).find("hwloc could not read the CPU layout"), std::string::npos);
 }
 
 TEST(BindPlan, NoneDoesNotPin) {
@@ -183,7 +196,7 @@ TEST(RunBind, NoneLeavesTheLaunchersAffinity) {
 
 TEST(RunBind, CorePinsEachRankToItsOwnCores) {
   const CpuList allowed = cohort::core::current_affinity();
-  auto plan = plan_binding(BindMode::Core, 2, cohort::core::read_cpu_layout(), allowed);
+  auto plan = plan_binding(BindMode::Core, 2, cohort::topo::load_cpu_layout(), allowed);
   if (plan.oversubscribed) GTEST_SKIP() << "this machine lets the test use fewer than 2 cores";
   auto r = run_bind("core", 2, {{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "LAUNCH"}});
   ASSERT_EQ(r.status, 0) << r.err;
@@ -205,7 +218,7 @@ TEST(RunBind, CorePinsEachRankToItsOwnCores) {
 }
 
 TEST(RunBind, AutoIsTheDefaultAndPinsTwoRanksWhenThereAreTwoCores) {
-  auto plan = plan_binding(BindMode::Auto, 2, cohort::core::read_cpu_layout(), cohort::core::current_affinity());
+  auto plan = plan_binding(BindMode::Auto, 2, cohort::topo::load_cpu_layout(), cohort::core::current_affinity());
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("affinity_worker")});
   ASSERT_EQ(r.status, 0) << r.err;
   auto a = affinities(r.out, 2);
@@ -216,7 +229,7 @@ TEST(RunBind, AutoIsTheDefaultAndPinsTwoRanksWhenThereAreTwoCores) {
 
 TEST(RunBind, NumaPinsEachRankToTheCpusOfANode) {
   const CpuList allowed = cohort::core::current_affinity();
-  const CpuLayout layout = cohort::core::read_cpu_layout();
+  const CpuLayout layout = cohort::topo::load_cpu_layout();
   auto r = run_bind("numa", 2);
   ASSERT_EQ(r.status, 0) << r.err;
   auto a = affinities(r.out, 2);
@@ -230,6 +243,52 @@ TEST(RunBind, NumaPinsEachRankToTheCpusOfANode) {
     }
     EXPECT_TRUE(is_a_node) << "rank " << rank << " runs on CPUs " << cohort::core::cpu_list_text(cpus);
   }
+}
+
+// One reader: `cohort topo` and `cohort run --bind` see the same cores. With
+// one rank per usable core, each rank runs on exactly one core of topo's list.
+TEST(RunBind, EachRankGetsOneCoreThatTopoLists) {
+  auto topo = lt::run({"topo", "--json"});
+  ASSERT_EQ(topo.status, 0) << topo.err;
+  const auto layout = nlohmann::json::parse(topo.out).at("cpu_layout");
+  const CpuList allowed = cohort::core::current_affinity();
+  std::vector<CpuList> usable;  // topo's cores that this process may run on, whole
+  for (const auto& c : layout.at("cores")) {
+    CpuList cpus = *cohort::core::parse_cpu_list(c.get<std::string>());
+    if (std::includes(allowed.begin(), allowed.end(), cpus.begin(), cpus.end())) usable.push_back(cpus);
+  }
+  if (usable.size() < 2) GTEST_SKIP() << "fewer than 2 whole cores usable here";
+  const int n = static_cast<int>(std::min<size_t>(usable.size(), 4));
+  auto r = run_bind("core", n);
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto a = affinities(r.out, n);
+  ASSERT_EQ(a.size(), static_cast<size_t>(n)) << r.out;
+  if (usable.size() == static_cast<size_t>(n)) {
+    for (auto& [rank, cpus] : a) {
+      EXPECT_NE(std::find(usable.begin(), usable.end(), cpus), usable.end())
+          << "rank " << rank << " runs on CPUs " << cohort::core::cpu_list_text(cpus) << ", not a core of `cohort topo`:\n"
+          << layout.dump();
+    }
+  }
+}
+
+// A machine hwloc is told to see (2 NUMA nodes of 1 CPU each, which this
+// host's CPUs 0 and 1 can stand for): `cohort topo` and `--bind numa` both
+// see it, which only holds when they read the layout the same way.
+TEST(RunBind, TopoAndBindSeeTheSameSyntheticMachine) {
+  const CpuList allowed = cohort::core::current_affinity();
+  if (!std::binary_search(allowed.begin(), allowed.end(), 0) || !std::binary_search(allowed.begin(), allowed.end(), 1))
+    GTEST_SKIP() << "needs CPUs 0 and 1";
+  const std::map<std::string, std::string> env{{"HWLOC_SYNTHETIC", "numa:2 core:1 pu:1"}};
+  auto topo = lt::run({"topo", "--json"}, env);
+  ASSERT_EQ(topo.status, 0) << topo.err;
+  const auto layout = nlohmann::json::parse(topo.out).at("cpu_layout");
+  EXPECT_EQ(layout.at("numa_nodes").dump(), R"([{"cpus":"0","os_index":0},{"cpus":"1","os_index":1}])");
+  auto r = run_bind("numa", 2, env);
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto a = affinities(r.out, 2);
+  EXPECT_EQ(a[0], (CpuList{0}));
+  EXPECT_EQ(a[1], (CpuList{1}));
 }
 
 TEST(RunFlags, MinBusbwNeedsPreflight) {

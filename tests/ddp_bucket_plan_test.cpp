@@ -159,7 +159,9 @@ TEST(BucketPlan, RandomModelsKeepTheInvariants) {
       ASSERT_FALSE(bk.params.empty());
       size_t off = 0, nonzero = 0;
       for (size_t k = 0; k < bk.params.size(); ++k) {
-        if (k > 0) ASSERT_LT(bk.params[k], bk.params[k - 1]) << "trial " << trial;
+        if (k > 0) {
+          ASSERT_LT(bk.params[k], bk.params[k - 1]) << "trial " << trial;
+        }
         ++seen.at(bk.params[k]);
         ASSERT_EQ(bk.offsets[k], off);
         const ParamSpec& p = ps[bk.params[k]];

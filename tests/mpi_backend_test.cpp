@@ -125,7 +125,9 @@ TEST(MpiBackend, WatchdogEndsAHungCall) {
 // its own: init_process_group refuses, saying how to start it.
 TEST(MpiBackend, StartedByCohortRunIsRefused) {
   if (!kBuilt) GTEST_SKIP() << "this build has no MPI backend";
-  MpiRun r = run({COHORT_BIN, "run", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce", "--sizes", "8"},
+  // --standalone: a free store port, so that a test running beside it cannot take it.
+  MpiRun r = run({COHORT_BIN, "run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "allreduce",
+                  "--sizes", "8"},
                  {{"COHORT_BACKEND", "mpi"}}, "mpi_under_cohort_run", 120);
   EXPECT_NE(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("needs its processes started by mpirun"), std::string::npos) << r.err;

@@ -33,11 +33,12 @@
 #include "cohort/error.hpp"
 #include "cohort/filesystem.hpp"
 #include "cohort/types.hpp"
+#include "cohort/export.hpp"
 
 namespace cohort {
 
 // One tensor: contiguous, row-major ("C" order), little-endian element bytes.
-struct NamedTensor {
+struct COHORT_API NamedTensor {
   std::string name;
   DType dtype = DType::F32;
   std::vector<int64_t> shape;  // {} is a 0-d scalar (1 element); a 0 anywhere is an empty tensor
@@ -59,12 +60,12 @@ NamedTensor make_tensor(std::string name, std::vector<int64_t> shape, const std:
 
 // ---- safetensors ----------------------------------------------------------
 
-struct SafetensorsFile {
+struct COHORT_API SafetensorsFile {
   std::vector<NamedTensor> tensors;            // in file (data offset) order
   std::map<std::string, std::string> metadata;  // the header's "__metadata__" (may be empty)
 };
 
-struct SafetensorsWriteOptions {
+struct COHORT_API SafetensorsWriteOptions {
   // Written as "__metadata__". {"format": "pt"} tells Hugging Face loaders the
   // tensors use PyTorch's layout (they refuse files without it); safe to keep.
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
@@ -75,25 +76,25 @@ struct SafetensorsWriteOptions {
 // then by name, so each tensor's data is aligned to its element size. Throws
 // InvalidArgument for an empty or duplicate name, "__metadata__" as a name, or a
 // byte count that does not match dtype x shape.
-std::vector<uint8_t> encode_safetensors(const std::vector<NamedTensor>& tensors,
+COHORT_API std::vector<uint8_t> encode_safetensors(const std::vector<NamedTensor>& tensors,
                                         const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 // Parses and validates a whole file held in memory; `name` is used in errors.
 // Throws FormatError.
-SafetensorsFile decode_safetensors(std::span<const uint8_t> file, const std::string& name = "<memory>");
+COHORT_API SafetensorsFile decode_safetensors(std::span<const uint8_t> file, const std::string& name = "<memory>");
 
 // Durable write: path.tmp-<pid>, fsync, rename over `path`, fsync the directory.
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+COHORT_API void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
                        const SafetensorsWriteOptions& options = {});
 // Reads and validates `path`: header length within the file (and at most 100 MiB),
 // JSON valid without duplicate keys, dtypes known, every offset range in bounds,
 // of size numel x itemsize, the ranges neither overlapping nor leaving holes.
 // Memory use is bounded by the file's size. Throws FormatError or IoError.
-SafetensorsFile read_safetensors(const std::string& path, Filesystem* fs = nullptr);
+COHORT_API SafetensorsFile read_safetensors(const std::string& path, Filesystem* fs = nullptr);
 
 // ---- checkpoints ----------------------------------------------------------
 
 // The training state stored beside the tensors (manifest.json).
-struct Manifest {
+struct COHORT_API Manifest {
   int64_t epoch = 0;
   // Where the DistributedSampler resumes inside `epoch` (samples already consumed).
   int64_t sampler_position = 0;
@@ -106,7 +107,7 @@ struct Manifest {
   std::string config = "{}";
 };
 
-struct SaveOptions {
+struct COHORT_API SaveOptions {
   // After a successful save, keep only this many checkpoints with a step at or
   // below the new one (the new one included) and delete the older ones.
   // 0 keeps everything. Checkpoints with a higher step than the new one are left alone.
@@ -114,7 +115,7 @@ struct SaveOptions {
   Filesystem* fs = nullptr;  // nullptr: posix_filesystem()
 };
 
-struct LoadOptions {
+struct COHORT_API LoadOptions {
   bool verify_checksums = true;  // false skips the CRC32C pass (sizes are still checked)
   Filesystem* fs = nullptr;      // nullptr: posix_filesystem()
   // Files (names without ".safetensors") a checkpoint must have: one without
@@ -122,12 +123,12 @@ struct LoadOptions {
   std::vector<std::string> required_files;
 };
 
-struct FileInfo {
+struct COHORT_API FileInfo {
   uint64_t size = 0;
   uint32_t crc32c = 0;
 };
 
-struct LoadedCheckpoint {
+struct COHORT_API LoadedCheckpoint {
   std::string path;  // the step directory
   int64_t step = 0;
   int format_version = 0;
@@ -149,26 +150,26 @@ struct LoadedCheckpoint {
 // the same step is replaced. File names: letters, digits, '_', '-', '.'; not "manifest".
 // Throws InvalidArgument (bad names, tensors, manifest JSON) before writing
 // anything, IoError if the OS refuses (the temporary directory is then removed).
-std::string save_checkpoint(const std::string& dir, int64_t step,
+COHORT_API std::string save_checkpoint(const std::string& dir, int64_t step,
                             const std::map<std::string, std::vector<NamedTensor>>& files,
                             const Manifest& manifest, const SaveOptions& options = {});
 
 // Loads one checkpoint directory, verifying every file's size and CRC32C against
 // the manifest. Throws FormatError naming the file and what is wrong, IoError.
-LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
+COHORT_API LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
 
 // The newest step_* directory of `dir` that loads and verifies. Newer ones that
 // fail are skipped, listed in `skipped` and logged (COHORT_WARN, INIT). No valid
 // checkpoint, or no `dir` at all: std::nullopt. Never throws for a broken
 // checkpoint; may throw IoError if `dir` itself cannot be listed.
-std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const LoadOptions& options = {});
+COHORT_API std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const LoadOptions& options = {});
 
 // The steps of the step_* directories in `dir`, ascending (valid or not; *.tmp-* excluded).
-std::vector<int64_t> list_checkpoint_steps(const std::string& dir, Filesystem* fs = nullptr);
+COHORT_API std::vector<int64_t> list_checkpoint_steps(const std::string& dir, Filesystem* fs = nullptr);
 
 // CRC32C (Castagnoli, reflected polynomial 0x82F63B78, init and final xor
 // 0xFFFFFFFF): the checksum in manifests. Pass the previous result as `crc` to
 // continue over more bytes. crc32c("123456789") == 0xE3069283.
-uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
+COHORT_API uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
 
 }  // namespace cohort

@@ -17,12 +17,13 @@
 #include <span>
 #include <string>
 #include <vector>
+#include "cohort/export.hpp"
 
 namespace cohort::data {
 
 // ---------------------------------------------------------------- sampler
 
-struct SamplerOptions {
+struct COHORT_API SamplerOptions {
   int num_replicas = 1;    // world size: how many ranks share the dataset
   int rank = 0;            // this rank, 0 <= rank < num_replicas
   bool shuffle = true;     // permute with torch.randperm seeded with seed + epoch
@@ -32,19 +33,19 @@ struct SamplerOptions {
 
 // The permutation `g = torch.Generator(); g.manual_seed(seed); torch.randperm(n, generator=g)`
 // yields in PyTorch 1.13 on the CPU (n >= 0; InvalidArgument otherwise).
-std::vector<int64_t> torch_randperm(int64_t n, uint64_t seed);
+COHORT_API std::vector<int64_t> torch_randperm(int64_t n, uint64_t seed);
 
 // How many indices each rank gets: PyTorch's len(sampler) (its num_samples).
-int64_t sampler_num_samples(int64_t dataset_size, const SamplerOptions& o);
+COHORT_API int64_t sampler_num_samples(int64_t dataset_size, const SamplerOptions& o);
 
 // The indices rank o.rank visits in `epoch`: a pure function, the whole of
 // DistributedSampler's logic. InvalidArgument for a negative dataset size,
 // num_replicas < 1 or a rank outside [0, num_replicas).
-std::vector<int64_t> sampler_indices(int64_t dataset_size, const SamplerOptions& o, int64_t epoch);
+COHORT_API std::vector<int64_t> sampler_indices(int64_t dataset_size, const SamplerOptions& o, int64_t epoch);
 
 // Same contract as PyTorch's: call set_epoch(e) at the start of every epoch,
 // with the same e on every rank, or every epoch sees the same order.
-class DistributedSampler {
+class COHORT_API DistributedSampler {
  public:
   DistributedSampler(int64_t dataset_size, SamplerOptions options);  // validates (InvalidArgument)
 
@@ -66,7 +67,7 @@ class DistributedSampler {
 // A map-style dataset: random access by index. get() is called from the
 // Loader's worker thread (one thread per Loader); a dataset shared by several
 // live Loaders must make get() safe to call concurrently.
-class Dataset {
+class COHORT_API Dataset {
  public:
   virtual ~Dataset() = default;
   virtual int64_t size() const = 0;
@@ -77,12 +78,12 @@ class Dataset {
   virtual void get(int64_t index, float* x_out, int64_t* y_out) const = 0;
 };
 
-int64_t numel(const std::vector<int64_t>& shape);  // product of the dims (1 for {})
+COHORT_API int64_t numel(const std::vector<int64_t>& shape);  // product of the dims (1 for {})
 
 // ---------------------------------------------------------------- loader
 
 // One batch, row-major: x has shape x_shape = {B, sample_shape...}, y has y_shape = {B, label_shape...}.
-struct Batch {
+struct COHORT_API Batch {
   std::vector<float> x;
   std::vector<int64_t> x_shape;
   std::vector<int64_t> y;
@@ -100,7 +101,7 @@ using BatchFn = std::function<void(std::span<const int64_t> indices, Batch& out)
 // Dataset::get, on that sample's x and y.
 using SampleTransform = std::function<void(int64_t index, float* x, int64_t* y)>;
 
-struct LoaderOptions {
+struct COHORT_API LoaderOptions {
   int64_t batch_size = 1;
   bool drop_last = false;  // drop a final batch shorter than batch_size (DataLoader's drop_last)
   int prefetch = 0;        // batches assembled ahead of next(); 0: COHORT_PREFETCH_BATCHES (default 2)
@@ -116,7 +117,7 @@ struct LoaderOptions {
 // Thread contract: next() from one thread at a time. The destructor stops the
 // worker (after the batch it is assembling, if any) and drops queued batches.
 // For the next epoch, make a new Loader with the sampler's new indices.
-class Loader {
+class COHORT_API Loader {
  public:
   // `dataset` must outlive the Loader. Indices are checked against dataset.size()
   // here (InvalidArgument), not on the worker.
@@ -144,7 +145,7 @@ class Loader {
 
 // An IDX array (http://yann.lecun.com/exdb/mnist/ format: 00 00 <type> <ndims>,
 // ndims big-endian u32 dims, then the elements). cohort reads u8 (type 0x08) only.
-struct IdxArray {
+struct COHORT_API IdxArray {
   std::vector<int64_t> dims;
   std::vector<uint8_t> data;  // numel(dims) bytes, row-major
 };
@@ -153,13 +154,13 @@ struct IdxArray {
 // problem with the file (missing, unreadable, corrupt or truncated gzip, not
 // IDX, not u8, shorter or longer than its header says) is an IoError that names
 // the file and says what was found and what was expected.
-IdxArray read_idx(const std::string& path);
+COHORT_API IdxArray read_idx(const std::string& path);
 // The same on bytes already in memory; `name` goes into messages.
-IdxArray parse_idx(std::span<const uint8_t> bytes, const std::string& name);
+COHORT_API IdxArray parse_idx(std::span<const uint8_t> bytes, const std::string& name);
 
 // ---------------------------------------------------------------- Fashion-MNIST
 
-struct FashionMnistOptions {
+struct COHORT_API FashionMnistOptions {
   std::string dir = "/usr/share/datasets/fashion-mnist";  // Debian's dataset-fashion-mnist
   bool train = true;        // train-* (60000 images) or t10k-* (10000)
   float mean = 0.2860f;     // x = (pixel / 255 - mean) / stddev; the train split's statistics
@@ -171,7 +172,7 @@ struct FashionMnistOptions {
 // <prefix>-labels-idx1-ubyte[.gz] (prefix train or t10k). IoError names the
 // files and the fix when they are missing, damaged, or disagree (image and
 // label counts, shapes, labels outside 0..9); InvalidArgument for stddev <= 0.
-class FashionMnist : public Dataset {
+class COHORT_API FashionMnist : public Dataset {
  public:
   explicit FashionMnist(const FashionMnistOptions& options = {});
 

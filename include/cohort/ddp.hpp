@@ -25,12 +25,13 @@
 
 #include "cohort/process_group.hpp"
 #include "cohort/types.hpp"
+#include "cohort/export.hpp"
 
 namespace cohort::ddp {
 
 // One parameter as the adapter registers it. All ranks register the same
 // parameters (same counts and dtypes) in the same order.
-struct ParamSpec {
+struct COHORT_API ParamSpec {
   std::string name;          // for error messages: "fc2.weight"
   size_t count = 0;          // elements (zero-size parameters are allowed)
   DType dtype = DType::F32;
@@ -44,12 +45,12 @@ struct ParamSpec {
 
 // ---- Bucket plan (a pure function) ----
 
-struct BucketPlanOptions {
+struct COHORT_API BucketPlanOptions {
   size_t cap_bytes = size_t(25) << 20;       // bucket_cap_mb
   size_t first_cap_bytes = size_t(1) << 20;  // the first bucket (PyTorch's _DEFAULT_FIRST_BUCKET_BYTES)
 };
 
-struct PlannedBucket {
+struct COHORT_API PlannedBucket {
   DType dtype = DType::F32;
   size_t count = 0;             // elements in the flat buffer
   std::vector<size_t> params;   // registration indices, in bucket order (descending: reverse registration order)
@@ -67,7 +68,7 @@ using BucketPlan = std::vector<PlannedBucket>;
 // than the cap sits alone in its bucket; zero-size parameters join their
 // dtype's bucket (they take no space). Buckets are listed in the order they
 // complete during that walk. Throws InvalidArgument for an invalid dtype.
-BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptions& opts = {});
+COHORT_API BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptions& opts = {});
 
 // ---- Where gradients and buckets live ----
 
@@ -79,7 +80,7 @@ BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptio
 // conversion is queued on LibTorch's current stream; on a host group (native)
 // the buckets stay in host memory and each gradient is staged through it.
 // Called under the reducer's lock, on the thread of mark_ready or finalize.
-class GradMemory {
+class COHORT_API GradMemory {
  public:
   virtual ~GradMemory() = default;
   // Whether the reducer (and the group) may read bucket memory, and gradient
@@ -108,10 +109,10 @@ class GradMemory {
 };
 
 // Host memory, as described above (what a null ReducerOptions::memory means).
-std::shared_ptr<GradMemory> host_grad_memory();
+COHORT_API std::shared_ptr<GradMemory> host_grad_memory();
 
 // Memory a comm hook may use for one bucket (GradBucket::scratch).
-struct BucketScratch {
+struct COHORT_API BucketScratch {
   std::shared_ptr<std::byte[]> data;
   size_t bytes = 0;
 };
@@ -119,7 +120,7 @@ struct BucketScratch {
 // ---- Communication hooks ----
 
 // What a comm hook is given: one bucket whose gradients are all ready.
-class GradBucket {
+class COHORT_API GradBucket {
  public:
   // `pieces`: gradients the reducer left outside the buffer (see
   // ReducerOptions::grads_valid_until_finalize), sorted by offset, or nullptr.
@@ -163,7 +164,7 @@ class GradBucket {
 };
 
 // A hook's answer: the communication it started and what to do once it is done.
-struct CommFuture {
+struct COHORT_API CommFuture {
   WorkPtr work;                // nullptr: nothing to wait for
   // Runs in finalize(), on its thread, after GradMemory::wait(work): on the
   // host, work has completed without error; with GPU memory that orders a
@@ -183,17 +184,17 @@ struct CommFuture {
 using CommHook = std::function<CommFuture(GradBucket&)>;
 
 // The default: allreduce with ReduceOp::Avg, in place.
-CommHook allreduce_avg_hook();
+COHORT_API CommHook allreduce_avg_hook();
 // Convert the bucket to f16 (bf16) into scratch, allreduce-sum that, and in
 // finalize convert back dividing by the group size. For f32, f64, f16 and
 // bf16 buckets (an integer bucket throws InvalidArgument). The sum is formed in
 // the compressed type: it must fit (f16's largest finite value is 65504).
-CommHook fp16_compress_hook();
-CommHook bf16_compress_hook();
+COHORT_API CommHook fp16_compress_hook();
+COHORT_API CommHook bf16_compress_hook();
 
 // ---- Reducer ----
 
-struct ReducerOptions {
+struct COHORT_API ReducerOptions {
   double bucket_cap_mb = 25.0;   // MiB, as PyTorch's bucket_cap_mb
   double first_bucket_mb = 1.0;  // MiB
   // Parameters not marked ready by finalize() count as ready with the gradient
@@ -225,7 +226,7 @@ using SteadyTime = std::chrono::steady_clock::time_point;
 
 // One bucket in one synced iteration. Times are zero (time_since_epoch() == 0)
 // for events that have not happened.
-struct BucketStats {
+struct COHORT_API BucketStats {
   size_t index = 0;
   size_t bytes = 0;
   size_t params = 0;
@@ -237,7 +238,7 @@ struct BucketStats {
   bool launched_in_finalize = false;  // held back by unused parameters until finalize()
 };
 
-struct IterationStats {
+struct COHORT_API IterationStats {
   uint64_t iteration = 0;        // synced iterations finalized before this one
   SteadyTime started{};          // prepare_for_backward() or the first mark_ready()
   SteadyTime finalized{};        // finalize() returned
@@ -254,7 +255,7 @@ class Reducer;
 // While alive, mark_ready() only counts and finalize() does nothing: the
 // framework accumulates gradients locally, and the next synced backward
 // reduces the accumulated gradients. Nests.
-class [[nodiscard]] NoSyncGuard {
+class [[nodiscard]] COHORT_API NoSyncGuard {
  public:
   explicit NoSyncGuard(Reducer& r);
   ~NoSyncGuard();
@@ -270,7 +271,7 @@ class [[nodiscard]] NoSyncGuard {
 // at a time, not while backward is running. The group must outlive the reducer, and the reducer
 // must be the only user issuing collectives on the group during backward
 // (collectives match across ranks by issue order).
-class Reducer {
+class COHORT_API Reducer {
  public:
   // A collective: every rank of `group` constructs its reducer together. It
   // checks that all ranks registered the same parameters and bucket caps and

@@ -7,29 +7,30 @@
 
 #include <stdexcept>
 #include <string>
+#include "cohort/export.hpp"
 
 namespace cohort {
 
-class Error : public std::runtime_error {
+class COHORT_API Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
 // Bad arguments: wrong count, dtype, root, rank not in group, bad flag value.
-class InvalidArgument : public Error {
+class COHORT_API InvalidArgument : public Error {
  public:
   using Error::Error;
 };
 
 // A deadline passed (COHORT_TIMEOUT or a per-call timeout).
-class TimeoutError : public Error {
+class COHORT_API TimeoutError : public Error {
  public:
   using Error::Error;
 };
 
 // A peer died, closed its connection, aborted, or sent something we did not expect.
 // peer() is the rank in the group that failed (-1 if unknown).
-class PeerError : public Error {
+class COHORT_API PeerError : public Error {
  public:
   PeerError(const std::string& what, int peer) : Error(what), peer_(peer) {}
   int peer() const { return peer_; }
@@ -39,14 +40,14 @@ class PeerError : public Error {
 };
 
 // Operating-system failures: sockets, files, shared memory.
-class IoError : public Error {
+class COHORT_API IoError : public Error {
  public:
   using Error::Error;
 };
 
 // A file exists but its contents are wrong: truncated, corrupted, or not in the
 // expected format (checkpoints, safetensors files). The message names the file.
-class FormatError : public IoError {
+class COHORT_API FormatError : public IoError {
  public:
   using IoError::IoError;
 };

@@ -15,11 +15,12 @@
 #include <memory>
 #include <string>
 #include <vector>
+#include "cohort/export.hpp"
 
 namespace cohort {
 
 // A file opened for writing by Filesystem::create_file.
-class WritableFile {
+class COHORT_API WritableFile {
  public:
   virtual ~WritableFile() = default;
   // Writes all of [data, data + n) at the end of the file (retries short writes).
@@ -31,7 +32,7 @@ class WritableFile {
 };
 
 // A file opened for reading by Filesystem::open_file.
-class ReadableFile {
+class COHORT_API ReadableFile {
  public:
   virtual ~ReadableFile() = default;
   virtual uint64_t size() = 0;
@@ -39,18 +40,18 @@ class ReadableFile {
   virtual void read_at(uint64_t offset, void* out, size_t n) = 0;
 };
 
-struct DirEntry {
+struct COHORT_API DirEntry {
   std::string name;  // no directory part; never "." or ".."
   bool is_dir = false;  // a real directory: a symbolic link to one is not
 };
 
 // An exclusive hold on a directory (Filesystem::lock_dir); released when destroyed.
-class DirLock {
+class COHORT_API DirLock {
  public:
   virtual ~DirLock() = default;
 };
 
-class Filesystem {
+class COHORT_API Filesystem {
  public:
   virtual ~Filesystem() = default;
 
@@ -83,11 +84,11 @@ class Filesystem {
 };
 
 // The operating system's file system (open/pwrite/pread/fsync/rename/unlink/rmdir).
-Filesystem& posix_filesystem();
+COHORT_API Filesystem& posix_filesystem();
 
 // Removes `path` and, if it is a directory, everything below it, through `fs`
 // (so each removal is one operation a test can fail). Missing path: no-op.
 // Symbolic links are removed, never followed: `path` itself included.
-void remove_all(Filesystem& fs, const std::string& path);
+COHORT_API void remove_all(Filesystem& fs, const std::string& path);
 
 }  // namespace cohort

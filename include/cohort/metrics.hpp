@@ -29,15 +29,16 @@
 #include <vector>
 
 #include "cohort/process_group.hpp"
+#include "cohort/export.hpp"
 
 namespace cohort {
 
-struct InterfaceBytes {
+struct COHORT_API InterfaceBytes {
   std::string name;  // "eth0", "lo"
   uint64_t rx = 0, tx = 0;
 };
 
-struct StepSummary {
+struct COHORT_API StepSummary {
   int rank = 0;
   int64_t steps = 0;
   // Means per step, in milliseconds.
@@ -50,7 +51,7 @@ struct StepSummary {
   std::vector<InterfaceBytes> net;  // /proc/net/dev over the run, interfaces that moved bytes
 };
 
-class StepMetrics {
+class COHORT_API StepMetrics {
  public:
   explicit StepMetrics(ProcessGroup& group);
   ~StepMetrics();  // finish() if not yet called

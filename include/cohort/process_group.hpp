@@ -20,11 +20,12 @@
 #include "cohort/error.hpp"
 #include "cohort/store.hpp"
 #include "cohort/types.hpp"
+#include "cohort/export.hpp"
 
 namespace cohort {
 
 // Handle to one asynchronous operation.
-class Work {
+class COHORT_API Work {
  public:
   virtual ~Work() = default;
   virtual bool is_completed() const = 0;
@@ -64,7 +65,7 @@ struct BarrierOptions { Millis timeout{0}; };
 struct SendRecvOptions { int tag = 0; Millis timeout{0}; };
 
 // One send or receive of a batch_isend_irecv call.
-struct P2POp {
+struct COHORT_API P2POp {
   enum Kind { Send, Recv };
   Kind kind = Send;
   Buffer buf;
@@ -72,7 +73,7 @@ struct P2POp {
   int tag = 0;
 };
 
-class ProcessGroup {
+class COHORT_API ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;
 
@@ -165,7 +166,7 @@ class ProcessGroup {
 // legacy default stream. cohort::torch sets LibTorch's current stream here
 // around the collectives DistributedDataParallel issues. Scopes nest; the
 // pointer is only stored, never dereferenced, so this needs no CUDA.
-class [[nodiscard]] CudaStreamScope {
+class [[nodiscard]] COHORT_API CudaStreamScope {
  public:
   explicit CudaStreamScope(void* cuda_stream);
   ~CudaStreamScope();
@@ -178,7 +179,7 @@ class [[nodiscard]] CudaStreamScope {
   void* previous_;
 };
 
-struct InitOptions {
+struct COHORT_API InitOptions {
   std::string backend = "native";  // or COHORT_BACKEND
   // Unset fields come from the environment (RANK, WORLD_SIZE, LOCAL_RANK,
   // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the launcher's COHORT_STORE_*;
@@ -196,9 +197,9 @@ struct InitOptions {
 // (no torchrun variables) rank and size come from their variables, and the
 // store's host from MASTER_ADDR, this host (all ranks local) or the first node
 // of the Slurm node list; InvalidArgument says what to set when none applies.
-std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts = {});
+COHORT_API std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts = {});
 
 // The cohort library's version, "major.minor.patch".
-const char* version();
+COHORT_API const char* version();
 
 }  // namespace cohort

@@ -10,13 +10,14 @@
 #include <memory>
 #include <string>
 #include <vector>
+#include "cohort/export.hpp"
 
 namespace cohort {
 
 using Bytes = std::vector<uint8_t>;
 using Millis = std::chrono::milliseconds;
 
-class Store {
+class COHORT_API Store {
  public:
   virtual ~Store() = default;
 
@@ -52,7 +53,7 @@ class Store {
 };
 
 // In-process store for tests: ranks run as threads and share one instance.
-class MemoryStore : public Store {
+class COHORT_API MemoryStore : public Store {
  public:
   MemoryStore();
   ~MemoryStore() override;
@@ -73,7 +74,7 @@ class MemoryStore : public Store {
 };
 
 // Namespaces every key with "prefix/" on top of another store (sub-groups, restarts).
-class PrefixStore : public Store {
+class COHORT_API PrefixStore : public Store {
  public:
   PrefixStore(std::string prefix, std::shared_ptr<Store> base);
   void set(const std::string& key, const Bytes& value) override;
@@ -97,7 +98,7 @@ class PrefixStore : public Store {
 
 // The server half of TcpStore: an event loop on its own thread. Owned by the
 // launcher, or by rank 0 when a program starts without the launcher.
-class TcpStoreServer {
+class COHORT_API TcpStoreServer {
  public:
   // Binds host:port (port 0 picks a free one; see port()). Throws IoError with
   // the address when the port is taken.
@@ -112,7 +113,7 @@ class TcpStoreServer {
   std::unique_ptr<Impl> impl_;
 };
 
-struct TcpStoreOptions {
+struct COHORT_API TcpStoreOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 29500;
   bool is_server = false;      // also run a TcpStoreServer in this process
@@ -126,7 +127,7 @@ struct TcpStoreOptions {
 };
 
 // The client. One TCP connection; calls from several threads are serialised.
-class TcpStore : public Store {
+class COHORT_API TcpStore : public Store {
  public:
   explicit TcpStore(TcpStoreOptions opts);
   ~TcpStore() override;

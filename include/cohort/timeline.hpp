@@ -8,13 +8,14 @@
 
 #include <cstdint>
 #include <string>
+#include "cohort/export.hpp"
 
 namespace cohort::timeline {
 
 // True when COHORT_TIMELINE is set for this process.
-bool enabled();
+COHORT_API bool enabled();
 
-class Span {
+class COHORT_API Span {
  public:
   // `name` must outlive the span (a string literal).
   explicit Span(const char* name, const char* track = "train");

@@ -32,10 +32,11 @@
 
 #include "cohort/ddp.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/export.hpp"
 
 namespace cohort::torch {
 
-struct DistributedDataParallelOptions {
+struct COHORT_API DistributedDataParallelOptions {
   double bucket_cap_mb = 25.0;        // PyTorch's bucket_cap_mb
   double first_bucket_mb = 1.0;
   bool find_unused_parameters = false;
@@ -60,7 +61,7 @@ struct DistributedDataParallelOptions {
 // Where the module's gradients are reduced (src/torch/device.hpp, docs/gpu.md).
 enum class MemoryMode : int;
 
-class DistributedDataParallel {
+class COHORT_API DistributedDataParallel {
  public:
   // Collective over `group`: checks that every rank has the same parameters
   // (names, shapes, dtypes; a mismatch names the parameter and the ranks),
@@ -128,23 +129,23 @@ class DistributedDataParallel {
 
 // Broadcasts every tensor in place from `root` (contiguous tensors; moved
 // through a contiguous copy otherwise).
-void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root = 0);
+COHORT_API void broadcast_tensors(ProcessGroup& group, const std::vector<::torch::Tensor>& tensors, int root = 0);
 
 // Throws InvalidArgument on every rank when a rank's list differs from rank
 // 0's, naming the rank and the first difference: a tensor one of them lacks,
 // a shape or dtype, or the order. `what` names the tensors in the message
 // ("parameter"; DistributedDataParallel checks its trainable parameters, then
 // the "frozen parameter"s, then the "buffer"s).
-void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
+COHORT_API void check_same_parameters(ProcessGroup& group, const std::vector<std::string>& names,
                            const std::vector<::torch::Tensor>& tensors, std::string_view what = "parameter");
 
 // cohort's element type for a torch dtype; InvalidArgument for types collectives cannot move.
-DType to_dtype(::torch::ScalarType t);
+COHORT_API DType to_dtype(::torch::ScalarType t);
 
 // Averages a scalar (loss, accuracy counts) across the group.
-double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op = ReduceOp::Sum);
+COHORT_API double allreduce_scalar(ProcessGroup& group, double value, ReduceOp op = ReduceOp::Sum);
 
 // `root`'s string on every rank (a checkpoint path chosen by rank 0, ...).
-std::string broadcast_string(ProcessGroup& group, std::string value, int root = 0);
+COHORT_API std::string broadcast_string(ProcessGroup& group, std::string value, int root = 0);
 
 }  // namespace cohort::torch

@@ -10,6 +10,7 @@
 
 #include "cohort/checkpoint.hpp"
 #include "cohort/process_group.hpp"
+#include "cohort/export.hpp"
 
 namespace cohort::torch {
 
@@ -26,7 +27,7 @@ namespace cohort::torch {
 //
 // The scale and the growth tracker belong in checkpoints (current_scale(),
 // growth_tracker(), load()) for an exact resume.
-struct GradScalerOptions {
+struct COHORT_API GradScalerOptions {
   double init_scale = 65536.0;
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
@@ -34,7 +35,7 @@ struct GradScalerOptions {
   bool enabled = true;
 };
 
-class GradScaler {
+class COHORT_API GradScaler {
  public:
   // Throws InvalidArgument for a scale or factor that cannot work (init_scale
   // <= 0, growth_factor <= 1, backoff_factor outside (0, 1), growth_interval < 1).
@@ -78,7 +79,7 @@ class GradScaler {
 // On a CUDA GPU (device = c10::DeviceType::CUDA) the dtype is float16 (with a
 // GradScaler) or bfloat16. LibTorch's CPU autocast takes bfloat16 only:
 // another dtype throws InvalidArgument.
-class Autocast {
+class COHORT_API Autocast {
  public:
   explicit Autocast(::torch::ScalarType dtype = ::torch::kBFloat16, bool enabled = true,
                     c10::DeviceType device = c10::DeviceType::CPU);
@@ -93,7 +94,7 @@ class Autocast {
 };
 
 // Whether autocast is on for `device` on this thread (LibTorch 1.x and 2.x alike).
-bool autocast_enabled(c10::DeviceType device);
+COHORT_API bool autocast_enabled(c10::DeviceType device);
 
 // Clears the gradients before the next backward. set_to_none (PyTorch's
 // default since 2.0; LibTorch 1.13's Optimizer::zero_grad() only zeroes in
@@ -102,7 +103,7 @@ bool autocast_enabled(c10::DeviceType device);
 // gradient_as_bucket_view that saves two passes over the gradients per step
 // (the zeroing, and reading the zeros back), and DDP copies the fresh gradient
 // into its bucket once; .grad is a view of the bucket again after backward.
-void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none = true);
+COHORT_API void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none = true);
 
 // optimizer.step() for torch::optim::SGD, in one pass over each parameter:
 // the same update (momentum, dampening, Nesterov, weight decay, every param
@@ -112,7 +113,7 @@ void zero_grad(::torch::optim::Optimizer& optimizer, bool set_to_none = true);
 // contiguous float32 CPU parameters take the fused loop (AVX2 where the CPU
 // has it); others take LibTorch's operations. Results match step() within one
 // rounding per operation. Throws InvalidArgument for a sparse gradient.
-void sgd_step(::torch::optim::SGD& optimizer);
+COHORT_API void sgd_step(::torch::optim::SGD& optimizer);
 
 // optimizer.step() for torch::optim::Adam and AdamW, in one pass over each
 // parameter: the same update (betas, eps, weight decay as L2 for Adam and
@@ -124,17 +125,17 @@ void sgd_step(::torch::optim::SGD& optimizer);
 // has it); others take LibTorch's operations. Results match step() within a
 // rounding or two per operation. Throws InvalidArgument for a sparse gradient
 // or betas outside [0, 1).
-void adam_step(::torch::optim::Adam& optimizer);
-void adamw_step(::torch::optim::AdamW& optimizer);
+COHORT_API void adam_step(::torch::optim::Adam& optimizer);
+COHORT_API void adamw_step(::torch::optim::AdamW& optimizer);
 
 // Clips the gradients of `params` to a global L2 norm of max_norm; returns the
 // norm before clipping. (After DDP's finalize every rank holds the same
 // averaged gradients, so the norm is already global across ranks.)
-double clip_grad_norm(const std::vector<::torch::Tensor>& params, double max_norm);
+COHORT_API double clip_grad_norm(const std::vector<::torch::Tensor>& params, double max_norm);
 
 // Linear warmup from 0 to peak over warmup_steps, then cosine decay to
 // final_fraction * peak at total_steps. Pure: lr at a step.
-double warmup_cosine_lr(int64_t step, int64_t warmup_steps, int64_t total_steps, double peak, double final_fraction = 0.0);
+COHORT_API double warmup_cosine_lr(int64_t step, int64_t warmup_steps, int64_t total_steps, double peak, double final_fraction = 0.0);
 
 // Linear scaling rule (Goyal et al., 2017): base_lr x world size.
 inline double scaled_lr(double base_lr, int world_size) { return base_lr * world_size; }
@@ -142,19 +143,19 @@ inline double scaled_lr(double base_lr, int world_size) { return base_lr * world
 // Module parameters and buffers as named tensors ("conv1.weight", ...), and back.
 // load_module_state throws InvalidArgument naming a missing, unexpected or
 // mis-shaped tensor.
-std::vector<NamedTensor> module_state(const ::torch::nn::Module& module);
-void load_module_state(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
+COHORT_API std::vector<NamedTensor> module_state(const ::torch::nn::Module& module);
+COHORT_API void load_module_state(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
 
 // SGD (momentum buffers) and Adam/AdamW (exp_avg, exp_avg_sq, step) state, plus
 // each group's lr, named "group<g>.param<k>.<field>" by position.
-std::vector<NamedTensor> optimizer_state(::torch::optim::Optimizer& optimizer);
-void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& tensors);
+COHORT_API std::vector<NamedTensor> optimizer_state(::torch::optim::Optimizer& optimizer);
+COHORT_API void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& tensors);
 
-NamedTensor to_named(const std::string& name, const ::torch::Tensor& t);
+COHORT_API NamedTensor to_named(const std::string& name, const ::torch::Tensor& t);
 ::torch::Tensor from_named(const NamedTensor& t);
 
 // The default CPU generator's state as bytes, and back (for the manifest).
-std::string cpu_rng_state();
-void set_cpu_rng_state(const std::string& bytes);
+COHORT_API std::string cpu_rng_state();
+COHORT_API void set_cpu_rng_state(const std::string& bytes);
 
 }  // namespace cohort::torch

@@ -7,6 +7,7 @@
 #include <span>
 #include <string_view>
 #include <vector>
+#include "cohort/export.hpp"
 
 namespace cohort {
 
@@ -19,19 +20,19 @@ enum class ReduceOp : uint8_t { Sum = 0, Prod = 1, Min = 2, Max = 3, Avg = 4 };
 inline constexpr int kNumReduceOps = 5;
 
 // Size in bytes of one element; throws InvalidArgument for a value outside the enum.
-size_t dtype_size(DType t);
+COHORT_API size_t dtype_size(DType t);
 // "f32", "bf16", ...; "?" for a value outside the enum.
-std::string_view dtype_name(DType t);
-std::string_view reduce_op_name(ReduceOp op);
+COHORT_API std::string_view dtype_name(DType t);
+COHORT_API std::string_view reduce_op_name(ReduceOp op);
 // Accepts our names and the usual aliases (float, float32, half, double, int, ...).
-std::optional<DType> parse_dtype(std::string_view s);
-std::optional<ReduceOp> parse_reduce_op(std::string_view s);
-bool dtype_is_valid(DType t);
-bool reduce_op_is_valid(ReduceOp op);
+COHORT_API std::optional<DType> parse_dtype(std::string_view s);
+COHORT_API std::optional<ReduceOp> parse_reduce_op(std::string_view s);
+COHORT_API bool dtype_is_valid(DType t);
+COHORT_API bool reduce_op_is_valid(ReduceOp op);
 
 // A contiguous run of `count` elements of `dtype` at `data`. It does not own the
 // memory; the caller keeps it alive until the collective's Work completes.
-struct Buffer {
+struct COHORT_API Buffer {
   void* data = nullptr;
   size_t count = 0;
   DType dtype = DType::F32;
@@ -40,7 +41,7 @@ struct Buffer {
 };
 
 // Elements of an allreduce_gathered input (ProcessGroup) that are not in its buffer yet.
-struct InputPiece {
+struct COHORT_API InputPiece {
   size_t offset = 0;           // first element, in the buffer
   size_t count = 0;            // elements
   const void* data = nullptr;  // where they are now

@@ -18,6 +18,7 @@
 
 #include "cohort/error.hpp"
 #include "cohort/filesystem.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 
 namespace cohort {
@@ -40,15 +41,12 @@ std::string hint_for(int err) {
 
 class PosixWritableFile final : public WritableFile {
  public:
-  PosixWritableFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
-  ~PosixWritableFile() override {
-    if (fd_ >= 0) ::close(fd_);
-  }
+  PosixWritableFile(core::Fd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
 
   void append(const void* data, size_t n) override {
     const auto* p = static_cast<const char*>(data);
     while (n > 0) {
-      ssize_t w = ::write(fd_, p, n);
+      ssize_t w = ::write(fd_.get(), p, n);
       if (w < 0) {
         if (errno == EINTR) continue;
         fail("write to", path_, errno);
@@ -59,38 +57,38 @@ class PosixWritableFile final : public WritableFile {
   }
 
   void sync() override {
-    while (::fsync(fd_) != 0) {
+    while (::fsync(fd_.get()) != 0) {
       if (errno != EINTR) fail("fsync", path_, errno);
     }
   }
 
+  // Closed here rather than by core::Fd, because close(2) may report a
+  // deferred write error (NFS) that a save must see; EINTR leaves the fd
+  // closed on Linux.
   void close() override {
-    int fd = fd_;
-    fd_ = -1;
-    // close(2) may report a deferred write error (NFS); EINTR leaves the fd closed on Linux.
+    const int fd = fd_.release();
     if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) fail("close", path_, errno);
   }
 
  private:
-  int fd_;
+  core::Fd fd_;
   std::string path_;
 };
 
 class PosixReadableFile final : public ReadableFile {
  public:
-  PosixReadableFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
-  ~PosixReadableFile() override { ::close(fd_); }
+  PosixReadableFile(core::Fd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
 
   uint64_t size() override {
     struct stat st;
-    if (::fstat(fd_, &st) != 0) fail("stat", path_, errno);
+    if (::fstat(fd_.get(), &st) != 0) fail("stat", path_, errno);
     return static_cast<uint64_t>(st.st_size);
   }
 
   void read_at(uint64_t offset, void* out, size_t n) override {
     auto* p = static_cast<char*>(out);
     while (n > 0) {
-      ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+      ssize_t r = ::pread(fd_.get(), p, n, static_cast<off_t>(offset));
       if (r < 0) {
         if (errno == EINTR) continue;
         fail("read", path_, errno);
@@ -105,7 +103,7 @@ class PosixReadableFile final : public ReadableFile {
   }
 
  private:
-  int fd_;
+  core::Fd fd_;
   std::string path_;
 };
 
@@ -121,7 +119,7 @@ std::set<std::pair<dev_t, ino_t>> g_held;
 
 class PosixDirLock final : public DirLock {
  public:
-  PosixDirLock(int fd, std::pair<dev_t, ino_t> id) : fd_(fd), id_(id) {
+  PosixDirLock(core::Fd fd, std::pair<dev_t, ino_t> id) : fd_(std::move(fd)), id_(id) {
     std::lock_guard<std::mutex> lk(g_held_mu);
     g_held.insert(id_);
   }
@@ -130,11 +128,11 @@ class PosixDirLock final : public DirLock {
       std::lock_guard<std::mutex> lk(g_held_mu);
       g_held.erase(id_);
     }
-    ::close(fd_);  // closing the last descriptor releases the flock
+    // fd_ closes after this: closing the last descriptor releases the flock.
   }
 
  private:
-  int fd_;
+  core::Fd fd_;
   std::pair<dev_t, ino_t> id_;
 };
 
@@ -147,15 +145,15 @@ std::string host_name() {
 class PosixFilesystem final : public Filesystem {
  public:
   std::unique_ptr<WritableFile> create_file(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) fail("create file", path, errno);
-    return std::make_unique<PosixWritableFile>(fd, path);
+    core::Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd.valid()) fail("create file", path, errno);
+    return std::make_unique<PosixWritableFile>(std::move(fd), path);
   }
 
   std::unique_ptr<ReadableFile> open_file(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("open", path, errno);
-    return std::make_unique<PosixReadableFile>(fd, path);
+    core::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) fail("open", path, errno);
+    return std::make_unique<PosixReadableFile>(std::move(fd), path);
   }
 
   void create_dir(const std::string& path) override {
@@ -163,13 +161,12 @@ class PosixFilesystem final : public Filesystem {
   }
 
   void sync_dir(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) fail("open directory", path, errno);
+    const core::Fd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!fd.valid()) fail("open directory", path, errno);
     int rc;
-    while ((rc = ::fsync(fd)) != 0 && errno == EINTR) {
+    while ((rc = ::fsync(fd.get())) != 0 && errno == EINTR) {
     }
     int err = errno;
-    ::close(fd);
     // Some file systems cannot fsync a directory (EINVAL): their renames are as durable as they get.
     if (rc != 0 && err != EINVAL) fail("fsync directory", path, err);
   }
@@ -225,32 +222,28 @@ class PosixFilesystem final : public Filesystem {
   std::unique_ptr<DirLock> lock_dir(const std::string& dir) override {
     const std::string path = dir + "/" + kLockName;
     bool writable = true;
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd < 0 && errno == EACCES) {
+    core::Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+    if (!fd.valid() && errno == EACCES) {
       // Another user's lock file in a shared directory: a local flock needs no
       // write access. (There is none to fall back on when the file does not
       // exist: the directory itself is not writable, and that is the error.)
       writable = false;
-      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-      if (fd < 0) fail("open the lock file", path, errno == ENOENT ? EACCES : errno);
+      fd.reset(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+      if (!fd.valid()) fail("open the lock file", path, errno == ENOENT ? EACCES : errno);
     }
-    if (fd < 0) fail("open the lock file", path, errno);
+    if (!fd.valid()) fail("open the lock file", path, errno);
     struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int err = errno;
-      ::close(fd);
-      fail("stat the lock file", path, err);
-    }
+    if (::fstat(fd.get(), &st) != 0) fail("stat the lock file", path, errno);
     const std::pair<dev_t, ino_t> id{st.st_dev, st.st_ino};
     int rc;
-    while ((rc = ::flock(fd, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    while ((rc = ::flock(fd.get(), LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
     }
     if (rc != 0) {
       const int err = errno;
       if (err == EWOULDBLOCK) {
         char who[200] = {};
-        const ssize_t n = ::pread(fd, who, sizeof(who) - 1, 0);
-        ::close(fd);
+        const ssize_t n = ::pread(fd.get(), who, sizeof(who) - 1, 0);
+        fd.reset();
         std::string holder = n > 0 ? std::string(who, static_cast<size_t>(n)) : std::string();
         while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
         bool mine = false;
@@ -269,7 +262,7 @@ class PosixFilesystem final : public Filesystem {
             "fork while saving (a child keeps the lock open)",
             dir, path, holder.empty() ? "unknown" : holder));
       }
-      ::close(fd);
+      fd.reset();
       // NFS without a lock manager, some FUSE mounts, an NFS lock asked for
       // through a read-only open: save as before, unguarded (said once per process).
       static std::atomic<bool> warned{false};
@@ -280,10 +273,10 @@ class PosixFilesystem final : public Filesystem {
     }
     // Who holds it, for the message a second writer gets (informational: not fsync'ed).
     const std::string me = fmt::format("pid {} on {}\n", ::getpid(), host_name());
-    if (writable && (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0)) {
+    if (writable && (::ftruncate(fd.get(), 0) != 0 || ::pwrite(fd.get(), me.data(), me.size(), 0) < 0)) {
       // The lock holds all the same; only the message would lack the holder.
     }
-    return std::make_unique<PosixDirLock>(fd, id);
+    return std::make_unique<PosixDirLock>(std::move(fd), id);
   }
 };
 

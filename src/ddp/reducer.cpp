@@ -48,7 +48,7 @@ uint64_t fnv(uint64_t h, uint64_t v) {
 
 }  // namespace
 
-struct Reducer::Impl {
+struct COHORT_HIDDEN Reducer::Impl {
   struct Bucket {
     std::byte* data = nullptr;  // the flat buffer, inside `storage`
     BucketScratch scratch;      // GradBucket::scratch

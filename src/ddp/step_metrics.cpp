@@ -41,7 +41,7 @@ double ms(double ns) {
 
 }  // namespace
 
-struct StepMetrics::Impl {
+struct COHORT_HIDDEN StepMetrics::Impl {
   ProcessGroup& group;
   std::string file;
   int64_t every = 0;

@@ -14,7 +14,7 @@
 #include "core/log.hpp"
 #include "group/native_group.hpp"
 #include "transport/shared_buffer.hpp"
-#include "transport/tcp/tcp_transport.hpp"
+#include "transport/registry.hpp"
 
 namespace cohort::group {
 namespace {
@@ -50,57 +50,80 @@ void NativeGroup::connect() {
     comm_ = std::make_unique<collectives::Comm>(0, 1, std::vector<transport::Connection*>(1, nullptr), engine_.get());
     return;
   }
+  // COHORT_TRANSPORT names one entry of the table (transport/registry.hpp);
+  // unset, every peer gets the first entry that reaches it.
   const std::string pref = setup_.transport;
-  if (!pref.empty() && pref != "shm" && pref != "tcp")
-    throw InvalidArgument(fmt::format("COHORT_TRANSPORT={} is not a transport; use shm, tcp or leave it unset", pref));
+  const transport::TransportEntry* forced = nullptr;
+  if (!pref.empty() && !(forced = transport::find_transport(pref)))
+    throw InvalidArgument(fmt::format("COHORT_TRANSPORT={} is not a transport; use one of {} or leave it unset", pref,
+                                      transport::transport_names()));
 
   store.set_string(fmt::format("host/{}", me), host_identity());
   std::vector<std::string> hosts(n);
   for (int r = 0; r < n; ++r) hosts[r] = store.get_string(fmt::format("host/{}", r), Millis(std::max(1, deadline.remaining_ms())));
 
-  std::vector<int> local, remote;
+  // Which entry reaches each peer; the same answer on every rank, since all
+  // of them see the same host identities and the same COHORT_TRANSPORT.
+  auto reaches = [&](const transport::TransportEntry* e, int r) {
+    return e->reach == transport::Reach::AnyHost || hosts[r] == hosts[me];
+  };
+  std::vector<const transport::TransportEntry*> entry_of(n, nullptr);
+  std::vector<int> unreachable;
   for (int r = 0; r < n; ++r) {
-    if (hosts[r] == hosts[me] && pref != "tcp") local.push_back(r);
-    else if (r != me) remote.push_back(r);
+    if (r == me) continue;
+    if (forced) {
+      entry_of[r] = reaches(forced, r) ? forced : nullptr;
+    } else {
+      for (const transport::TransportEntry* e : transport::transports())
+        if (reaches(e, r)) {
+          entry_of[r] = e;
+          break;
+        }
+    }
+    if (!entry_of[r]) unreachable.push_back(r);
   }
-  if (pref == "shm" && !remote.empty())
-    throw InvalidArgument(fmt::format("COHORT_TRANSPORT=shm but ranks {} are on other hosts; unset it to use TCP for them",
-                                      fmt::join(remote, ",")));
-  if (pref == "tcp") local.clear();
+  if (!unreachable.empty())
+    throw InvalidArgument(fmt::format("COHORT_TRANSPORT={} reaches only ranks on this host, but ranks {} are on other "
+                                      "hosts; unset it to let each peer use the first transport that reaches it ({})",
+                                      pref, fmt::join(unreachable, ","), transport::transport_names()));
 
-  if (local.size() > 1) {
-    transport::ShmOptions so;
-    so.name = fmt::format("cohort-{}-g{}-r{}", setup_.run_id, setup_.group_id, setup_.world_ranks[local.front()]);
-    so.local_ranks = local;
-    so.my_rank = me;
-    so.single_copy = thresholds_.allreduce_single_copy_min > 0;
-    shm_ = transport::ShmTransport::open(so, store, deadline);
-    for (int r : local)
-      if (r != me) conns_[r] = shm_->connect(r);
+  // Open each entry that has peers, in table order, and take its connections.
+  all_shm_ = true;
+  std::vector<std::string> peer_counts;  // "1 peer(s) over shm", per opened entry, for the INFO line
+  link_of_.assign(n, -1);
+  transport::Waiter* waiter = nullptr;
+  for (const transport::TransportEntry* e : transport::transports()) {
+    transport::OpenRequest req{.my_rank = me,
+                               .size = n,
+                               .world_ranks = setup_.world_ranks,
+                               .run_id = setup_.run_id,
+                               .group_id = setup_.group_id,
+                               .route_hint = setup_.route_hint,
+                               .allow_single_copy = thresholds_.allreduce_single_copy_min > 0,
+                               .store = &store,
+                               .deadline = deadline};
+    for (int r = 0; r < n; ++r)
+      if (r == me || entry_of[r] == e) req.ranks.push_back(r);
+    if (req.ranks.size() < 2) continue;
+    auto links = e->open(req);
+    for (int r : req.ranks)
+      if (r != me) {
+        conns_[r] = links->take(r);
+        link_of_[r] = static_cast<int>(links_.size());
+      }
+    if (e->reach != transport::Reach::SameHost) all_shm_ = false;
+    if (single_copy_why_.empty()) single_copy_why_ = links->single_copy_unavailable();
+    if (!waiter) waiter = links->waiter();
+    peer_counts.push_back(fmt::format("{} peer(s) over {}", req.ranks.size() - 1, e->name));
+    links_.push_back(std::move(links));
   }
-  if (!remote.empty()) {
-    transport::TcpOptions to;
-    to.my_rank = me;
-    to.size = n;
-    to.peers = remote;
-    to.group_id = setup_.run_id + "/" + setup_.group_id;
-    to.route_hint = setup_.route_hint;
-    auto tcp = transport::TcpTransport::open(to, store, deadline);
-    for (int r : remote) conns_[r] = tcp->take(r);
-    tcp_local_addr_ = tcp->local_address();
-  }
-  all_shm_ = remote.empty();
-  if (!all_shm_) single_copy_why_ = "some peers are over tcp (on other hosts, or COHORT_TRANSPORT=tcp)";
-  else if (!shm_) single_copy_why_ = "no peer over shared memory";
-  else if (!shm_->single_copy()) single_copy_why_ = shm_->single_copy_unavailable_reason();
   single_copy_ = single_copy_why_.empty();
-  engine_ = std::make_unique<transport::Engine>(shm_.get());
+  engine_ = std::make_unique<transport::Engine>(waiter);
   std::vector<transport::Connection*> raw(n, nullptr);
   for (int r = 0; r < n; ++r) raw[r] = conns_[r].get();
   comm_ = std::make_unique<collectives::Comm>(me, n, std::move(raw), engine_.get());
-  COHORT_INFO(kInit, "group {}: rank {}/{} connected: {} peer(s) over shm, {} over tcp", setup_.group_id, me, n,
-              local.empty() ? 0 : local.size() - 1, remote.size());
-  if (core::log_enabled(core::LogLevel::Info, core::kInit)) log_peers(hosts, remote);
+  COHORT_INFO(kInit, "group {}: rank {}/{} connected: {}", setup_.group_id, me, n, fmt::join(peer_counts, ", "));
+  if (core::log_enabled(core::LogLevel::Info, core::kInit)) log_peers(hosts);
   COHORT_INFO(kTuning, "group {}: {}", setup_.group_id,
               collectives::describe_thresholds(thresholds_, n, all_shm_, single_copy_));
 }
@@ -108,25 +131,21 @@ void NativeGroup::connect() {
 // One INFO line per peer: the transport chosen for it and why, so that "why is
 // this slow" starts from facts (a peer on this host over TCP is a misconfigured
 // COHORT_TRANSPORT or a different network namespace, ...).
-void NativeGroup::log_peers(const std::vector<std::string>& hosts, const std::vector<int>& remote) {
+void NativeGroup::log_peers(const std::vector<std::string>& hosts) {
   const int me = setup_.rank;
   const std::string pref = setup_.transport.empty() ? "" : fmt::format(", COHORT_TRANSPORT={}", setup_.transport);
   for (int r = 0; r < setup_.size; ++r) {
     if (r == me) continue;
-    const bool same_host = hosts[r] == hosts[me];
-    const std::string where = same_host ? "same host" : "other host";
-    const std::string kind = transport_of(r);
-    if (kind == "tcp" && std::find(remote.begin(), remote.end(), r) != remote.end()) {
-      std::string peer_addr = "?";
-      try {
-        peer_addr = setup_.store->get_string(fmt::format("tcp/{}", r), Millis(1000));
-      } catch (const std::exception&) {
-      }
-      COHORT_INFO(kInit, "group {}: peer {} (world rank {}): transport tcp, {}{}, {} -> {}", setup_.group_id, r,
-                  setup_.world_ranks[r], where, pref, tcp_local_addr_, peer_addr);
+    const std::string where = hosts[r] == hosts[me] ? "same host" : "other host";
+    const transport::Links* links = link_of_[r] >= 0 ? links_[link_of_[r]].get() : nullptr;
+    const std::string local = links ? links->local_address() : "";
+    if (!local.empty()) {
+      const std::string remote = links->peer_address(r);
+      COHORT_INFO(kInit, "group {}: peer {} (world rank {}): transport {}, {}{}, {} -> {}", setup_.group_id, r,
+                  setup_.world_ranks[r], transport_of(r), where, pref, local, remote.empty() ? "?" : remote);
     } else {
       COHORT_INFO(kInit, "group {}: peer {} (world rank {}): transport {}, {}{}", setup_.group_id, r,
-                  setup_.world_ranks[r], kind, where, pref);
+                  setup_.world_ranks[r], transport_of(r), where, pref);
     }
   }
 }

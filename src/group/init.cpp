@@ -6,7 +6,7 @@
 #include <random>
 
 #include "cohort/process_group.hpp"
-#include "core/cpu_layout.hpp"
+#include "core/cpu_list.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/launch_env.hpp"
@@ -54,10 +54,9 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
               le.local_rank ? std::to_string(*le.local_rank) : "?",
               le.local_world_size ? std::to_string(*le.local_world_size) : "?", le.source, le.variables,
               le.master_addr, le.master_addr_from);
-  if (core::log_enabled(core::LogLevel::Info, core::kInit))  // reading sysfs only when someone looks
-    COHORT_INFO(kInit, "host {}: {}", le.local_world_size ? fmt::format("with {} local rank(s)", *le.local_world_size)
-                                                          : std::string("seen"),
-                core::describe_host_cpus(core::read_cpu_layout(), core::current_affinity()));
+  COHORT_INFO(kInit, "host {}: {}", le.local_world_size ? fmt::format("with {} local rank(s)", *le.local_world_size)
+                                                        : std::string("seen"),
+              core::describe_affinity(core::current_affinity()));
 
   if (backend != "native" && backend != "nccl")
     throw InvalidArgument(

@@ -1,4 +1,5 @@
-// NativeGroup: the ProcessGroup of cohort's own transports (shm + tcp).
+// NativeGroup: the ProcessGroup of cohort's own transports (the table in
+// transport/registry.hpp: shared memory on a host, TCP between hosts).
 //
 // Threads: the caller issues operations (from one thread at a time); each is
 // validated at once, numbered, and queued. A progress thread, started on the
@@ -24,7 +25,7 @@
 #include "group/op.hpp"
 #include "group/work.hpp"
 #include "transport/engine.hpp"
-#include "transport/shm/shm_transport.hpp"
+#include "transport/registry.hpp"
 
 namespace cohort::group {
 
@@ -77,7 +78,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
  private:
   explicit NativeGroup(GroupSetup setup);
   void connect();
-  void log_peers(const std::vector<std::string>& hosts, const std::vector<int>& remote);  // INFO, group_setup.cpp
+  void log_peers(const std::vector<std::string>& hosts);  // INFO, group_setup.cpp
   WorkPtr submit(OpDesc d);
   void execute(OpDesc& d);       // on the progress thread or inline
   // Runs d with mu_ held by lk on entry and exit (released while it runs); completes w.
@@ -94,7 +95,8 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   std::string hang_verdict(const OpDesc& d);
 
   GroupSetup setup_;
-  std::unique_ptr<transport::ShmTransport> shm_;
+  std::vector<std::unique_ptr<transport::Links>> links_;  // one per transport in use (transport/registry.hpp)
+  std::vector<int> link_of_;                              // peer -> its index in links_ (-1: self)
   std::vector<std::unique_ptr<transport::Connection>> conns_;
   std::unique_ptr<transport::Engine> engine_;
   std::unique_ptr<collectives::Comm> comm_;
@@ -120,7 +122,6 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   int64_t heartbeat_ms_ = recorder_.enabled() ? FlightRecorder::configured_heartbeat_ms() : 0;
   int64_t last_heartbeat_ns_ = 0;  // when it was published (FlightRecorder::now_ns; progress thread only)
   bool heartbeat_failed_ = false;  // the store refused one: no more (progress thread only)
-  std::string tcp_local_addr_;  // the address this rank's TCP connections use (for the INFO log)
 };
 
 }  // namespace cohort::group

@@ -17,7 +17,6 @@
 #include "cohort/error.hpp"
 #include "cohort/store.hpp"
 #include "core/env.hpp"
-#include "core/cpu_layout.hpp"
 #include "core/log.hpp"
 #include "launch/binding.hpp"
 #include "launch/elastic_agent.hpp"
@@ -128,7 +127,7 @@ class Agent {
     if (job_.setup.bind.oversubscribed)
       COHORT_WARN(kLaunch, "--bind core with {} local ranks on {} usable core(s): ranks share cores; --bind none lets "
                            "the scheduler balance them",
-                  opts_.nproc_per_node, core::read_cpu_layout().cores.size());
+                  opts_.nproc_per_node, job_.setup.bind.usable_cores);
     int code = 1;
     try {
       code = attempts();

@@ -46,7 +46,7 @@ const char* bind_name(BindMode mode) {
   return "?";
 }
 
-BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, const core::CpuList& allowed_in) {
+BindPlan plan_binding(BindMode mode, int nproc, const topo::CpuLayout& layout, const core::CpuList& allowed_in) {
   BindPlan plan;
   plan.mode = mode;
   if (mode == BindMode::None || nproc < 1) {
@@ -90,6 +90,7 @@ BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, c
     return std::make_pair(node_of(a.front()), a.front()) < std::make_pair(node_of(b.front()), b.front());
   });
   const size_t C = cores.size(), n = static_cast<size_t>(nproc);
+  plan.usable_cores = C;
   if (mode == BindMode::Auto) {
     if (n < 2 || n > C) {
       plan.mode = BindMode::None;
@@ -110,9 +111,27 @@ BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, c
   return plan;
 }
 
+BindPlan plan_binding_here(BindMode mode, int nproc, topo::CpuLayout (*load)()) {
+  if (mode == BindMode::None) return plan_binding(mode, nproc, {}, {});
+  topo::CpuLayout layout;
+  try {
+    layout = load();
+  } catch (const IoError& e) {
+    if (mode != BindMode::Auto)
+      throw IoError(fmt::format("--bind {} needs this host's CPU layout, which hwloc could not read: {}; or run with "
+                                "--bind none",
+                                bind_name(mode), e.what()));
+    BindPlan plan;
+    plan.note = fmt::format("workers are not pinned: hwloc could not read the CPU layout ({})", e.what());
+    return plan;
+  }
+  return plan_binding(mode, nproc, layout, core::current_affinity());
+}
+
 std::string describe_binding(BindMode asked, const BindPlan& plan) {
   const std::string flag = asked == BindMode::Auto ? fmt::format("--bind auto ({})", bind_name(plan.mode))
                                                    : fmt::format("--bind {}", bind_name(asked));
+  if (!plan.note.empty()) return flag + ": " + plan.note;
   if (plan.mode == BindMode::None)
     return flag + ": workers are not pinned (they inherit the launcher's CPU affinity)";
   std::string s = flag + ":";

@@ -20,14 +20,16 @@
 //
 // Only CPUs the launcher itself may use (its sched_getaffinity, e.g. a Slurm
 // or container cpuset) are handed out. The plan is a pure function of the
-// layout (core/cpu_layout.hpp), so tests call it with made-up machines; the
-// worker applies it with sched_setaffinity between fork and exec.
+// layout (topo::CpuLayout, which hwloc reads: the same lists `cohort topo`
+// prints), so tests call it with made-up machines; the worker applies it with
+// sched_setaffinity between fork and exec.
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include "core/cpu_layout.hpp"
+#include "core/cpu_list.hpp"
+#include "topo/topology.hpp"
 
 namespace cohort::launch {
 
@@ -41,10 +43,18 @@ struct BindPlan {
   BindMode mode = BindMode::None;   // what auto resolved to (never Auto)
   std::vector<core::CpuList> cpus;  // per local rank; empty when mode is None
   bool oversubscribed = false;      // core: more ranks than cores, some share
+  size_t usable_cores = 0;          // core: the cores it handed out from
+  std::string note;                 // why auto chose none when the layout could not be read, else ""
 };
 
 // Throws InvalidArgument when `allowed` leaves no CPU of the layout to bind to.
-BindPlan plan_binding(BindMode mode, int nproc, const core::CpuLayout& layout, const core::CpuList& allowed);
+BindPlan plan_binding(BindMode mode, int nproc, const topo::CpuLayout& layout, const core::CpuList& allowed);
+
+// The plan for this host: reads the layout with hwloc (topo::load_cpu_layout)
+// unless mode is None. When hwloc cannot read it, auto falls back to none
+// (BindPlan::note says why) and numa / core throw IoError naming hwloc's
+// reason and --bind none. `load` is the reader (tests pass one that fails).
+BindPlan plan_binding_here(BindMode mode, int nproc, topo::CpuLayout (*load)() = &topo::load_cpu_layout);
 
 // The launcher's INFO line: "--bind auto (core): local rank 0 -> CPUs 0, local rank 1 -> CPUs 1".
 std::string describe_binding(BindMode asked, const BindPlan& plan);

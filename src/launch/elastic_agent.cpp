@@ -17,7 +17,7 @@
 #include "cohort/error.hpp"
 #include "cohort/store.hpp"
 #include "core/clock.hpp"
-#include "core/cpu_layout.hpp"
+#include "core/cpu_list.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "launch/elastic_rendezvous.hpp"

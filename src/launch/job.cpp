@@ -9,7 +9,6 @@
 #include <filesystem>
 
 #include "cohort/error.hpp"
-#include "core/cpu_layout.hpp"
 #include "core/env.hpp"
 #include "launch/output.hpp"
 
@@ -63,7 +62,7 @@ JobSetup prepare_job(const LaunchOptions& opts) {
                                                std::getenv("MALLOC_MMAP_THRESHOLD_"), kMallocTuning.boolean());
   job.log_root = make_log_root(opts);
   job.bind_mode = parse_bind(opts.bind);
-  job.bind = plan_binding(job.bind_mode, opts.nproc_per_node, core::read_cpu_layout(), core::current_affinity());
+  job.bind = plan_binding_here(job.bind_mode, opts.nproc_per_node);
   return job;
 }
 

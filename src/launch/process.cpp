@@ -15,7 +15,7 @@
 
 #include "cohort/error.hpp"
 #include "core/check.hpp"
-#include "core/cpu_layout.hpp"
+#include "core/cpu_list.hpp"
 
 namespace cohort::launch {
 namespace {

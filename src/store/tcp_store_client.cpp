@@ -53,7 +53,7 @@ std::string describe(const Request& req) {
 
 }  // namespace
 
-struct TcpStore::Impl {
+struct COHORT_HIDDEN TcpStore::Impl {
   TcpStoreOptions opts;
   std::unique_ptr<TcpStoreServer> server;  // only when opts.is_server
   uint16_t port = 0;

@@ -45,7 +45,7 @@ struct Conn {
 
 }  // namespace store
 
-struct TcpStoreServer::Impl {
+struct COHORT_HIDDEN TcpStoreServer::Impl {
   using Conn = store::Conn;
   using Request = store::Request;
 

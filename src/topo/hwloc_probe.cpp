@@ -14,6 +14,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cohort/error.hpp"
 #include "topo/topology.hpp"
@@ -159,13 +161,62 @@ void collect_devices(hwloc_topology_t t, Topology& out) {
   for (auto& p : found) (p.gpu ? out.gpus : out.nics).push_back(std::move(p.dev));
 }
 
+// The bitmap's members, ascending.
+core::CpuList members(hwloc_const_bitmap_t set) {
+  core::CpuList out;
+  if (!set) return out;
+  for (int i = hwloc_bitmap_first(set); i >= 0; i = hwloc_bitmap_next(set, i)) out.push_back(i);
+  return out;
+}
+
+// The layout `--bind` plans with. Cores are hwloc's Core objects; where it
+// has none (some architectures), every PU counts as a core. NUMA nodes
+// without CPUs (HBM, CXL memory) are left out: nothing can be pinned there.
+CpuLayout read_cpus(hwloc_topology_t t) {
+  CpuLayout l;
+  l.online = members(hwloc_topology_get_topology_cpuset(t));
+  const int nodes = hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_NUMANODE);
+  std::vector<std::pair<int, core::CpuList>> by_os;
+  for (int i = 0; i < nodes; ++i) {
+    hwloc_obj_t n = hwloc_get_obj_by_type(t, HWLOC_OBJ_NUMANODE, static_cast<unsigned>(i));
+    core::CpuList cpus = members(n->cpuset);
+    if (!cpus.empty()) by_os.emplace_back(os_index(n), std::move(cpus));
+  }
+  std::sort(by_os.begin(), by_os.end());
+  if (by_os.empty()) by_os.emplace_back(0, l.online);
+  for (auto& [id, cpus] : by_os) {
+    l.numa_ids.push_back(id);
+    l.numa.push_back(std::move(cpus));
+  }
+  const int ncores = hwloc_get_nbobjs_by_type(t, HWLOC_OBJ_CORE);
+  for (int i = 0; i < ncores; ++i) {
+    core::CpuList pus = members(hwloc_get_obj_by_type(t, HWLOC_OBJ_CORE, static_cast<unsigned>(i))->cpuset);
+    if (!pus.empty()) l.cores.push_back(std::move(pus));
+  }
+  if (l.cores.empty())
+    for (int cpu : l.online) l.cores.push_back({cpu});
+  std::sort(l.cores.begin(), l.cores.end());
+  return l;
+}
+
+// Initialises and loads a topology into h; io: with the important I/O devices.
+void load(TopologyHandle& h, bool io) {
+  if (hwloc_topology_init(&h.t) != 0) fail("hwloc_topology_init", errno);
+  if (io) hwloc_topology_set_io_types_filter(h.t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  if (hwloc_topology_load(h.t) != 0) fail("hwloc_topology_load", errno);
+}
+
 }  // namespace
+
+CpuLayout load_cpu_layout() {
+  TopologyHandle h;
+  load(h, false);
+  return read_cpus(h.t);
+}
 
 Topology load_topology() {
   TopologyHandle h;
-  if (hwloc_topology_init(&h.t) != 0) fail("hwloc_topology_init", errno);
-  hwloc_topology_set_io_types_filter(h.t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
-  if (hwloc_topology_load(h.t) != 0) fail("hwloc_topology_load", errno);
+  load(h, true);
 
   Topology out;
   hwloc_obj_t root = hwloc_get_root_obj(h.t);
@@ -200,6 +251,7 @@ Topology load_topology() {
     out.numa_nodes.push_back(std::move(node));
   }
   collect_devices(h.t, out);
+  out.cpus = read_cpus(h.t);
   return out;
 }
 

@@ -40,6 +40,15 @@ json tree_json(const TreeNode& n) {
   return j;
 }
 
+// The lists `cohort run --bind` plans with, in the kernel's list syntax.
+json cpu_layout_json(const CpuLayout& l) {
+  json cores = json::array(), numa = json::array();
+  for (const auto& c : l.cores) cores.push_back(core::cpu_list_text(c));
+  for (size_t i = 0; i < l.numa.size(); ++i)
+    numa.push_back({{"os_index", l.numa_ids[i]}, {"cpus", core::cpu_list_text(l.numa[i])}});
+  return {{"online", core::cpu_list_text(l.online)}, {"cores", cores}, {"numa_nodes", numa}};
+}
+
 }  // namespace
 
 std::string render_json(const Topology& t, int indent) {
@@ -74,6 +83,7 @@ std::string render_json(const Topology& t, int indent) {
        {{"packages", t.packages}, {"numa_nodes", t.numa_nodes_count}, {"cores", t.cores}, {"pus", t.pus},
         {"caches", caches}, {"nics", t.nics.size()}, {"gpus", t.gpus.size()}}},
       {"numa_nodes", numa},
+      {"cpu_layout", cpu_layout_json(t.cpus)},
       {"nics", devices_json(t.nics, "NIC")},
       {"gpus", devices_json(t.gpus, "GPU")},
       {"matrix", {{"labels", m.labels}, {"rows", rows}, {"legend", legend}}},

@@ -1,5 +1,5 @@
 // `cohort topo` as text: the hwloc tree (lstopo-like, single-child chains
-// joined with " + "), a summary of the counts, the NICs and GPUs, and the
+// joined with " + "), a summary of the counts, the CPU layout --bind uses, the NICs and GPUs, and the
 // relation matrix with its legend. docs/observability.md shows an example.
 #include <algorithm>
 #include <sstream>
@@ -107,6 +107,17 @@ void print_matrix(std::ostringstream& out, const Matrix& m) {
 
 }  // namespace
 
+std::string render_cpu_layout(const CpuLayout& l) {
+  std::ostringstream out;
+  out << "CPU layout (what `cohort run --bind` hands out, by OS CPU number):\n  cores:";
+  for (size_t i = 0; i < l.cores.size(); ++i) out << (i ? " | " : " ") << core::cpu_list_text(l.cores[i]);
+  out << "\n  NUMA nodes:";
+  for (size_t i = 0; i < l.numa.size(); ++i)
+    out << (i ? ", " : " ") << "node" << l.numa_ids[i] << ": " << core::cpu_list_text(l.numa[i]);
+  out << "\n";
+  return out.str();
+}
+
 std::string render_text(const Topology& t) {
   std::ostringstream out;
   out << "Host " << (t.hostname.empty() ? "(unknown)" : t.hostname);
@@ -125,7 +136,7 @@ std::string render_text(const Topology& t) {
   out << "\nCaches:";
   if (t.caches.empty()) out << " none reported";
   for (const auto& [name, count] : t.caches) out << " " << name << " x" << count;
-  out << "\n\n";
+  out << "\n" << render_cpu_layout(t.cpus) << "\n";
 
   print_devices(out, "NICs", "NIC", t.nics,
                 "none found (hwloc lists NICs on a PCI device; virtual interfaces such as lo or veth are not shown)");

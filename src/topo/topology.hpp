@@ -1,4 +1,5 @@
-// The host's topology as plain data: what `cohort topo` prints.
+// The host's topology as plain data: what `cohort topo` prints, and the CPU
+// layout that `cohort run --bind` plans with (one reader for both: hwloc).
 //
 // hwloc stays behind load_topology() (src/topo/hwloc_probe.cpp): nothing here
 // includes hwloc, so the renderers and the relation matrix are pure functions
@@ -14,7 +15,19 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_list.hpp"
+
 namespace cohort::topo {
+
+// The CPUs a worker can be pinned to, by OS index (what sched_setaffinity and
+// taskset take). Both `cohort topo` and `cohort run --bind` read it through
+// hwloc (load_cpu_layout, or Topology::cpus), so they show the same lists.
+struct CpuLayout {
+  core::CpuList online;              // every PU hwloc reports (online and allowed)
+  std::vector<core::CpuList> numa;   // CPUs of each NUMA node that has any, by OS node number
+  std::vector<int> numa_ids;         // the node numbers, parallel to `numa`
+  std::vector<core::CpuList> cores;  // hardware threads of each physical core, by lowest CPU
+};
 
 // One object of hwloc's tree that `cohort topo` shows: Machine, Package, Die,
 // Group, NUMANode, L1d..L5 caches, Core, PU. I/O objects are not in the tree;
@@ -65,11 +78,19 @@ struct Topology {
   std::vector<NumaNode> numa_nodes;   // in logical order
   std::vector<Device> nics;
   std::vector<Device> gpus;
+  CpuLayout cpus;  // the cores and NUMA nodes as --bind sees them
 };
 
 // Loads this host's topology with hwloc (I/O devices included).
 // Throws IoError naming hwloc's reason and a fix when hwloc cannot load it.
 Topology load_topology();
+
+// Only the CPU layout (no I/O discovery: cheaper, for `cohort run --bind`);
+// the same as load_topology().cpus. Throws like load_topology().
+CpuLayout load_cpu_layout();
+
+// Pure: "cores 0 | 1 | 2-3" style lines for `cohort topo` (render_text.cpp).
+std::string render_cpu_layout(const CpuLayout& l);
 
 // How far apart two endpoints (NUMA nodes, NICs, GPUs) are. The matrix uses
 // the symbols in relation_symbol(); see docs/observability.md.

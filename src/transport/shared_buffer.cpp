@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
+#include "core/fd.hpp"
 
 namespace cohort::transport {
 
@@ -41,36 +42,35 @@ bool inside(uint64_t base, uint64_t len, uint64_t addr, size_t bytes) {
 std::shared_ptr<std::byte[]> allocate_shared_buffer(size_t bytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t len = std::max(page, (bytes + page - 1) / page * page);
-  const int fd = memfd_create("cohort-buffer", MFD_CLOEXEC);
-  if (fd < 0)
+  core::Fd fd(memfd_create("cohort-buffer", MFD_CLOEXEC));
+  if (!fd.valid())
     throw IoError(fmt::format("allocate_buffer: memfd_create failed: {}; HINT: too many open files (ulimit -n)?",
                               std::strerror(errno)));
-  if (ftruncate(fd, static_cast<off_t>(len)) != 0) {
-    const int e = errno;
-    close(fd);
-    throw IoError(fmt::format("allocate_buffer: cannot size a shared buffer to {} bytes: {}", len, std::strerror(e)));
-  }
-  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    const int e = errno;
-    close(fd);
-    throw IoError(fmt::format("allocate_buffer: cannot map a shared buffer of {} bytes: {}", len, std::strerror(e)));
-  }
+  if (ftruncate(fd.get(), static_cast<off_t>(len)) != 0)
+    throw IoError(fmt::format("allocate_buffer: cannot size a shared buffer to {} bytes: {}", len, std::strerror(errno)));
+  core::Mapping map = core::Mapping::shared(fd.get(), len);
+  if (!map.valid())
+    throw IoError(fmt::format("allocate_buffer: cannot map a shared buffer of {} bytes: {}", len, std::strerror(errno)));
+  // The descriptor stays open for the buffer's life: peers open it through
+  // /proc/<pid>/fd/<fd> to map the same memory (SharedMappings::at).
+  struct Owned {
+    core::Fd fd;
+    core::Mapping map;
+    Owned(core::Fd f, core::Mapping m) : fd(std::move(f)), map(std::move(m)) {}
+    ~Owned() {
+      Registry& reg = registry();
+      std::lock_guard<std::mutex> g(reg.mu);
+      reg.by_base.erase(reinterpret_cast<uint64_t>(map.data()));
+    }
+  };
   Registry& r = registry();
   {
     std::lock_guard<std::mutex> g(r.mu);
-    SharedRef ref{.id = r.next_id++, .base = reinterpret_cast<uint64_t>(p), .len = len, .fd = fd};
+    SharedRef ref{.id = r.next_id++, .base = reinterpret_cast<uint64_t>(map.data()), .len = len, .fd = fd.get()};
     r.by_base[ref.base] = ref;
   }
-  return std::shared_ptr<std::byte[]>(static_cast<std::byte*>(p), [fd, len](std::byte* q) {
-    {
-      Registry& reg = registry();
-      std::lock_guard<std::mutex> g(reg.mu);
-      reg.by_base.erase(reinterpret_cast<uint64_t>(q));
-    }
-    munmap(q, len);
-    close(fd);
-  });
+  auto owned = std::make_shared<Owned>(std::move(fd), std::move(map));
+  return std::shared_ptr<std::byte[]>(owned, reinterpret_cast<std::byte*>(owned->map.data()));
 }
 
 SharedRef find_shared_buffer(const void* p, size_t bytes) {
@@ -84,13 +84,9 @@ SharedRef find_shared_buffer(const void* p, size_t bytes) {
 }
 
 bool SharedMappings::holds(uint64_t id) const {
-  for (const Mapping& m : maps_)
+  for (const Mapped& m : maps_)
     if (m.id == id) return true;
   return false;
-}
-
-SharedMappings::~SharedMappings() {
-  for (const Mapping& m : maps_) munmap(m.p, m.len);
 }
 
 uint8_t* SharedMappings::at(int pid, const SharedRef& ref, uint64_t addr, size_t bytes, std::string* why) {
@@ -104,49 +100,45 @@ uint8_t* SharedMappings::at(int pid, const SharedRef& ref, uint64_t addr, size_t
   }
   for (size_t k = 0; k < maps_.size(); ++k) {
     if (maps_[k].id != ref.id) continue;
-    const Mapping m = maps_[k];
-    if (!inside(ref.base, m.len, addr, bytes)) {
-      *why = fmt::format("{} bytes at {:#x} are outside the {} bytes mapped of that shared buffer", bytes, addr, m.len);
+    if (!inside(ref.base, maps_[k].map.size(), addr, bytes)) {
+      *why = fmt::format("{} bytes at {:#x} are outside the {} bytes mapped of that shared buffer", bytes, addr,
+                         maps_[k].map.size());
       return nullptr;
     }
     // Most recently used last: an allreduce maps its send and its receive
     // buffer one after the other, and mapping the second must not evict the first.
+    Mapped m = std::move(maps_[k]);
     maps_.erase(maps_.begin() + static_cast<ptrdiff_t>(k));
-    maps_.push_back(m);
-    return m.p + (addr - ref.base);
+    uint8_t* at = m.map.data() + (addr - ref.base);
+    maps_.push_back(std::move(m));
+    return at;
   }
 
   const std::string path = fmt::format("/proc/{}/fd/{}", pid, ref.fd);
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
+  const core::Fd fd(open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd.valid()) {
     *why = fmt::format("cannot open {}: {}", path, std::strerror(errno));
     return nullptr;
   }
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
+  if (fstat(fd.get(), &st) != 0) {
     *why = fmt::format("cannot stat {}: {}", path, std::strerror(errno));
-    close(fd);
     return nullptr;
   }
   if (static_cast<uint64_t>(st.st_size) != ref.len) {
     *why = fmt::format("{} is not the shared buffer announced ({} bytes, expected {})", path,
                        static_cast<long long>(st.st_size), ref.len);
-    close(fd);
     return nullptr;
   }
-  void* p = mmap(nullptr, ref.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int e = errno;
-  close(fd);  // the mapping keeps the memory
-  if (p == MAP_FAILED) {
-    *why = fmt::format("cannot map {} ({} bytes): {}", path, ref.len, std::strerror(e));
+  core::Mapping map = core::Mapping::shared(fd.get(), ref.len);  // the mapping keeps the memory once fd closes
+  if (!map.valid()) {
+    *why = fmt::format("cannot map {} ({} bytes): {}", path, ref.len, std::strerror(errno));
     return nullptr;
   }
-  if (maps_.size() >= kMaxMappings) {
-    munmap(maps_.front().p, maps_.front().len);
-    maps_.erase(maps_.begin());
-  }
-  maps_.push_back({ref.id, static_cast<uint8_t*>(p), ref.len});
-  return static_cast<uint8_t*>(p) + (addr - ref.base);
+  if (maps_.size() >= kMaxMappings) maps_.erase(maps_.begin());
+  uint8_t* at = map.data() + (addr - ref.base);
+  maps_.push_back({ref.id, std::move(map)});
+  return at;
 }
 
 }  // namespace cohort::transport

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "core/mapping.hpp"
+
 namespace cohort::transport {
 
 // Identifies a shared buffer to a peer. Trivially copyable (exchanged as bytes).
@@ -50,7 +52,7 @@ class SharedMappings {
   SharedMappings() = default;
   SharedMappings(const SharedMappings&) = delete;
   SharedMappings& operator=(const SharedMappings&) = delete;
-  ~SharedMappings();
+  ~SharedMappings() = default;
 
   // This process's address for the owner's address `addr` inside `ref`, with
   // `bytes` from there inside the buffer; maps the buffer of process `pid` on
@@ -63,12 +65,11 @@ class SharedMappings {
   bool holds(uint64_t id) const;
 
  private:
-  struct Mapping {
+  struct Mapped {
     uint64_t id;
-    uint8_t* p;
-    size_t len;
+    core::Mapping map;
   };
-  std::vector<Mapping> maps_;  // least recently used first; past kMaxMappings the first is unmapped
+  std::vector<Mapped> maps_;  // least recently used first; past kMaxMappings the first is unmapped
 };
 
 }  // namespace cohort::transport

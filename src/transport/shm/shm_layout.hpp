@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/mapping.hpp"
 #include "transport/shm/shm_transport.hpp"
 
 namespace cohort::transport::shm {
@@ -74,8 +75,8 @@ namespace cohort::transport {
 struct ShmTransport::Impl {
   ShmOptions opts;
   shm::Layout layout{};
-  uint8_t* base = nullptr;
-  size_t mapped = 0;
+  core::Mapping segment;   // the whole segment, unmapped when the transport goes
+  uint8_t* base = nullptr;  // segment.data()
   int my_local = 0;
   bool single_copy = false;        // every local rank can read every other's memory
   std::string single_copy_why;     // why not, for the log and for COHORT_ALGO=single_copy

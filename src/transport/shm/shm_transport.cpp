@@ -1,6 +1,5 @@
 #include "transport/shm/shm_transport.hpp"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -19,6 +18,7 @@
 
 #include "cohort/error.hpp"
 #include "core/env.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 #include "transport/shm/shm_layout.hpp"
 
@@ -116,9 +116,7 @@ int ShmTransport::Impl::local_of(int group_rank) const {
 
 ShmTransport::ShmTransport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-ShmTransport::~ShmTransport() {
-  if (impl_ && impl_->base != nullptr) munmap(impl_->base, impl_->mapped);
-}
+ShmTransport::~ShmTransport() = default;
 
 std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& store, core::Deadline deadline) {
   auto impl = std::make_unique<Impl>();
@@ -135,14 +133,14 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
   const std::string path = "/" + opts.name;
   const size_t total = impl->layout.total();
   const bool leader = impl->my_local == 0;
-  int fd = -1;
+  core::Fd fd;
   if (leader) {
     shm_unlink(path.c_str());  // a stale segment from a crashed run with the same name
-    fd = shm_open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) throw IoError(fmt::format("shm_open({}) failed: {}", path, errno_str(errno)));
-    if (ftruncate(fd, static_cast<off_t>(total)) != 0) {
+    fd.reset(shm_open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
+    if (!fd.valid()) throw IoError(fmt::format("shm_open({}) failed: {}", path, errno_str(errno)));
+    if (ftruncate(fd.get(), static_cast<off_t>(total)) != 0) {
       int e = errno;
-      close(fd);
+      fd.reset();
       shm_unlink(path.c_str());
       throw IoError(fmt::format("cannot size shared-memory segment {} to {} bytes: {}; HINT: is /dev/shm full? "
                                 "(df -h /dev/shm; lower COHORT_SHM_SLOT_BYTES / COHORT_SHM_NSLOTS, or use COHORT_TRANSPORT=tcp)",
@@ -151,11 +149,11 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
   }
   const std::string created_key = "shm/" + opts.name + "/created";
   if (leader) {
-    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) throw IoError(fmt::format("mmap of {} ({} bytes) failed: {}", path, total, errno_str(errno)));
-    impl->base = static_cast<uint8_t*>(p);
-    impl->mapped = total;
+    impl->segment = core::Mapping::shared(fd.get(), total);
+    if (!impl->segment.valid())
+      throw IoError(fmt::format("mmap of {} ({} bytes) failed: {}", path, total, errno_str(errno)));
+    fd.reset();  // the mapping keeps the segment
+    impl->base = impl->segment.data();
     auto* h = new (impl->base) shm::SegHeader{};
     h->magic = shm::kMagic;
     h->version = shm::kVersion;
@@ -168,13 +166,13 @@ std::unique_ptr<ShmTransport> ShmTransport::open(const ShmOptions& opts, Store& 
     store.set_string(created_key, "1");
   } else {
     store.wait({created_key}, Millis(std::max(1, deadline.remaining_ms())));
-    fd = shm_open(path.c_str(), O_RDWR, 0600);
-    if (fd < 0) throw IoError(fmt::format("shm_open({}) to attach failed: {}", path, errno_str(errno)));
-    void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) throw IoError(fmt::format("mmap of {} ({} bytes) failed: {}", path, total, errno_str(errno)));
-    impl->base = static_cast<uint8_t*>(p);
-    impl->mapped = total;
+    fd.reset(shm_open(path.c_str(), O_RDWR, 0600));
+    if (!fd.valid()) throw IoError(fmt::format("shm_open({}) to attach failed: {}", path, errno_str(errno)));
+    impl->segment = core::Mapping::shared(fd.get(), total);
+    if (!impl->segment.valid())
+      throw IoError(fmt::format("mmap of {} ({} bytes) failed: {}", path, total, errno_str(errno)));
+    fd.reset();
+    impl->base = impl->segment.data();
     auto* h = impl->header();
     if (h->magic != shm::kMagic || h->version != shm::kVersion || h->nlocal != opts.local_ranks.size() ||
         h->slot_bytes != slot || h->nslots != nslots)
@@ -225,23 +223,6 @@ void ShmTransport::sleep(uint32_t token, int timeout_us) {
 
 void ShmTransport::finish_sleep() {
   impl_->rank_ctl(impl_->my_local)->sleeping.store(0, std::memory_order_relaxed);
-}
-
-int remove_stale_segments(const std::string& run_id) {
-  if (run_id.empty()) return 0;
-  const std::string prefix = "cohort-" + run_id + "-";
-  int removed = 0;
-  DIR* d = opendir("/dev/shm");
-  if (d == nullptr) return 0;
-  while (dirent* e = readdir(d)) {
-    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
-      std::string path(1, '/');
-      path += e->d_name;
-      if (shm_unlink(path.c_str()) == 0) ++removed;
-    }
-  }
-  closedir(d);
-  return removed;
 }
 
 }  // namespace cohort::transport

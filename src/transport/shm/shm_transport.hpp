@@ -15,7 +15,7 @@
 //
 // Lifetime: the lowest local rank creates /dev/shm/cohort-<run>-<group>-<leader>;
 // once every local rank has mapped it, it is unlinked, so a crash leaves nothing
-// behind (the launcher also removes /dev/shm/cohort-<run>-* at exit).
+// behind (the launcher also removes /dev/shm/cohort-<run>-* at exit: launch/run_id.hpp).
 //
 // Single copy: besides the FIFOs, a rank may read a peer's memory directly
 // with process_vm_readv (Linux cross-memory attach), one copy instead of two
@@ -73,8 +73,5 @@ class ShmTransport : public Waiter {
   explicit ShmTransport(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
-
-// Removes every /dev/shm/cohort-<run_id>-* segment (the launcher calls it at exit).
-int remove_stale_segments(const std::string& run_id);
 
 }  // namespace cohort::transport

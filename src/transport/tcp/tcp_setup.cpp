@@ -66,6 +66,80 @@ std::pair<std::string, uint16_t> split_hostport(const std::string& s) {
   return {s.substr(0, c), static_cast<uint16_t>(std::stoi(s.substr(c + 1)))};
 }
 
+// Connector side, socket k to the lower rank p: connect (retrying while its
+// listener is not up yet), then answer its challenge with our proof of the
+// job secret (tcp_hello.hpp). Throws TimeoutError or PeerError naming both ranks.
+core::Fd connect_to_lower(const TcpOptions& opts, int p, int k, Store& store, core::Deadline deadline,
+                          const std::string& secret, uint64_t group_hash) {
+  auto [host, port] =
+      split_hostport(store.get_string(fmt::format("tcp/{}", p), Millis(std::max(1, deadline.remaining_ms()))));
+  sockaddr_in pa{};
+  pa.sin_family = AF_INET;
+  pa.sin_port = htons(port);
+  inet_pton(AF_INET, host.c_str(), &pa.sin_addr);
+  core::Fd fd;
+  int last_err = 0;
+  while (!fd.valid()) {
+    fd.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) throw IoError(fmt::format("socket() failed: {}", err(errno)));
+    tune_socket(fd.get());
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
+    last_err = errno;
+    fd.reset();
+    if (deadline.passed()) {
+      throw TimeoutError(
+          fmt::format("rank {} cannot connect to rank {} at {}:{}: {}; HINT: is a firewall blocking the "
+                      "port? set COHORT_SOCKET_IFNAME to the interface that reaches the other hosts",
+                      opts.my_rank, p, host, port, err(last_err)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Answer the acceptor's challenge with our proof of the job secret (tcp_hello.hpp).
+  store::net::set_nonblocking(fd.get());
+  int e = 0;
+  size_t got = 0;
+  uint8_t challenge[tcp_hello::kChallengeBytes];
+  tcp_hello::Nonce nonce{};
+  tcp_hello::Verdict cv = tcp_hello::Verdict::Short;
+  bool ok =
+      store::net::recv_all(fd.get(), challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
+      (cv = tcp_hello::check_challenge(challenge, sizeof(challenge), &nonce)) == tcp_hello::Verdict::Ok;
+  if (ok) {
+    auto hello = tcp_hello::encode_hello(secret, nonce, {group_hash, opts.my_rank, static_cast<uint32_t>(k)});
+    ok = store::net::send_all(fd.get(), hello.data(), hello.size(), deadline, &e) == store::net::IoStatus::Ok;
+  }
+  if (!ok) {
+    throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed: {}", opts.my_rank, p, host, port,
+                                e                                 ? store::net::errno_text(e)
+                                : cv != tcp_hello::Verdict::Short ? std::string(tcp_hello::verdict_text(cv))
+                                                                  : std::string("timed out or closed")),
+                    p);
+  }
+  return fd;
+}
+
+// Acceptor side: challenge the connector on fd; only a Hello proving the job
+// secret makes the socket ours. Ok fills *h; anything else says what was wrong.
+tcp_hello::Verdict challenge_connector(int fd, const std::string& secret, tcp_hello::HelloFields* h) {
+  const tcp_hello::Nonce nonce = tcp_hello::make_nonce();
+  const auto challenge = tcp_hello::encode_challenge(nonce);
+  const auto hs_deadline = core::Deadline::after(std::chrono::seconds(5));
+  uint8_t hello[tcp_hello::kHelloBytes];
+  int e = 0;
+  size_t got = 0;
+  tcp_hello::Verdict v = tcp_hello::Verdict::Short;
+  // The magic and version first, so that a stranger is turned away without waiting for the rest.
+  size_t rest = 0;
+  if (store::net::send_all(fd, challenge.data(), challenge.size(), hs_deadline, &e) == store::net::IoStatus::Ok &&
+      store::net::recv_all(fd, hello, 8, hs_deadline, &e, &got) == store::net::IoStatus::Ok) {
+    v = tcp_hello::check_hello(hello, 8, secret, nonce, h);  // Short when the header is right
+    if (v == tcp_hello::Verdict::Short &&
+        store::net::recv_all(fd, hello + 8, sizeof(hello) - 8, hs_deadline, &e, &rest) == store::net::IoStatus::Ok)
+      v = tcp_hello::check_hello(hello, sizeof(hello), secret, nonce, h);
+  }
+  return v;
+}
+
 }  // namespace
 
 std::string choose_local_address(const std::string& route_hint) {
@@ -146,54 +220,7 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
       t->fds_[p].resize(nsocks);  // filled by socket index as they are accepted
       continue;
     }
-    for (int k = 0; k < nsocks; ++k) {
-      // Connect to lower ranks; retry while their listener is not up yet.
-      auto [host, port] =
-          split_hostport(store.get_string(fmt::format("tcp/{}", p), Millis(std::max(1, deadline.remaining_ms()))));
-      sockaddr_in pa{};
-      pa.sin_family = AF_INET;
-      pa.sin_port = htons(port);
-      inet_pton(AF_INET, host.c_str(), &pa.sin_addr);
-      core::Fd fd;
-      int last_err = 0;
-      while (!fd.valid()) {
-        fd.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-        if (!fd.valid()) throw IoError(fmt::format("socket() failed: {}", err(errno)));
-        tune_socket(fd.get());
-        if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
-        last_err = errno;
-        fd.reset();
-        if (deadline.passed()) {
-          throw TimeoutError(
-              fmt::format("rank {} cannot connect to rank {} at {}:{}: {}; HINT: is a firewall blocking the "
-                          "port? set COHORT_SOCKET_IFNAME to the interface that reaches the other hosts",
-                          opts.my_rank, p, host, port, err(last_err)));
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      // Answer the acceptor's challenge with our proof of the job secret (tcp_hello.hpp).
-      store::net::set_nonblocking(fd.get());
-      int e = 0;
-      size_t got = 0;
-      uint8_t challenge[tcp_hello::kChallengeBytes];
-      tcp_hello::Nonce nonce{};
-      tcp_hello::Verdict cv = tcp_hello::Verdict::Short;
-      bool ok =
-          store::net::recv_all(fd.get(), challenge, sizeof(challenge), deadline, &e, &got) == store::net::IoStatus::Ok &&
-          (cv = tcp_hello::check_challenge(challenge, sizeof(challenge), &nonce)) == tcp_hello::Verdict::Ok;
-      if (ok) {
-        auto hello = tcp_hello::encode_hello(secret, nonce, {group_hash, opts.my_rank, static_cast<uint32_t>(k)});
-        ok = store::net::send_all(fd.get(), hello.data(), hello.size(), deadline, &e) == store::net::IoStatus::Ok;
-      }
-      if (!ok) {
-        throw PeerError(fmt::format("rank {}: handshake with rank {} at {}:{} failed: {}", opts.my_rank, p, host, port,
-                                    e                                 ? store::net::errno_text(e)
-                                    : cv != tcp_hello::Verdict::Short ? std::string(tcp_hello::verdict_text(cv))
-                                                                      : std::string("timed out or closed")),
-                        p);
-      }
-      t->fds_[p].push_back(std::move(fd));
-    }
+    for (int k = 0; k < nsocks; ++k) t->fds_[p].push_back(connect_to_lower(opts, p, k, store, deadline, secret, group_hash));
   }
 
   while (!to_accept.empty()) {
@@ -211,24 +238,8 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
     if (!fd.valid()) continue;
     tune_socket(fd.get());
     store::net::set_nonblocking(fd.get());
-    // Challenge the connector; only a Hello proving the job secret makes this socket ours.
-    const tcp_hello::Nonce nonce = tcp_hello::make_nonce();
-    const auto challenge = tcp_hello::encode_challenge(nonce);
-    const auto hs_deadline = core::Deadline::after(std::chrono::seconds(5));
-    uint8_t hello[tcp_hello::kHelloBytes];
     tcp_hello::HelloFields h;
-    int e = 0;
-    size_t got = 0;
-    tcp_hello::Verdict v = tcp_hello::Verdict::Short;
-    // The magic and version first, so that a stranger is turned away without waiting for the rest.
-    size_t rest = 0;
-    if (store::net::send_all(fd.get(), challenge.data(), challenge.size(), hs_deadline, &e) == store::net::IoStatus::Ok &&
-        store::net::recv_all(fd.get(), hello, 8, hs_deadline, &e, &got) == store::net::IoStatus::Ok) {
-      v = tcp_hello::check_hello(hello, 8, secret, nonce, &h);  // Short when the header is right
-      if (v == tcp_hello::Verdict::Short &&
-          store::net::recv_all(fd.get(), hello + 8, sizeof(hello) - 8, hs_deadline, &e, &rest) == store::net::IoStatus::Ok)
-        v = tcp_hello::check_hello(hello, sizeof(hello), secret, nonce, &h);
-    }
+    const tcp_hello::Verdict v = challenge_connector(fd.get(), secret, &h);
     std::string why;
     if (v != tcp_hello::Verdict::Ok)
       why = tcp_hello::verdict_text(v);
