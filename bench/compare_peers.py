@@ -58,6 +58,10 @@ def main():
     ap.add_argument("--with-mpi-backend", action="store_true",
                     help="also run cohort's mpi backend (COHORT_BACKEND=mpi under mpirun) next to Open MPI's own figures")
     ap.add_argument("--only-mpi", action="store_true", help="run only Open MPI shm and cohort's mpi backend (implies --with-mpi-backend)")
+    ap.add_argument("--shared-buffers", action="store_true",
+                    help="also run cohort over shm with its buffers from ProcessGroup::allocate_buffer (cohort bench "
+                         "--shared-buffers), as DDP's buckets and sharded optimizers' flat buffers are: peers map them, "
+                         "and single copy loads and stores them directly")
     args = ap.parse_args()
     if not os.access(os.path.join(HERE, "peers/bin/mpi_allreduce"), os.X_OK):
         sys.exit("compare_peers: bench/peers/bin/mpi_allreduce is not built; run bench/compare_peers.sh (it installs the "
@@ -79,6 +83,10 @@ def main():
                                            "tcp,self", os.path.join(HERE, "peers/bin/mpi_allreduce"), "-c", mpi_coll, "-b", "8",
                                            "-e", str(top), "-f", "4"]), False),
     }
+    if args.shared_buffers:
+        configs["cohort shm shared"] = lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np),
+                                                              args.cohort, "bench", args.coll, "--sizes", sizes, "-n", "0", "-w",
+                                                              "5", "-c", "1", "--shared-buffers"]), True)
     if args.with_mpi_backend or args.only_mpi:
         # The same engine as "mpi shm", called through cohort's ProcessGroup: the difference is our call path.
         configs["cohort mpi"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
@@ -123,7 +131,7 @@ def main():
 
     print(f"## {args.coll}, {args.np} ranks, float32 sum, median of {args.reps} interleaved runs\n")
     names = list(configs)
-    pairs = [("cohort shm", "mpi shm"), ("cohort tcp", "mpi tcp")]
+    pairs = [("cohort shm", "mpi shm"), ("cohort shm shared", "mpi shm"), ("cohort tcp", "mpi tcp")]
     if not args.no_gloo:
         pairs += [("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp")]
     if "cohort mpi" in configs:

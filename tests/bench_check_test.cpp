@@ -31,14 +31,19 @@ class BenchCheck : public ::testing::TestWithParam<Case> {};
 TEST_P(BenchCheck, ZeroWrong) {
   const Case& c = GetParam();
   // Sizes cross the recursive-doubling / ring and binomial / pipeline thresholds.
-  // shm_single_copy: every allreduce by single copy; shm_shared: and the buffers from allocate_buffer (peers map them).
-  const bool single_copy = c.transport == "shm_single_copy" || c.transport == "shm_shared";
+  // shm_single_copy: every allreduce by single copy; shm_shared: and the buffers from allocate_buffer (peers map
+  // them), which reduce_scatter and allgather need for single copy; shm_forced: single copy by COHORT_ALGO, on
+  // ordinary buffers (process_vm_readv).
+  const bool single_copy =
+      c.transport == "shm_single_copy" || c.transport == "shm_shared" || c.transport == "shm_forced";
   std::vector<std::string> args{"run", "--standalone", "--nproc-per-node", std::to_string(c.world), COHORT_BIN, "bench", c.coll,
                                 "--sizes", "0,8,100,4K,300K,2M", "-n", "2", "-w", "1", "-c", "1", "-d", c.dtype, "-o", c.op};
   if (c.transport == "shm_shared") args.push_back("--shared-buffers");
   auto r = lt::run(args,
                    {{"COHORT_TRANSPORT", single_copy ? "shm" : c.transport},
                     {"COHORT_SINGLE_COPY_BYTES", single_copy ? "1" : ""},
+                    {"COHORT_SINGLE_COPY_SHARED_BYTES", single_copy ? "1" : ""},
+                    {"COHORT_ALGO", c.transport == "shm_forced" ? "single_copy" : ""},
                     {"COHORT_TIMEOUT", "60s"}},
                    240);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
@@ -69,7 +74,13 @@ std::vector<Case> cases() {
   for (int n : {2, 3, 5}) v.push_back({"allreduce", n, "shm_shared"});
   for (std::string dt : {"half", "int8", "double"})
     for (std::string op : {"avg", "max"}) v.push_back({"allreduce", 3, "shm_shared", dt, op});
-  for (std::string coll : {"broadcast", "allgather", "reduce_scatter"}) v.push_back({coll, 3, "shm_shared"});
+  v.push_back({"broadcast", 3, "shm_shared"});
+  // reduce_scatter and allgather by single copy: on shared buffers (the default's way) and forced on ordinary ones.
+  for (std::string t : {"shm_shared", "shm_forced"})
+    for (std::string coll : {"allgather", "reduce_scatter"})
+      for (int n : {2, 3, 5}) v.push_back({coll, n, t});
+  for (std::string dt : {"half", "bf16", "int32"})
+    for (std::string op : {"avg", "min"}) v.push_back({"reduce_scatter", 3, "shm_shared", dt, op});
   return v;
 }
 

@@ -257,6 +257,36 @@ inline void check_allgather_reduce_scatter(ProcessGroup& pg) {
       EXPECT_ELEMS(per, rout.get(i), expected(pg.rank() * per + i, op, n, DType::F32),
                    "reduce_scatter " << reduce_op_name(op) << " per " << per);
     }
+
+    // In place, as ZeRO and FSDP call them: allgather's input is this rank's
+    // block of the output, reduce_scatter's output is its block of the input;
+    // on ordinary memory and on shared buffers (single copy runs on those).
+    for (bool shared : {false, true}) {
+      const size_t elems = per * n;
+      auto mem = [&](size_t bytes) {
+        return shared ? pg.allocate_buffer(bytes) : std::shared_ptr<std::byte[]>(new std::byte[bytes + 1]());
+      };
+      auto gather_mem = mem(elems * sizeof(double));
+      auto* gather_io = reinterpret_cast<double*>(gather_mem.get());
+      for (size_t i = 0; i < elems; ++i) gather_io[i] = -1;
+      for (size_t i = 0; i < per; ++i) gather_io[pg.rank() * per + i] = pg.rank() * 1e6 + i;
+      pg.allgather(Buffer{gather_io + pg.rank() * per, per, DType::F64}, Buffer{gather_io, elems, DType::F64})->wait();
+      EXPECT_ELEMS(elems, gather_io[i], double((i / per) * 1e6 + i % per),
+                   "in-place allgather per " << per << (shared ? " (shared)" : ""));
+
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+        auto scatter_mem = mem(elems * sizeof(float));
+        Vec in(elems, DType::F32);
+        for (size_t i = 0; i < elems; ++i) in.set(i, input(pg.rank(), i, op, n));
+        auto* scatter_io = reinterpret_cast<float*>(scatter_mem.get());
+        std::memcpy(scatter_io, in.bytes.data(), elems * sizeof(float));
+        pg.reduce_scatter(Buffer{scatter_io, elems, DType::F32}, Buffer{scatter_io + pg.rank() * per, per, DType::F32},
+                          {.op = op})
+            ->wait();
+        EXPECT_ELEMS(per, scatter_io[pg.rank() * per + i], expected(pg.rank() * per + i, op, n, DType::F32),
+                     "in-place reduce_scatter " << reduce_op_name(op) << " per " << per << (shared ? " (shared)" : ""));
+      }
+    }
   }
 }
 

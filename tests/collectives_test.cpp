@@ -40,12 +40,17 @@ class Collectives : public ::testing::TestWithParam<Param> {
     }
     // Every allreduce, of any size, by single copy (process_vm_readv/writev; the
     // ranks are threads of this process here, real processes in bench_check_test).
-    if (GetParam().transport == "shm_single_copy") setenv("COHORT_SINGLE_COPY_BYTES", "1", 1);
+    // reduce_scatter and allgather by single copy need shared buffers: check_allgather_reduce_scatter has both.
+    if (GetParam().transport == "shm_single_copy") {
+      setenv("COHORT_SINGLE_COPY_BYTES", "1", 1);
+      setenv("COHORT_SINGLE_COPY_SHARED_BYTES", "1", 1);
+    }
   }
   void TearDown() override {
     unsetenv("COHORT_NSOCKS_PER_PEER");
     unsetenv("COHORT_NSOCKS_MIN_BYTES");
     unsetenv("COHORT_SINGLE_COPY_BYTES");
+    unsetenv("COHORT_SINGLE_COPY_SHARED_BYTES");
   }
 };
 

@@ -261,9 +261,34 @@ TEST(Tuner, SingleCopyFromItsThresholdWhenTheGroupHasIt) {
   Thresholds off;
   off.allreduce_single_copy_min = 0;
   EXPECT_EQ(choose({Coll::Allreduce, 64 << 20, 2, true, true}, off), Algo::Ring);
-  EXPECT_EQ(choose({Coll::Broadcast, 64 << 20, 8, true, true}), Algo::Pipeline);  // allreduce only
+  EXPECT_EQ(choose({Coll::Broadcast, 64 << 20, 8, true, true}), Algo::Pipeline);  // not for broadcast
   EXPECT_EQ(override_from_env(Coll::Allreduce, "allreduce=single_copy"), Algo::SingleCopy);
   EXPECT_THROW(override_from_env(Coll::Broadcast, "broadcast=single_copy"), InvalidArgument);
+}
+
+TEST(Tuner, AllgatherAndReduceScatterBySingleCopyOnSharedBuffers) {
+  using namespace collectives;
+  // From the shared-buffer threshold (256 KiB) on the whole buffer; the group
+  // then runs it only when every rank's input is a shared buffer (shared_only).
+  // allgather: the tuner gets one rank's block.
+  EXPECT_EQ(choose({Coll::Allgather, 128 << 10, 2, true, true}), Algo::SingleCopy);
+  EXPECT_EQ(choose({Coll::Allgather, (128 << 10) - 4, 2, true, true}), Algo::Ring);
+  EXPECT_EQ(choose({Coll::Allgather, 64 << 10, 4, true, true}), Algo::SingleCopy);
+  EXPECT_EQ(choose({Coll::Allgather, 8 << 10, 2, true, true}), Algo::Direct);
+  EXPECT_EQ(choose({Coll::Allgather, 64 << 20, 2, true, false}), Algo::Ring);  // the kernel said no
+  // reduce_scatter: the tuner gets the whole input.
+  EXPECT_EQ(choose({Coll::ReduceScatter, 256 << 10, 2, true, true}), Algo::SingleCopy);
+  EXPECT_EQ(choose({Coll::ReduceScatter, (256 << 10) - 4, 2, true, true}), Algo::Ring);
+  EXPECT_EQ(choose({Coll::ReduceScatter, 64 << 20, 3, false, false}), Algo::Ring);  // a peer over tcp
+  Thresholds off, no_shared;
+  off.allreduce_single_copy_min = 0;
+  no_shared.allreduce_single_copy_shared_min = 0;
+  for (const Thresholds& t : {off, no_shared}) {
+    EXPECT_EQ(choose({Coll::Allgather, 64 << 20, 2, true, true}, t), Algo::Ring);
+    EXPECT_EQ(choose({Coll::ReduceScatter, 64 << 20, 2, true, true}, t), Algo::Ring);
+  }
+  EXPECT_EQ(override_from_env(Coll::ReduceScatter, "reduce_scatter=single_copy"), Algo::SingleCopy);
+  EXPECT_EQ(override_from_env(Coll::Allgather, "single_copy"), Algo::SingleCopy);  // a bare name where it applies
 }
 
 TEST(Tuner, EnvOverride) {

@@ -48,39 +48,17 @@
 #include "collectives/algorithms.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
+#include "collectives/single_copy.hpp"
 #include "core/check.hpp"
-#include "core/log.hpp"
 #include "core/reduce.hpp"
-#include "transport/shared_buffer.hpp"
 
 namespace cohort::collectives {
 
 namespace {
 constexpr size_t kPiece = 256 * 1024;  // fits L2 with the destination piece
-
-// The peer's buffer at `addr` mapped here, or nullptr. A shared buffer that
-// cannot be mapped is worth one warning per process (it works, only slower).
-uint8_t* map_shared(Comm& c, int q, const transport::SharedRef& ref, uint64_t addr, size_t bytes) {
-  if (ref.id == 0) return nullptr;
-  std::string why;
-  uint8_t* p = c.map_peer(q, ref, addr, bytes, &why);
-  static std::atomic<bool> told{false}, warned{false};
-  if (p != nullptr && !told.exchange(true))
-    COHORT_LOG(Info, kNet,
-               "single copy maps peer {}'s shared buffer ({:.1f} MiB): allreduces on shared buffers load "
-               "and store the peers' memory directly",
-               q, ref.len / 1048576.0);
-  if (p == nullptr && !warned.exchange(true))
-    COHORT_LOG(Warn, kNet,
-               "cannot map peer {}'s shared buffer ({}); its allreduces go through process_vm_readv "
-               "instead (correct, slower)",
-               q, why);
-  return p;
-}
 
 // A stretch of this rank's own block (byte offsets in the buffer) and where its
 // input is: a piece's memory, or the buffer itself (src == nullptr).
@@ -174,9 +152,7 @@ bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
   }
 
   // "Your block is delivered, and I am done with your send buffer."
-  const uint8_t done = 1;
-  std::vector<uint8_t> got(n);
-  allgather_direct(c, &done, got.data(), 1);
+  single_copy_done(c);
   return true;
 }
 

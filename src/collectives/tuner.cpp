@@ -17,12 +17,13 @@ const core::Knob kAlgo{"COHORT_ALGO", "",
 const core::Knob kSingleCopyBytes{
     "COHORT_SINGLE_COPY_BYTES", "1M",
     "allreduces of at least this many bytes use single copy (process_vm_readv/writev between ranks of one host, "
-    "one copy per byte) when every peer is on this host and the kernel allows it; 0: never",
+    "one copy per byte) when every peer is on this host and the kernel allows it; 0: never (for every collective)",
     core::KnobKind::Bytes};
 const core::Knob kSingleCopySharedBytes{
     "COHORT_SINGLE_COPY_SHARED_BYTES", "256K",
-    "allreduces from this many bytes up to COHORT_SINGLE_COPY_BYTES use single copy when every rank's buffers are "
-    "shared buffers (ProcessGroup::allocate_buffer, as DDP's buckets), the ring otherwise; 0: never",
+    "allreduces from this many bytes up to COHORT_SINGLE_COPY_BYTES, and reduce_scatters and allgathers from this "
+    "many bytes up (in all), use single copy when every rank's buffers are shared buffers "
+    "(ProcessGroup::allocate_buffer, as DDP's buckets), the ring otherwise; 0: never",
     core::KnobKind::Bytes};
 
 // Which algorithms can run which collective.
@@ -31,8 +32,8 @@ bool supports(Coll c, Algo a) {
     case Coll::Allreduce: return a == Algo::Ring || a == Algo::RecursiveDoubling || a == Algo::SingleCopy;
     case Coll::Broadcast: return a == Algo::Binomial || a == Algo::Pipeline;
     case Coll::Reduce: return a == Algo::Binomial;
-    case Coll::Allgather: return a == Algo::Ring || a == Algo::Direct;
-    case Coll::ReduceScatter: return a == Algo::Ring;
+    case Coll::Allgather: return a == Algo::Ring || a == Algo::Direct || a == Algo::SingleCopy;
+    case Coll::ReduceScatter: return a == Algo::Ring || a == Algo::SingleCopy;
     case Coll::Gather:
     case Coll::Scatter: return a == Algo::Linear;
     case Coll::Alltoall: return a == Algo::Direct;
@@ -90,6 +91,13 @@ const char* algo_name(Algo a) {
   return "?";
 }
 
+namespace {
+bool single_copy_shared(const TunerInput& in, size_t total, const Thresholds& t) {
+  return in.single_copy && t.allreduce_single_copy_min > 0 && t.allreduce_single_copy_shared_min > 0 &&
+         total >= t.allreduce_single_copy_shared_min;
+}
+}  // namespace
+
 Algo choose(const TunerInput& in, const Thresholds& t) {
   switch (in.coll) {
     case Coll::Allreduce:
@@ -102,9 +110,14 @@ Algo choose(const TunerInput& in, const Thresholds& t) {
     case Coll::Broadcast:
       return in.nranks <= 2 || in.bytes <= t.broadcast_binomial_max ? Algo::Binomial : Algo::Pipeline;
     case Coll::Reduce: return Algo::Binomial;
-    case Coll::Allgather:
+    // Single copy for these only on shared buffers (the group then passes
+    // shared_only: the ring on ordinary memory, where it measured faster),
+    // from the shared-buffer threshold of allreduce, on the whole buffer.
+    case Coll::Allgather:  // in.bytes is one rank's block
+      if (single_copy_shared(in, in.bytes * static_cast<size_t>(in.nranks), t)) return Algo::SingleCopy;
       return in.nranks <= 8 && in.bytes <= t.allgather_direct_max ? Algo::Direct : Algo::Ring;
-    case Coll::ReduceScatter: return Algo::Ring;
+    case Coll::ReduceScatter:  // in.bytes is the whole input
+      return single_copy_shared(in, in.bytes, t) ? Algo::SingleCopy : Algo::Ring;
     case Coll::Gather:
     case Coll::Scatter: return Algo::Linear;
     case Coll::Alltoall: return Algo::Direct;
@@ -166,13 +179,19 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
                                           kib(t.allreduce_single_copy_shared_min))
                             : std::string())
           : std::string("ring above");
+  const std::string gs_single_copy =
+      single_copy && t.allreduce_single_copy_min > 0 && t.allreduce_single_copy_shared_min > 0
+          ? fmt::format(", single_copy from {} in all when every rank's buffers are shared",
+                        kib(t.allreduce_single_copy_shared_min))
+          : std::string();
   std::string s = fmt::format(
       "tuner thresholds for {} ranks ({}): allreduce recursive_doubling up to {}, {}; broadcast binomial up "
-      "to {}{}, pipeline above; allgather {}; reduce_scatter ring; reduce binomial",
+      "to {}{}, pipeline above; allgather {}{}; reduce_scatter ring{}; reduce binomial",
       nranks, all_shm ? "all peers over shm" : "some peers over tcp", kib(rd), above, kib(t.broadcast_binomial_max),
       nranks <= 2 ? " (always with 2 ranks)" : "",
       nranks <= 8 ? fmt::format("direct up to {} per rank, ring above", kib(t.allgather_direct_max))
-                  : std::string("ring (more than 8 ranks)"));
+                  : std::string("ring (more than 8 ranks)"),
+      gs_single_copy, gs_single_copy);
   const std::string spec = kAlgo.str();
   if (!spec.empty()) s += fmt::format("; overridden by COHORT_ALGO={}", spec);
   return s;

@@ -209,8 +209,8 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   const Algo a = forced ? *forced : c::choose(c::TunerInput{d.coll, tuner_bytes, n, all_shm_, single_copy_}, thresholds_);
   if (a == Algo::SingleCopy && !single_copy_ && n > 1)
     throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "
-                                      "COHORT_ALGO or name another allreduce algorithm",
-                                      single_copy_why_));
+                                      "COHORT_ALGO or name another algorithm for {}",
+                                      single_copy_why_, c::coll_name(d.coll)));
   d.algo = c::algo_name(a);
   // In place, or one buffer inside the other: the algorithms below read their
   // input while they write their output, so they get a copy of the input
@@ -238,7 +238,10 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   }
   // Below allreduce_single_copy_min (and not forced by COHORT_ALGO), single copy runs only when every
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
-  const bool shared_only = a == Algo::SingleCopy && !forced && d.bytes() < thresholds_.allreduce_single_copy_min;
+  // reduce_scatter and allgather: single copy only on shared buffers, unless forced.
+  const bool shared_only =
+      a == Algo::SingleCopy && !forced &&
+      (d.coll != Coll::Allreduce || d.bytes() < thresholds_.allreduce_single_copy_min);
   COHORT_TRACE(kColl, "{} {} bytes algo {}{}", d.describe(), d.bytes(), c::algo_name(a),
                shared_only ? " if every rank's buffers are shared, else ring" : "");
 
@@ -270,11 +273,19 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       if (d.op == ReduceOp::Avg && setup_.rank == d.root) core::scale_avg(rp, d.recv.count, t, n);
       return;
     case Coll::Allgather:
-      if (a == Algo::Direct) c::allgather_direct(comm, sp, rp, d.send.bytes());
-      else c::allgather_ring(comm, sp, rp, d.send.bytes());
+      if (a == Algo::Direct) {
+        c::allgather_direct(comm, sp, rp, d.send.bytes());
+      } else if (a != Algo::SingleCopy || !c::allgather_single_copy(comm, sp, rp, d.send.bytes(), shared_only)) {
+        if (a == Algo::SingleCopy) d.algo = c::algo_name(Algo::Ring);  // not every rank's input is shared
+        c::allgather_ring(comm, sp, rp, d.send.bytes());
+      }
       return;
     case Coll::ReduceScatter:
-      c::reduce_scatter_ring(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+      if (a != Algo::SingleCopy ||
+          !c::reduce_scatter_single_copy(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only)) {
+        if (a == Algo::SingleCopy) d.algo = c::algo_name(Algo::Ring);  // not every rank's input is shared
+        c::reduce_scatter_ring(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+      }
       return;
     case Coll::Gather: c::gather_linear(comm, sp, rp, d.send.bytes(), d.root); return;
     case Coll::Scatter: c::scatter_linear(comm, sp, rp, d.recv.bytes(), d.root); return;

@@ -1,0 +1,49 @@
+#include "collectives/single_copy.hpp"
+
+#include <atomic>
+#include <string>
+
+#include "collectives/algorithms.hpp"
+#include "core/log.hpp"
+
+namespace cohort::collectives {
+
+std::vector<PeerBuffer> swap_buffers(Comm& c, const void* p, size_t bytes) {
+  const PeerBuffer mine{reinterpret_cast<uint64_t>(p), transport::find_shared_buffer(p, bytes)};
+  std::vector<PeerBuffer> all(static_cast<size_t>(c.size()));
+  allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(all.data()), sizeof mine);
+  return all;
+}
+
+bool all_shared(const std::vector<PeerBuffer>& buffers) {
+  for (const PeerBuffer& b : buffers)
+    if (b.ref.id == 0) return false;
+  return true;
+}
+
+uint8_t* map_shared(Comm& c, int q, const transport::SharedRef& ref, uint64_t addr, size_t bytes) {
+  if (ref.id == 0) return nullptr;
+  std::string why;
+  uint8_t* p = c.map_peer(q, ref, addr, bytes, &why);
+  // Worth one line per process each way: mapped (fastest), or not (works, slower).
+  static std::atomic<bool> told{false}, warned{false};
+  if (p != nullptr && !told.exchange(true))
+    COHORT_LOG(Info, kNet,
+               "single copy maps peer {}'s shared buffer ({:.1f} MiB): collectives on shared buffers load "
+               "and store the peers' memory directly",
+               q, ref.len / 1048576.0);
+  if (p == nullptr && !warned.exchange(true))
+    COHORT_LOG(Warn, kNet,
+               "cannot map peer {}'s shared buffer ({}); its collectives go through process_vm_readv "
+               "instead (correct, slower)",
+               q, why);
+  return p;
+}
+
+void single_copy_done(Comm& c) {
+  const uint8_t done = 1;
+  std::vector<uint8_t> got(static_cast<size_t>(c.size()));
+  allgather_direct(c, &done, got.data(), 1);
+}
+
+}  // namespace cohort::collectives

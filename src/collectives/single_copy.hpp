@@ -1,0 +1,45 @@
+// What the single-copy algorithms share (allreduce_single_copy.cpp,
+// reduce_scatter_single_copy.cpp, allgather_single_copy.cpp): every peer is
+// on this host and the kernel lets ranks access each other's memory
+// (ShmTransport::single_copy), so a rank reads its peers' buffers itself
+// instead of receiving messages.
+//
+// The shape of each: swap the buffers' addresses (one small allgather),
+// access the peers' memory (mapped once when it is a shared buffer, else
+// process_vm_readv/writev), then say "done" to every peer and wait for
+// theirs, after which no peer touches this rank's buffers any more.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "collectives/comm.hpp"
+#include "transport/shared_buffer.hpp"
+
+namespace cohort::collectives {
+
+// One rank's buffer as its peers see it: its address in the owner's process,
+// and the shared buffer holding it (id 0 when it is ordinary memory).
+struct PeerBuffer {
+  uint64_t addr = 0;
+  transport::SharedRef ref;
+};
+
+// Collective: every rank's (p, bytes), indexed by rank.
+std::vector<PeerBuffer> swap_buffers(Comm& c, const void* p, size_t bytes);
+
+// True when every rank's buffer is a shared buffer (then the peers can map
+// them; the same answer on every rank, which all see the same list).
+bool all_shared(const std::vector<PeerBuffer>& buffers);
+
+// The peer's buffer mapped into this process (loads and stores reach its
+// memory), or nullptr when it is not a shared buffer or cannot be mapped
+// (then use Comm::read_peer / write_peer). A failed mapping is logged once.
+uint8_t* map_shared(Comm& c, int peer, const transport::SharedRef& ref, uint64_t addr, size_t bytes);
+
+// Collective: tells every peer that this rank is done with its buffers, and
+// waits until every peer has said the same.
+void single_copy_done(Comm& c);
+
+}  // namespace cohort::collectives
