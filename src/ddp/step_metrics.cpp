@@ -10,6 +10,7 @@
 #include "cohort/error.hpp"
 #include "cohort/metrics.hpp"
 #include "core/env.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 #include "core/net_dev.hpp"
 #include "core/timeline.hpp"
@@ -106,15 +107,13 @@ struct COHORT_HIDDEN StepMetrics::Impl {
   void append(const nlohmann::json& j) const {
     if (file.empty()) return;
     const std::string line = j.dump() + "\n";
-    int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd < 0 || ::write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
+    const core::Fd fd(::open(file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    if (!fd.valid() || ::write(fd.get(), line.data(), line.size()) != static_cast<ssize_t>(line.size())) {
       const int err = errno;
-      if (fd >= 0) ::close(fd);
       COHORT_WARN(kDdp, "COHORT_METRICS: cannot append to {}: {}; HINT: is its directory there and writable?", file,
                   std::strerror(err));
       return;
     }
-    ::close(fd);
   }
 };
 

@@ -18,6 +18,7 @@
 
 #include "cohort/error.hpp"
 #include "core/env.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
@@ -79,13 +80,12 @@ void check_dev_shm(const group::LaunchEnv& le, RankReport& r) {
   const uint64_t free_bytes = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
   r.shm_free_mib = static_cast<double>(free_bytes) / 1048576.0;
   const std::string probe = fmt::format("/dev/shm/cohort-doctor-{}", getpid());
-  int fd = open(probe.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) {
+  const core::Fd fd(open(probe.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
+  if (!fd.valid()) {
     r.env_problems.push_back(fmt::format("cannot create a file in /dev/shm: {}|check its permissions (it should be "
                                          "mode 1777) and that it is not full",
                                          std::strerror(errno)));
   } else {
-    close(fd);
     unlink(probe.c_str());
   }
   if (local > 1 && free_bytes < kMinShmFree)

@@ -19,6 +19,7 @@
 #include "core/clock.hpp"
 #include "core/cpu_list.hpp"
 #include "core/env.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 #include "launch/elastic_rendezvous.hpp"
 #include "launch/hang_report.hpp"
@@ -72,12 +73,11 @@ StoreRole store_role(const std::string& host) {
       role = StoreRole::HostLoopback;
       break;
     }
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
+    const core::Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) continue;
     sockaddr_in a = *in;
     a.sin_port = 0;
-    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) role = StoreRole::HostAll;
-    close(fd);
+    if (bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) role = StoreRole::HostAll;
   }
   freeaddrinfo(res);
   return role;
@@ -91,16 +91,15 @@ std::string local_address_towards(const std::string& host) {
   addrinfo* res = nullptr;
   if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || res == nullptr) return "127.0.0.1";
   std::string out = "127.0.0.1";
-  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+  const core::Fd fd(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (fd.valid() && connect(fd.get(), res->ai_addr, res->ai_addrlen) == 0) {
     sockaddr_in me{};
     socklen_t len = sizeof(me);
     char buf[INET_ADDRSTRLEN] = {};
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0 &&
+    if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&me), &len) == 0 &&
         inet_ntop(AF_INET, &me.sin_addr, buf, sizeof(buf)) != nullptr)
       out = buf;
   }
-  if (fd >= 0) close(fd);
   freeaddrinfo(res);
   return out;
 }

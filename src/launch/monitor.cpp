@@ -19,6 +19,7 @@
 
 #include "cohort/error.hpp"
 #include "core/clock.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 
 namespace cohort::launch {
@@ -72,7 +73,7 @@ struct Worker {
   WorkerPlan* plan = nullptr;
   pid_t pid = -1;
   bool running = false;
-  int pipe_fd[2] = {-1, -1};                // read ends: stdout, stderr
+  core::Fd pipe_fd[2];                      // read ends: stdout, stderr
   std::unique_ptr<StreamSink> sink[2];
 };
 
@@ -81,12 +82,6 @@ class Monitor {
   Monitor(std::vector<WorkerPlan>& plans, const MonitorOptions& opts) : opts_(opts) {
     workers_.resize(plans.size());
     for (size_t i = 0; i < plans.size(); ++i) workers_[i].plan = &plans[i];
-  }
-
-  ~Monitor() {
-    for (auto& w : workers_)
-      for (int& fd : w.pipe_fd)
-        if (fd >= 0) close(fd);
   }
 
   AttemptResult run() {
@@ -116,31 +111,20 @@ class Monitor {
   }
 
   void start(Worker& w) {
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0) throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(errno)));
-    if (pipe2(err, O_CLOEXEC) != 0) {
-      int e = errno;
-      close(out[0]);
-      close(out[1]);
-      throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(e)));
-    }
-    w.pipe_fd[0] = out[0];
-    w.pipe_fd[1] = err[0];
+    // The write ends are the child's; the parent's copies close when this returns or throws.
+    int ends[2];
+    if (pipe2(ends, O_CLOEXEC) != 0) throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(errno)));
+    core::Fd out_r(ends[0]), out_w(ends[1]);
+    if (pipe2(ends, O_CLOEXEC) != 0) throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(errno)));
+    core::Fd err_r(ends[0]), err_w(ends[1]);
     SpawnRequest req = w.plan->spawn;
-    req.stdout_fd = out[1];
-    req.stderr_fd = err[1];
+    req.stdout_fd = out_w.get();
+    req.stderr_fd = err_w.get();
     req.signal_mask = &opts_.signals->original_mask();
-    pid_t pid = -1;
-    try {
-      pid = spawn_worker(req);
-    } catch (...) {
-      close(out[1]);
-      close(err[1]);
-      throw;
-    }
-    close(out[1]);
-    close(err[1]);
-    for (int fd : w.pipe_fd) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    const pid_t pid = spawn_worker(req);
+    w.pipe_fd[0] = std::move(out_r);
+    w.pipe_fd[1] = std::move(err_r);
+    for (const core::Fd& fd : w.pipe_fd) fcntl(fd.get(), F_SETFL, fcntl(fd.get(), F_GETFL) | O_NONBLOCK);
     w.pid = pid;
     w.running = true;
     COHORT_INFO(kLaunch, "started rank {} (local {}) as pid {}: {}", w.plan->global_rank, w.plan->local_rank, pid,
@@ -250,9 +234,9 @@ class Monitor {
 
   // Reads what is there now (bounded, so one chatty worker cannot starve the loop).
   void read_pipe(Worker& w, int stream) {
-    int& fd = w.pipe_fd[stream];
-    for (int round = 0; round < 4 && fd >= 0; ++round) {
-      ssize_t n = read(fd, buf_, sizeof(buf_));
+    const core::Fd& fd = w.pipe_fd[stream];
+    for (int round = 0; round < 4 && fd.valid(); ++round) {
+      ssize_t n = read(fd.get(), buf_, sizeof(buf_));
       if (n > 0) {
         w.sink[stream]->write(std::string_view(buf_, static_cast<size_t>(n)));
         continue;
@@ -264,9 +248,8 @@ class Monitor {
   }
 
   void close_pipe(Worker& w, int stream) {
-    if (w.pipe_fd[stream] < 0) return;
-    close(w.pipe_fd[stream]);
-    w.pipe_fd[stream] = -1;
+    if (!w.pipe_fd[stream].valid()) return;
+    w.pipe_fd[stream].reset();
     w.sink[stream]->finish();
   }
 
@@ -283,12 +266,12 @@ class Monitor {
       check_remote(now);
       bool any_running = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
       bool any_pipe = std::any_of(workers_.begin(), workers_.end(),
-                                  [](const Worker& w) { return w.pipe_fd[0] >= 0 || w.pipe_fd[1] >= 0; });
+                                  [](const Worker& w) { return w.pipe_fd[0].valid() || w.pipe_fd[1].valid(); });
       // A console whose reader fell behind: its pipes are left unread (the
       // workers wait on their output), but this loop goes on.
       bool congested = false;
       for (auto& w : workers_)
-        for (int s = 0; s < 2; ++s) congested = congested || (w.pipe_fd[s] >= 0 && w.sink[s]->congested());
+        for (int s = 0; s < 2; ++s) congested = congested || (w.pipe_fd[s].valid() && w.sink[s]->congested());
       if (congested && result_.signal != 0 && now >= signalled_at_ + kOutputAfterStop) {
         // Told to stop, and the console still does not take the output: what
         // is meant for it is thrown away from now on, but the pipes are still
@@ -341,8 +324,8 @@ class Monitor {
       fds.push_back({opts_.signals->fd(), POLLIN, 0});
       for (auto& w : workers_)
         for (int s = 0; s < 2; ++s)
-          if (w.pipe_fd[s] >= 0 && !w.sink[s]->congested()) {
-            fds.push_back({w.pipe_fd[s], POLLIN, 0});
+          if (w.pipe_fd[s].valid() && !w.sink[s]->congested()) {
+            fds.push_back({w.pipe_fd[s].get(), POLLIN, 0});
             owners.emplace_back(&w, s);
           }
       int rc = poll(fds.data(), fds.size(), timeout_ms);

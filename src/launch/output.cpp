@@ -233,20 +233,14 @@ StreamSink::StreamSink(int console_fd, std::string prefix, const std::string& lo
   if (ec)
     throw IoError(fmt::format("cohort run: cannot create log directory for {}: {}; check --log-dir", log_path,
                               ec.message()));
-  file_fd_ = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (file_fd_ < 0)
+  file_fd_.reset(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!file_fd_.valid())
     throw IoError(fmt::format("cohort run: cannot create {}: {}; check --log-dir", log_path, std::strerror(errno)));
 }
 
-StreamSink::~StreamSink() {
-  if (file_fd_ >= 0) ::close(file_fd_);
-}
-
 void StreamSink::write(std::string_view data) {
-  if (file_fd_ >= 0 && !write_all(file_fd_, data)) {
-    ::close(file_fd_);  // disk full or similar: keep the job running, lose the log
-    file_fd_ = -1;
-  }
+  if (file_fd_.valid() && !write_all(file_fd_.get(), data))
+    file_fd_.reset();  // disk full or similar: keep the job running, lose the log
   if (console_ == nullptr) return;
   std::string lines;
   prefixer_.feed(data, lines);
@@ -259,10 +253,7 @@ void StreamSink::finish() {
     prefixer_.finish(rest);
     console_->write(std::move(rest));
   }
-  if (file_fd_ >= 0) {
-    ::close(file_fd_);
-    file_fd_ = -1;
-  }
+  file_fd_.reset();
 }
 
 StreamRoute route_streams(const LaunchOptions& opts, int local_rank) {

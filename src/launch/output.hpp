@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/fd.hpp"
 #include "launch/options.hpp"
 #include "launch/process.hpp"
 
@@ -99,7 +100,7 @@ class StreamSink {
   // console_fd: 1 or 2, or -1 for none. log_path: empty for no file. The file is
   // created (with its directories) here; IoError names the path when it cannot be.
   StreamSink(int console_fd, std::string prefix, const std::string& log_path);
-  ~StreamSink();
+  ~StreamSink() = default;
   StreamSink(const StreamSink&) = delete;
   StreamSink& operator=(const StreamSink&) = delete;
 
@@ -115,7 +116,7 @@ class StreamSink {
  private:
   int console_fd_;
   ConsoleWriter* console_ = nullptr;  // ConsoleWriter::of(console_fd_)
-  int file_fd_ = -1;
+  core::Fd file_fd_;  // the log file; closed at finish() or when a write fails
   std::string log_path_;
   LinePrefixer prefixer_;
 };

@@ -16,6 +16,7 @@
 #include "cohort/error.hpp"
 #include "core/check.hpp"
 #include "core/cpu_list.hpp"
+#include "core/fd.hpp"
 
 namespace cohort::launch {
 namespace {
@@ -32,8 +33,8 @@ sigset_t launcher_signals() {
 SignalChannel::SignalChannel() {
   sigset_t set = launcher_signals();
   COHORT_ASSERT(pthread_sigmask(SIG_BLOCK, &set, &original_mask_) == 0, "pthread_sigmask failed");
-  fd_ = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
-  if (fd_ < 0) {
+  fd_.reset(signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC));
+  if (!fd_.valid()) {
     int err = errno;
     pthread_sigmask(SIG_SETMASK, &original_mask_, nullptr);
     throw IoError(fmt::format("cohort run: signalfd failed: {}", std::strerror(err)));
@@ -46,7 +47,7 @@ SignalChannel::SignalChannel() {
 
 SignalChannel::~SignalChannel() {
   sigaction(SIGPIPE, &original_pipe_, nullptr);
-  close(fd_);
+  fd_.reset();
   // Signals that arrived but were not read stay pending and fire once unblocked,
   // which is what the caller would want for a late SIGINT.
   pthread_sigmask(SIG_SETMASK, &original_mask_, nullptr);
@@ -56,7 +57,7 @@ std::vector<int> SignalChannel::drain() {
   std::vector<int> sigs;
   signalfd_siginfo info[16];
   for (;;) {
-    ssize_t n = read(fd_, info, sizeof(info));
+    ssize_t n = read(fd_.get(), info, sizeof(info));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     for (size_t i = 0; i < static_cast<size_t>(n) / sizeof(signalfd_siginfo); ++i)
@@ -66,7 +67,7 @@ std::vector<int> SignalChannel::drain() {
 }
 
 int SignalChannel::wait_stop_signal(int timeout_ms) {
-  pollfd p{fd_, POLLIN, 0};
+  pollfd p{fd_.get(), POLLIN, 0};
   int rc = poll(&p, 1, timeout_ms);
   if (rc <= 0) return 0;
   for (int sig : drain())
@@ -89,14 +90,12 @@ pid_t spawn_worker(const SpawnRequest& req) {
   argv.push_back(nullptr);
   for (const auto& e : req.env) envp.push_back(const_cast<char*>(e.c_str()));
   envp.push_back(nullptr);
-  int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  if (devnull < 0) throw IoError(fmt::format("cohort run: cannot open /dev/null: {}", std::strerror(errno)));
-  int exec_status[2];  // the child writes errno here when exec fails; closed by a successful exec
-  if (pipe2(exec_status, O_CLOEXEC) != 0) {
-    int err = errno;
-    close(devnull);
-    throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(err)));
-  }
+  const core::Fd devnull(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!devnull.valid()) throw IoError(fmt::format("cohort run: cannot open /dev/null: {}", std::strerror(errno)));
+  // The child writes {stage, errno} here when exec fails; a successful exec closes its end.
+  int ends[2];
+  if (pipe2(ends, O_CLOEXEC) != 0) throw IoError(fmt::format("cohort run: pipe failed: {}", std::strerror(errno)));
+  core::Fd status_r(ends[0]), status_w(ends[1]);
   const pid_t launcher = getpid();
   cpu_set_t cpus;  // built here: CPU_SET is not promised to be async-signal-safe
   CPU_ZERO(&cpus);
@@ -109,7 +108,7 @@ pid_t spawn_worker(const SpawnRequest& req) {
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != launcher) _exit(127);  // the launcher died before prctl took effect
-    dup2(devnull, STDIN_FILENO);
+    dup2(devnull.get(), STDIN_FILENO);
     dup2(req.stdout_fd, STDOUT_FILENO);
     dup2(req.stderr_fd, STDERR_FILENO);
     // Descriptors the launcher did not mark close-on-exec (its store sockets, a
@@ -125,15 +124,13 @@ pid_t spawn_worker(const SpawnRequest& req) {
       status[0] = 2;
     }
     status[1] = errno;
-    ssize_t ignored = write(exec_status[1], status, sizeof(status));
+    ssize_t ignored = write(status_w.get(), status, sizeof(status));
     (void)ignored;
     _exit(127);
   }
   int fork_errno = errno;
-  close(devnull);
-  close(exec_status[1]);
+  status_w.reset();  // only the child's copy stays open: EOF once it execs or exits
   if (pid < 0) {
-    close(exec_status[0]);
     throw IoError(fmt::format("cohort run: fork failed: {}; the machine may be out of processes or memory",
                               std::strerror(fork_errno)));
   }
@@ -141,9 +138,9 @@ pid_t spawn_worker(const SpawnRequest& req) {
   int child_status[2] = {0, 0};
   ssize_t n;
   do {
-    n = read(exec_status[0], child_status, sizeof(child_status));
+    n = read(status_r.get(), child_status, sizeof(child_status));
   } while (n < 0 && errno == EINTR);
-  close(exec_status[0]);
+  status_r.reset();
   if (n == static_cast<ssize_t>(sizeof(child_status))) {
     int status;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "core/fd.hpp"
+
 namespace cohort::launch {
 
 // Blocks SIGCHLD, SIGINT, SIGTERM, SIGHUP and SIGQUIT in the calling thread and
@@ -27,7 +29,7 @@ class SignalChannel {
   SignalChannel(const SignalChannel&) = delete;
   SignalChannel& operator=(const SignalChannel&) = delete;
 
-  int fd() const { return fd_; }
+  int fd() const { return fd_.get(); }
   // Reads every pending signal without blocking; SIGCHLD comes back as SIGCHLD.
   std::vector<int> drain();
   // Waits up to timeout_ms for a stop signal (SIGINT/TERM/HUP/QUIT) and returns
@@ -37,7 +39,7 @@ class SignalChannel {
   const sigset_t& original_mask() const { return original_mask_; }
 
  private:
-  int fd_ = -1;
+  core::Fd fd_;
   sigset_t original_mask_;
   struct sigaction original_pipe_;
 };

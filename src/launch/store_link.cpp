@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/clock.hpp"
+#include "core/fd.hpp"
 #include "core/log.hpp"
 #include "launch/rendezvous.hpp"
 
@@ -59,20 +60,16 @@ std::shared_ptr<Store> connect_store(const std::string& host, int port, std::chr
 }
 
 int pick_free_port(const std::string& host) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw IoError(fmt::format("cohort run: socket failed: {}", std::strerror(errno)));
+  const core::Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) throw IoError(fmt::format("cohort run: socket failed: {}", std::strerror(errno)));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = 0;
   if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    int err = errno;
-    close(fd);
-    throw IoError(fmt::format("cohort run: cannot find a free port on {}: {}", host, std::strerror(err)));
-  }
-  close(fd);
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw IoError(fmt::format("cohort run: cannot find a free port on {}: {}", host, std::strerror(errno)));
   return ntohs(addr.sin_port);
 }
 

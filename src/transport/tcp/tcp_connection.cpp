@@ -57,7 +57,7 @@ struct Stripe {
 };
 
 struct Sock {
-  int fd;
+  core::Fd fd;
   WireHeader hdr{};  // receive side: the header being read
   std::vector<uint8_t> staging;
   Stripe send, recv;
@@ -65,18 +65,15 @@ struct Sock {
 
 class TcpConnection final : public Connection {
  public:
-  TcpConnection(std::vector<int> fds, int peer) : Connection(peer), stripe_min_(kStripeMin.bytes()) {
+  TcpConnection(std::vector<core::Fd> fds, int peer) : Connection(peer), stripe_min_(kStripeMin.bytes()) {
     size_t staging = std::max<size_t>(4096, kStaging.bytes());
-    for (int fd : fds) socks_.push_back(Sock{fd, {}, std::vector<uint8_t>(staging), {}, {}});
-  }
-  ~TcpConnection() override {
-    for (auto& s : socks_) ::close(s.fd);
+    for (core::Fd& fd : fds) socks_.push_back(Sock{std::move(fd), {}, std::vector<uint8_t>(staging), {}, {}});
   }
 
   Kind kind() const override { return Kind::Tcp; }
-  int poll_fd() const override { return socks_[0].fd; }
+  int poll_fd() const override { return socks_[0].fd.get(); }
   void poll_fds(std::vector<pollfd>& out, short events) const override {
-    for (const auto& s : socks_) out.push_back(pollfd{s.fd, events, 0});
+    for (const auto& s : socks_) out.push_back(pollfd{s.fd.get(), events, 0});
   }
 
   bool progress_send(SendOp& op) override {
@@ -90,7 +87,7 @@ class TcpConnection final : public Connection {
   void check_alive() override {}  // a dead peer shows up as EOF / ECONNRESET on a socket
 
   void abort(const std::string&) noexcept override {
-    for (auto& s : socks_) ::shutdown(s.fd, SHUT_RDWR);
+    for (auto& s : socks_) ::shutdown(s.fd.get(), SHUT_RDWR);
   }
 
   std::string describe() const override { return fmt::format("rank {} (tcp)", peer_); }
@@ -138,7 +135,7 @@ class TcpConnection final : public Connection {
       msghdr m{};
       m.msg_iov = iov;
       m.msg_iovlen = static_cast<size_t>(n);
-      ssize_t w = ::sendmsg(s.fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+      ssize_t w = ::sendmsg(s.fd.get(), &m, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (w < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
         throw_closed("sending to", errno);
@@ -177,7 +174,7 @@ class TcpConnection final : public Connection {
       msghdr m{};
       m.msg_iov = iov;
       m.msg_iovlen = static_cast<size_t>(n);
-      ssize_t r = ::recvmsg(s.fd, &m, MSG_DONTWAIT);
+      ssize_t r = ::recvmsg(s.fd.get(), &m, MSG_DONTWAIT);
       if (r == 0) throw_closed("receiving from", 0);
       if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
@@ -239,8 +236,7 @@ class TcpConnection final : public Connection {
 std::unique_ptr<Connection> TcpTransport::take(int peer) {
   auto it = fds_.find(peer);
   if (it == fds_.end()) throw InvalidArgument(fmt::format("tcp transport: no connection to rank {}", peer));
-  std::vector<int> fds;  // the connection owns them from here
-  for (core::Fd& fd : it->second) fds.push_back(fd.release());
+  std::vector<core::Fd> fds = std::move(it->second);  // the connection owns them from here
   fds_.erase(it);
   return std::make_unique<TcpConnection>(std::move(fds), peer);
 }
