@@ -55,7 +55,7 @@ std::string omp_threads_notice(int nproc_per_node);
 // the program happens to free a big mmapped block. A training step allocates
 // and frees the same activations every step, so with small thresholds every
 // step gives megabytes back and faults them in again (a plain LibTorch CNN
-// loop: ~3,000 page faults per step and 20-26% of its time, docs/performance.md).
+// loop: ~3,000 page faults per step and 20-26% of its time, docs/performance-history.md).
 // Fixed thresholds (mmap 32 MiB, glibc's largest; trim 256 MiB) keep that
 // memory in the process. Left alone when the user set GLIBC_TUNABLES or one of
 // glibc's MALLOC_*_ variables, or turned it off (COHORT_MALLOC_TUNING=0).

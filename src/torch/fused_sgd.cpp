@@ -6,7 +6,7 @@
 // writing whole tensors. For a 10 M-parameter model that is ~320 MB of memory
 // traffic per step, and when the ranks of a DDP job all step at the same
 // moment (they leave the last allreduce together) they compete for the
-// memory bus and the step takes twice as long (docs/performance.md). Here
+// memory bus and the step takes twice as long (docs/performance-history.md). Here
 // every element is loaded once, updated in registers and stored once: ~200 MB.
 //
 // The arithmetic follows LibTorch's order (the same multiplies and fused
