@@ -1,6 +1,7 @@
 // Step metrics: /proc/net/dev parsing, a DDP iteration's times (pure), and
 // StepMetrics over a 2-rank reducer (ranks as threads): the JSON lines of
-// COHORT_METRICS parse and compute + exposed communication + data wait = step.
+// COHORT_METRICS parse and compute + exposed communication + data wait = step,
+// and injected delays of known length land in the right column.
 #include "cohort/metrics.hpp"
 
 #include <gtest/gtest.h>
@@ -120,6 +121,45 @@ TEST(StepMetrics, JsonLinesParseAndTheBreakdownAddsUp) {
   EXPECT_EQ(windows, 2 * kSteps / 2);
   EXPECT_EQ(summaries, 2);
   std::filesystem::remove(file);
+}
+
+// The breakdown adds up by construction (compute is the step less the rest),
+// so that alone proves nothing: inject known delays, a data load and a
+// backward pass that take at least 20 and 30 ms, and each must land in its
+// own column. Only lower bounds (a sleep lasts at least its time), never
+// upper ones: nothing here depends on how fast the machine is.
+TEST(StepMetrics, KnownDelaysLandInTheirColumns) {
+  constexpr int kSteps = 3;
+  constexpr double kDataMs = 20, kComputeMs = 30;
+  std::map<int, StepSummary> got;
+  std::mutex mu;
+  cohort::testing::run_ranks(2, "shm", [&](ProcessGroup& pg) {
+    auto params = ddp::test::mixed_model();
+    std::vector<std::vector<uint64_t>> grads;
+    for (auto& p : params) {
+      grads.emplace_back((p.count * dtype_size(p.dtype) + 7) / 8 + 1, 0);
+      p.grad = grads.back().data();
+    }
+    ddp::Reducer reducer(pg, params, ddp::test::small_buckets());
+    StepMetrics metrics(pg);
+    for (int s = 0; s < kSteps; ++s) {
+      metrics.begin_step();
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kDataMs));  // the loader
+      metrics.data_ready();
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kComputeMs));  // forward and backward
+      for (size_t p = params.size(); p-- > 0;) reducer.mark_ready(p, nullptr);
+      reducer.finalize();
+      metrics.end_step();
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    got[pg.rank()] = metrics.summary();
+  });
+  ASSERT_EQ(got.size(), 2u);
+  for (auto& [rank, s] : got) {
+    EXPECT_GE(s.data_wait_ms, kDataMs) << "rank " << rank << ": the loader's time is data wait";
+    EXPECT_GE(s.compute_ms, kComputeMs) << "rank " << rank << ": the backward pass is compute, not data wait";
+    EXPECT_GE(s.step_ms, kDataMs + kComputeMs) << "rank " << rank;
+  }
 }
 
 TEST(StepMetrics, MisuseIsNamed) {
