@@ -8,6 +8,7 @@ Rows of every program have the nccl-tests shape:
   size count type redop [root] time algbw busbw #wrong [in-place columns]
 """
 import argparse
+import datetime
 import os
 import re
 import statistics
@@ -36,6 +37,86 @@ def parse_rows(text, has_root):
     return out
 
 
+def median_of(results, name, size, idx):
+    """Median over reps of one figure (0 time_us, 1 busbw) of one configuration at one size; None if absent."""
+    vals = [r[size][idx] for r in results[name] if size in r]
+    return statistics.median(vals) if vals else None
+
+
+# Which columns are compared with which, in this order, when both were run.
+PAIRS = [("cohort shm", "mpi shm"), ("cohort shm shared", "mpi shm"), ("cohort tcp", "mpi tcp"),
+         ("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp"), ("cohort mpi", "mpi shm serialized"),
+         ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
+
+
+def table(results, coll, np, reps, with_gloo=True):
+    """The markdown table (medians and ratios) and the lines under it, from
+    results: configuration -> one {size: (time_us, busbw, wrong)} per rep."""
+    names = list(results)
+    pairs = [(a, b) for a, b in PAIRS if a in results and b in results and (with_gloo or "gloo" not in b)]
+    out = [f"## {coll}, {np} ranks, float32 sum, median of {reps} interleaved runs\n"]
+    out.append("| size | " + " | ".join(names) + "".join(f" | {a} / {b}" for a, b in pairs) + " |")
+    out.append("|---" * (len(names) + len(pairs) + 1) + "|")
+    for s in SIZES:
+        small = s <= 1024
+        idx = 0 if small else 1  # time for latency-bound sizes, busbw otherwise
+        vals = {n: median_of(results, n, s, idx) for n in names}
+
+        def ratio(a, b):
+            if vals.get(a) is None or vals.get(b) is None or vals[b] == 0:
+                return "-"
+            # Report "x better": for times lower is better.
+            r = vals[b] / vals[a] if small else vals[a] / vals[b]
+            return f"{r:.2f}x"
+
+        def cell(v):
+            return "-" if v is None else (f"{v:.2f} us" if small else f"{v:.2f}")
+        label = f"{s} B" if s < 1024 else (f"{s >> 10} KiB" if s < (1 << 20) else f"{s >> 20} MiB")
+        unit = "us" if small else "GB/s"
+        out.append(f"| {label} ({unit}) | " + " | ".join([cell(vals[n]) for n in names] + [ratio(a, b) for a, b in pairs]) + " |")
+    wrong = {n: sorted({r[s][2] for r in results[n] for s in r}) for n in names}
+    out.append(f"\n#wrong seen: {wrong}")
+    out.append("Ratios are 'times better than the peer': time_peer / time_ours for 8 B and 1 KiB, busbw_ours / busbw_peer above.")
+    # The small sizes swing between runs on a shared host: each run's figure, to judge what "within noise" is.
+    for s in (s for s in SIZES if s <= 1024):
+        runs = "; ".join(f"{n} " + " ".join(f"{r[s][0]:.2f}" for r in results[n] if s in r) for n in names)
+        out.append(f"Each run at {s} B (us): {runs}")
+    return "\n".join(out)
+
+
+CSV_HEADER = "measured_utc,coll,np,config,rep,size_bytes,time_us,busbw_gbps,wrong"
+
+
+def write_csv(path, results, coll, np):
+    """Every rep's raw figures, one line per configuration, rep and size, stamped with the time of writing."""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    with open(path, "w") as f:
+        f.write(CSV_HEADER + "\n")
+        for name, reps in results.items():
+            for rep, rows in enumerate(reps):
+                for size in sorted(rows):
+                    t, bw, wrong = rows[size]
+                    f.write(f"{when},{coll},{np},{name},{rep + 1},{size},{t},{bw},{wrong}\n")
+
+
+def read_csv(path):
+    """(measured_utc, coll, np, reps, results) as write_csv wrote them."""
+    results, when, coll, np, reps = {}, None, None, None, 0
+    with open(path) as f:
+        header = f.readline().strip()
+        if header != CSV_HEADER:
+            raise SystemExit(f"{path}: not a compare_peers CSV (header {header!r}, expected {CSV_HEADER!r})")
+        for line in f:
+            when, c, n, name, rep, size, t, bw, wrong = line.strip().split(",")
+            coll, np, rep = c, int(n), int(rep)
+            reps = max(reps, rep)
+            runs = results.setdefault(name, [])
+            while len(runs) < rep:
+                runs.append({})
+            runs[rep - 1][int(size)] = (float(t), float(bw), wrong)
+    return when, coll, np, reps, results
+
+
 def run(cmd, env_extra=None, timeout=600):
     env = dict(os.environ)
     env.update(env_extra or {})
@@ -58,6 +139,9 @@ def main():
     ap.add_argument("--with-mpi-backend", action="store_true",
                     help="also run cohort's mpi backend (COHORT_BACKEND=mpi under mpirun) next to Open MPI's own figures")
     ap.add_argument("--only-mpi", action="store_true", help="run only Open MPI shm and cohort's mpi backend (implies --with-mpi-backend)")
+    ap.add_argument("--csv", metavar="FILE",
+                    help="also write every rep's raw figures to FILE (bench/write_performance.py turns the CSVs in "
+                         "docs/perf/ into docs/performance.md's tables)")
     ap.add_argument("--shared-buffers", action="store_true",
                     help="also run cohort over shm with its buffers from ProcessGroup::allocate_buffer (cohort bench "
                          "--shared-buffers), as DDP's buckets and sharded optimizers' flat buffers are: peers map them, "
@@ -120,58 +204,20 @@ def main():
             print(f"# rep {rep + 1}/{args.reps}: {name}", file=sys.stderr, flush=True)
             results[name].append(fn())
 
-    def med(name, size, idx):
-        vals = [r[size][idx] for r in results[name] if size in r]
-        return statistics.median(vals) if vals else None
-
-    def fmt(v, unit):
-        if v is None:
-            return "-"
-        return f"{v:.2f} us" if unit == "us" else f"{v:.2f}"
-
-    print(f"## {args.coll}, {args.np} ranks, float32 sum, median of {args.reps} interleaved runs\n")
-    names = list(configs)
-    pairs = [("cohort shm", "mpi shm"), ("cohort shm shared", "mpi shm"), ("cohort tcp", "mpi tcp")]
-    if not args.no_gloo:
-        pairs += [("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp")]
-    if "cohort mpi" in configs:
-        pairs += [("cohort mpi", "mpi shm serialized"), ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
-    pairs = [(a, b) for a, b in pairs if a in configs and b in configs]
-    print("| size | " + " | ".join(names) + "".join(f" | {a} / {b}" for a, b in pairs) + " |")
-    print("|---" * (len(names) + len(pairs) + 1) + "|")
-    for s in SIZES:
-        small = s <= 1024
-        idx = 0 if small else 1  # time for latency-bound sizes, busbw otherwise
-        vals = {n: med(n, s, idx) for n in names}
-
-        def ratio(a, b):
-            if vals.get(a) is None or vals.get(b) is None or vals[b] == 0:
-                return "-"
-            # Report "x better": for times lower is better.
-            r = vals[b] / vals[a] if small else vals[a] / vals[b]
-            return f"{r:.2f}x"
-        label = f"{s} B" if s < 1024 else (f"{s >> 10} KiB" if s < (1 << 20) else f"{s >> 20} MiB")
-        unit = "us" if small else "GB/s"
-        cells = [fmt(vals[n], unit) for n in names]
-        extra = [ratio(a, b) for a, b in pairs]
-        print(f"| {label} ({unit}) | " + " | ".join(cells + extra) + " |")
-    wrong = {n: sorted({r[s][2] for r in results[n] for s in r}) for n in names}
-    print(f"\n#wrong seen: {wrong}")
-    print("Ratios are 'times better than the peer': time_peer / time_ours for 8 B and 1 KiB, busbw_ours / busbw_peer above.")
-    # The small sizes swing between runs on a shared host: each run's figure, to judge what "within noise" is.
-    for s in (s for s in SIZES if s <= 1024):
-        runs = "; ".join(f"{n} " + " ".join(f"{r[s][0]:.2f}" for r in results[n] if s in r) for n in names)
-        print(f"Each run at {s} B (us): {runs}")
+    print(table(results, args.coll, args.np, args.reps, with_gloo=not args.no_gloo))
+    if args.csv:
+        write_csv(args.csv, results, args.coll, args.np)
+        print(f"\nraw figures: {args.csv}")
 
     if args.plot:
         peers_csv = os.path.splitext(args.plot)[0] + ".peers.csv"
         with open(peers_csv, "w") as f:
             f.write("name,size_bytes,busbw_gbps\n")
-            for name in names:
+            for name in results:
                 if name == "cohort shm":
                     continue  # the plotting run below draws cohort over shm itself
                 for s in SIZES:
-                    v = med(name, s, 1)
+                    v = median_of(results, name, s, 1)
                     if v is not None:
                         f.write(f"{name} (median),{s},{v}\n")
         run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np), args.cohort, "bench", args.coll, "--sizes", sizes,
