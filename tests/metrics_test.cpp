@@ -60,13 +60,10 @@ TEST(IterationTimes, ExposedIsCommunicationAfterBackwardAndCommIsTheUnionInFligh
   EXPECT_EQ(ddp::iteration_times(hidden, 4).exposed_ns, 0);
 }
 
-TEST(StepMetrics, JsonLinesParseAndTheBreakdownAddsUp) {
-  const std::string file =
-      std::filesystem::temp_directory_path() / ("cohort_metrics_" + std::to_string(getpid()) + ".jsonl");
-  std::filesystem::remove(file);
-  ::setenv("COHORT_METRICS", file.c_str(), 1);
-  ::setenv("COHORT_METRICS_EVERY", "2", 1);
-  constexpr int kSteps = 4;
+// Two ranks (threads) step a reducer over the mixed model `steps` times under
+// StepMetrics, sleeping data_ms where a loader would run and compute_ms where
+// forward and backward would; each rank's summary, by rank.
+std::map<int, StepSummary> run_steps(int steps, double data_ms, double compute_ms) {
   std::map<int, StepSummary> got;
   std::mutex mu;
   cohort::testing::run_ranks(2, "shm", [&](ProcessGroup& pg) {
@@ -78,10 +75,11 @@ TEST(StepMetrics, JsonLinesParseAndTheBreakdownAddsUp) {
     }
     ddp::Reducer reducer(pg, params, ddp::test::small_buckets());
     StepMetrics metrics(pg);
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < steps; ++s) {
       metrics.begin_step();
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // "loading data"
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(data_ms));
       metrics.data_ready();
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(compute_ms));
       for (size_t p = params.size(); p-- > 0;) reducer.mark_ready(p, nullptr);
       reducer.finalize();
       metrics.end_step();
@@ -90,11 +88,22 @@ TEST(StepMetrics, JsonLinesParseAndTheBreakdownAddsUp) {
     std::lock_guard<std::mutex> lk(mu);
     got[pg.rank()] = metrics.summary();
   });
+  return got;
+}
+
+TEST(StepMetrics, JsonLinesParseAndTheBreakdownAddsUp) {
+  const std::string file =
+      std::filesystem::temp_directory_path() / ("cohort_metrics_" + std::to_string(getpid()) + ".jsonl");
+  std::filesystem::remove(file);
+  ::setenv("COHORT_METRICS", file.c_str(), 1);
+  ::setenv("COHORT_METRICS_EVERY", "2", 1);
+  constexpr int kSteps = 4;
+  const std::map<int, StepSummary> got = run_steps(kSteps, 1, 0);  // 1 ms "loading data"
   ::unsetenv("COHORT_METRICS");
   ::unsetenv("COHORT_METRICS_EVERY");
 
   ASSERT_EQ(got.size(), 2u);
-  for (auto& [rank, s] : got) {
+  for (const auto& [rank, s] : got) {
     EXPECT_EQ(s.steps, kSteps);
     EXPECT_NEAR(s.compute_ms + s.exposed_comm_ms + s.data_wait_ms, s.step_ms, 1e-9 + 1e-9 * s.step_ms);
     EXPECT_GT(s.data_wait_ms, 0.0);
@@ -129,33 +138,10 @@ TEST(StepMetrics, JsonLinesParseAndTheBreakdownAddsUp) {
 // own column. Only lower bounds (a sleep lasts at least its time), never
 // upper ones: nothing here depends on how fast the machine is.
 TEST(StepMetrics, KnownDelaysLandInTheirColumns) {
-  constexpr int kSteps = 3;
   constexpr double kDataMs = 20, kComputeMs = 30;
-  std::map<int, StepSummary> got;
-  std::mutex mu;
-  cohort::testing::run_ranks(2, "shm", [&](ProcessGroup& pg) {
-    auto params = ddp::test::mixed_model();
-    std::vector<std::vector<uint64_t>> grads;
-    for (auto& p : params) {
-      grads.emplace_back((p.count * dtype_size(p.dtype) + 7) / 8 + 1, 0);
-      p.grad = grads.back().data();
-    }
-    ddp::Reducer reducer(pg, params, ddp::test::small_buckets());
-    StepMetrics metrics(pg);
-    for (int s = 0; s < kSteps; ++s) {
-      metrics.begin_step();
-      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kDataMs));  // the loader
-      metrics.data_ready();
-      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kComputeMs));  // forward and backward
-      for (size_t p = params.size(); p-- > 0;) reducer.mark_ready(p, nullptr);
-      reducer.finalize();
-      metrics.end_step();
-    }
-    std::lock_guard<std::mutex> lk(mu);
-    got[pg.rank()] = metrics.summary();
-  });
+  const std::map<int, StepSummary> got = run_steps(3, kDataMs, kComputeMs);
   ASSERT_EQ(got.size(), 2u);
-  for (auto& [rank, s] : got) {
+  for (const auto& [rank, s] : got) {
     EXPECT_GE(s.data_wait_ms, kDataMs) << "rank " << rank << ": the loader's time is data wait";
     EXPECT_GE(s.compute_ms, kComputeMs) << "rank " << rank << ": the backward pass is compute, not data wait";
     EXPECT_GE(s.step_ms, kDataMs + kComputeMs) << "rank " << rank;
