@@ -25,7 +25,11 @@ export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 history_size=4 ${TS
 failed=()
 for s in "${suites[@]}"; do
   start=$SECONDS
-  if "$dir/tests/$s" --gtest_brief=1 >"$dir/$s.log" 2>&1; then
+  filter=()
+  # Ranks run as threads of one process here; 5 to 8 of them under TSan take
+  # half the collective suite's 9 minutes and reach no code that 2-4 do not.
+  [[ $s == collectives_test ]] && filter=(--gtest_filter='-*np5*:*np6*:*np7*:*np8*')
+  if "$dir/tests/$s" --gtest_brief=1 "${filter[@]}" >"$dir/$s.log" 2>&1; then
     echo "ci-tsan: $s passed ($((SECONDS - start)) s)"
   else
     echo "ci-tsan: $s FAILED ($((SECONDS - start)) s); the end of its log:"
