@@ -16,6 +16,7 @@
 #include "launch/binding.hpp"
 #include "launch/options.hpp"
 #include "launch_harness.hpp"
+#include "scoped_env.hpp"
 
 namespace lt = launch_test;
 namespace fs = std::filesystem;
@@ -36,12 +37,7 @@ CpuLayout two_sockets() {
   return l;
 }
 
-// Sets an environment variable for one scope (hwloc reads HWLOC_SYNTHETIC at load).
-struct ScopedEnv {
-  std::string name;
-  ScopedEnv(std::string n, const std::string& value) : name(std::move(n)) { setenv(name.c_str(), value.c_str(), 1); }
-  ~ScopedEnv() { unsetenv(name.c_str()); }
-};
+using cohort::testing::ScopedEnv;  // hwloc reads HWLOC_SYNTHETIC when it loads
 
 }  // namespace
 

@@ -19,24 +19,14 @@
 #include "core/sha256.hpp"
 #include "store/tcp_protocol.hpp"
 #include "transport/tcp/tcp_hello.hpp"
+#include "scoped_env.hpp"
 
 namespace cohort {
 namespace {
 
 namespace th = transport::tcp_hello;
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    value ? (void)::setenv(name, value, 1) : (void)::unsetenv(name);
-  }
-  ~ScopedEnv() { old_ ? (void)::setenv(name_, old_->c_str(), 1) : (void)::unsetenv(name_); }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using cohort::testing::ScopedEnv;
 
 std::string hex(const core::Digest& d) {
   return core::to_hex(d.data(), d.size());

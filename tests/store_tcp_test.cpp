@@ -19,6 +19,7 @@
 #include "cohort/error.hpp"
 #include "cohort/store.hpp"
 #include "store/tcp_protocol.hpp"
+#include "scoped_env.hpp"
 
 using namespace cohort;
 using namespace std::chrono_literals;
@@ -34,20 +35,7 @@ TcpStoreOptions at(uint16_t port, Millis connect_timeout = 10s) {
   return TcpStoreOptions{.host = "127.0.0.1", .port = port, .timeout = 20s, .connect_timeout = connect_timeout};
 }
 
-// Sets an environment variable for one scope. Only used while no other thread
-// reads the environment (the stores read their knobs when constructed).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() { old_ ? (void)::setenv(name_, old_->c_str(), 1) : (void)::unsetenv(name_); }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using cohort::testing::ScopedEnv;  // the stores read their knobs when constructed
 
 // "127.0.0.1:PORT" (built with += : GCC 12 warns falsely on "literal" + std::string&&).
 std::string local(uint16_t port) {

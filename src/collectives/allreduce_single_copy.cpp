@@ -58,8 +58,6 @@
 namespace cohort::collectives {
 
 namespace {
-constexpr size_t kPiece = 256 * 1024;  // fits L2 with the destination piece
-
 // A stretch of this rank's own block (byte offsets in the buffer) and where its
 // input is: a piece's memory, or the buffer itself (src == nullptr).
 struct OwnSpan {
@@ -128,7 +126,7 @@ bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
     peer_recv[q] = map_shared(c, q, theirs[q].recv_ref, theirs[q].recv, bytes);
   }
 
-  const size_t piece_max = kPiece / es * es;
+  const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = c.scratch(piece_max);
   for (const OwnSpan& span : own) {
     for (size_t p = 0; p < span.len; p += piece_max) {

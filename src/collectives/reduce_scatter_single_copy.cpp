@@ -33,10 +33,6 @@
 
 namespace cohort::collectives {
 
-namespace {
-constexpr size_t kPiece = 256 * 1024;  // fits L2 with the destination piece
-}  // namespace
-
 bool reduce_scatter_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t,
                                 ReduceOp op, int avg_div, bool shared_only) {
   const int n = c.size(), rank = c.rank();
@@ -54,7 +50,7 @@ bool reduce_scatter_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, siz
   for (int q = 0; q < n; ++q)
     if (q != rank) peer_send[q] = map_shared(c, q, theirs[q].ref, theirs[q].addr, total);
 
-  const size_t piece_max = kPiece / es * es;
+  const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = c.scratch(piece_max);
   for (size_t p = 0; p < block; p += piece_max) {
     const size_t m = std::min(piece_max, block - p), at = own + p;

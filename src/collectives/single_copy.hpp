@@ -19,6 +19,10 @@
 
 namespace cohort::collectives {
 
+// The piece a single-copy reduction works on at a time: it fits L2 with the
+// destination piece.
+inline constexpr size_t kSingleCopyPiece = 256 * 1024;
+
 // One rank's buffer as its peers see it: its address in the owner's process,
 // and the shared buffer holding it (id 0 when it is ordinary memory).
 struct PeerBuffer {
