@@ -28,6 +28,25 @@ TEST(BucketPlan, ReverseOrderAndSmallFirstBucket) {
   EXPECT_EQ(plan[1].bytes(), 2000u);
 }
 
+// ZeRO's padding: every bucket a multiple of the world size; the caps and the
+// parameters' offsets are those of the unpadded plan; a bucket of zero-size
+// parameters stays empty.
+TEST(BucketPlan, CountMultiplePadsEachBucketAtItsEnd) {
+  std::vector<ParamSpec> ps = {P(0), P(7), P(100), P(100), P(101), P(3)};
+  auto plain = plan_buckets(ps, {.cap_bytes = 1000, .first_cap_bytes = 500});
+  auto padded = plan_buckets(ps, {.cap_bytes = 1000, .first_cap_bytes = 500, .count_multiple = 3});
+  ASSERT_EQ(padded.size(), plain.size());
+  for (size_t b = 0; b < plain.size(); ++b) {
+    EXPECT_EQ(padded[b].params, plain[b].params);
+    EXPECT_EQ(padded[b].offsets, plain[b].offsets);
+    EXPECT_EQ(padded[b].count % 3, 0u);
+    EXPECT_GE(padded[b].count, plain[b].count);
+    EXPECT_LT(padded[b].count, plain[b].count + 3);
+  }
+  EXPECT_EQ(plan_buckets(std::vector<ParamSpec>{P(0)}, {.count_multiple = 4}).at(0).count, 0u);
+  EXPECT_EQ(plan_buckets(std::vector<ParamSpec>{P(5)}, {.count_multiple = 0}).at(0).count, 5u);  // 0 is taken as 1
+}
+
 TEST(BucketPlan, DefaultCapsAre1And25MiB) {
   std::vector<ParamSpec> ps(30, P(256 * 1024));  // 1 MiB each
   auto plan = plan_buckets(ps);

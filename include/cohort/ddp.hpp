@@ -48,11 +48,15 @@ struct COHORT_API ParamSpec {
 struct COHORT_API BucketPlanOptions {
   size_t cap_bytes = size_t(25) << 20;       // bucket_cap_mb
   size_t first_cap_bytes = size_t(1) << 20;  // the first bucket (PyTorch's _DEFAULT_FIRST_BUCKET_BYTES)
+  // Every bucket's count is rounded up to a multiple of this (zero elements
+  // of padding at its end): ZeRO passes the world size, so that each rank
+  // owns an equal chunk of every bucket. 0 is taken as 1.
+  size_t count_multiple = 1;
 };
 
 struct COHORT_API PlannedBucket {
   DType dtype = DType::F32;
-  size_t count = 0;             // elements in the flat buffer
+  size_t count = 0;             // elements in the flat buffer (with the padding of count_multiple)
   std::vector<size_t> params;   // registration indices, in bucket order (descending: reverse registration order)
   std::vector<size_t> offsets;  // offsets[k]: element offset of params[k] in the flat buffer
 
@@ -197,6 +201,9 @@ COHORT_API CommHook bf16_compress_hook();
 struct COHORT_API ReducerOptions {
   double bucket_cap_mb = 25.0;   // MiB, as PyTorch's bucket_cap_mb
   double first_bucket_mb = 1.0;  // MiB
+  // BucketPlanOptions::count_multiple: every bucket padded to a multiple of
+  // this many elements (zeros that no parameter owns). 1: no padding.
+  size_t bucket_count_multiple = 1;
   // Parameters not marked ready by finalize() count as ready with the gradient
   // registered for them (zeros if none). Without it, finalize() throws naming them.
   bool find_unused_parameters = false;
@@ -331,6 +338,9 @@ class COHORT_API Reducer {
   // gradient_as_bucket_view the adapter makes the parameter's .grad a view of
   // it; otherwise it holds the reduced gradient after finalize().
   void* bucket_slot(size_t param);
+  // The flat buffer of bucket `b` (plan()[b].count elements, padding
+  // included). Stable for the reducer's lifetime; ZeRO shards it by rank.
+  void* bucket_data(size_t b);
 
   // Replaces the comm hook; only before the first synced iteration.
   void register_comm_hook(CommHook hook);

@@ -56,6 +56,9 @@ struct COHORT_API DistributedDataParallelOptions {
   // pre_forward() or the group's next collective, after the optimizer has
   // applied that step (docs/gpu.md).
   bool wait_on_stream = false;
+  // Pads every bucket to a multiple of this many elements (ReducerOptions::
+  // bucket_count_multiple). ZeroOptimizer sets it to the world size.
+  size_t bucket_count_multiple = 1;
 };
 
 // Where the module's gradients are reduced (src/torch/device.hpp, docs/gpu.md).
@@ -92,6 +95,8 @@ class COHORT_API DistributedDataParallel {
   void finalize();
 
   ddp::IterationStats stats() const { return reducer_->stats(); }
+  // The reducer and its buckets (ZeroOptimizer shards them).
+  ddp::Reducer& reducer() { return *reducer_; }
   ProcessGroup& group() { return *group_; }
   const ::torch::Device& device() const { return device_; }
   const std::shared_ptr<::torch::nn::Module>& module() const { return module_; }

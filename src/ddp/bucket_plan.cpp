@@ -18,7 +18,9 @@
 //   2. add p to B (zero-size parameters too: they take no space).
 //   3. B reached its cap: close it. So a parameter larger than the cap ends up
 //      alone in its bucket.
-// At the end the open buckets are closed. The plan lists buckets in the order
+// At the end the open buckets are closed. A closed bucket's count is rounded
+// up to count_multiple (ZeRO: the world size); the padding is never any
+// parameter's and stays zero. The plan lists buckets in the order
 // they complete during the walk (the position of their last parameter): a
 // bucket launches only after every earlier one (reducer.cpp), so this is the
 // order in which backward can start them.
@@ -50,7 +52,9 @@ BucketPlan plan_buckets(std::span<const ParamSpec> params, const BucketPlanOptio
   };
   std::map<DType, Open> by_dtype;
   std::vector<std::pair<size_t, PlannedBucket>> done;  // (completion position, bucket)
+  const size_t multiple = std::max<size_t>(opts.count_multiple, 1);
   const auto close = [&](Open& o) {
+    o.bucket.count = (o.bucket.count + multiple - 1) / multiple * multiple;
     done.emplace_back(o.last_pos, std::move(o.bucket));
     o.bucket = PlannedBucket{};
     ++o.closed;

@@ -104,7 +104,8 @@ struct COHORT_HIDDEN Reducer::Impl {
         leave_in_place(opts.grads_valid_until_finalize && mem->buckets_on_host() && mem->grads_on_host()),
         params(std::move(ps)),
         plan(plan_buckets(params, {.cap_bytes = mib_to_bytes(opts.bucket_cap_mb, "bucket_cap_mb"),
-                                   .first_cap_bytes = mib_to_bytes(opts.first_bucket_mb, "first_bucket_mb")})),
+                                   .first_cap_bytes = mib_to_bytes(opts.first_bucket_mb, "first_bucket_mb"),
+                                   .count_multiple = opts.bucket_count_multiple})),
         buckets(plan.size()),
         bucket_of(params.size()),
         offset_of(params.size()),
@@ -493,6 +494,13 @@ void Reducer::set_grad(size_t param, void* grad) {
 void* Reducer::bucket_slot(size_t param) {
   impl_->check_param(param, "bucket_slot");
   return impl_->slot(param);  // layout is fixed at construction: no lock needed
+}
+
+void* Reducer::bucket_data(size_t b) {
+  if (b >= impl_->buckets.size())
+    throw InvalidArgument(fmt::format("Reducer::bucket_data: bucket {} does not exist (the plan has {})", b,
+                                      impl_->buckets.size()));
+  return impl_->buckets[b].data;
 }
 
 void Reducer::register_comm_hook(CommHook hook) {

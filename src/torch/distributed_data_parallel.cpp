@@ -105,6 +105,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   ddp::ReducerOptions ro;
   ro.bucket_cap_mb = opts_.bucket_cap_mb;
   ro.first_bucket_mb = opts_.first_bucket_mb;
+  ro.bucket_count_multiple = opts_.bucket_count_multiple;
   ro.find_unused_parameters = opts_.find_unused_parameters;
   ro.gradient_as_bucket_view = opts_.gradient_as_bucket_view;
   // .grad keeps autograd's gradient until finalize(), and lent_ keeps it alive

@@ -1,0 +1,143 @@
+// cohort/torch_zero.hpp: ZeRO-1 and ZeRO-2 for LibTorch: data parallelism
+// whose optimizer state (and, for ZeRO-2, reduced gradients) is split across
+// the ranks instead of replicated (Rajbhandari et al., "ZeRO: Memory
+// Optimizations Toward Training Trillion Parameter Models", SC 2020).
+//
+//   auto pg = cohort::init_process_group();
+//   auto model = std::make_shared<Net>();
+//   cohort::torch::ZeroOptimizer opt(model, pg, torch::optim::AdamWOptions(1e-3),
+//                                    {.stage = cohort::torch::ZeroStage::Two});
+//   for (batch : loader) {
+//     opt.zero_grad();
+//     opt.pre_forward();                   // broadcasts buffers, as DDP's
+//     auto loss = loss_fn(model->forward(x), y);
+//     loss.backward();                     // ZeRO-2: each bucket is reduce-scattered as it fills
+//     opt.clip_grad_norm(1.0);             // optional: the norm of the whole (global) gradient
+//     opt.step();                          // steps this rank's shard, then allgathers the parameters
+//   }
+//
+// Layout (docs/zero.md): the trainable parameters are packed into DDP's
+// buckets (reverse registration order, bucket_cap_mb), each padded to a
+// multiple of the world size N. Rank r owns chunk r of every bucket: it keeps
+// the optimizer state of those elements only, and after its step the
+// buckets are allgathered in place. The module's parameters become views of
+// one flat buffer (shared memory on one host, so the allgather and the
+// reduce_scatter take the single-copy path), so they change with no copy.
+//
+//   ZeRO-1: gradients accumulate in full on every rank over any number of
+//           backward passes; step() reduce-scatters them once (per bucket).
+//   ZeRO-2: every synced backward reduce-scatters each bucket as soon as its
+//           gradients are ready (overlapping backward, as DDP's allreduce
+//           does) and adds this rank's chunk to a gradient shard of 1/N of
+//           the size; the bucket is then cleared for the next backward.
+//           no_sync() accumulates locally instead, as in DDP.
+//
+// After backward, .grad of the module's parameters is not the averaged
+// gradient (ZeRO-1: this rank's own; ZeRO-2: zeros): clip and inspect through
+// this class, which sees the reduced shard. A parameter that gets no gradient
+// counts as a zero gradient (its Adam moments still decay), as in DeepSpeed.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstddef>
+#include <memory>
+#include <variant>
+#include <vector>
+
+#include "cohort/export.hpp"
+#include "cohort/process_group.hpp"
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+
+namespace cohort::torch {
+
+enum class ZeroStage { One = 1, Two = 2 };
+
+struct COHORT_API ZeroOptions {
+  ZeroStage stage = ZeroStage::Two;
+  double bucket_cap_mb = 25.0;    // as DDP's: the unit of communication and of sharding
+  double first_bucket_mb = 1.0;
+  bool find_unused_parameters = false;  // ZeRO-2 only (ZeRO-1 does not reduce during backward)
+  bool broadcast_buffers = true;        // rank 0's buffers in pre_forward(), as DDP's
+};
+
+// The optimizer each rank runs on its shard, with these options (one param
+// group): its fused step (sgd_step, adam_step, adamw_step).
+using ShardOptimizerOptions =
+    std::variant<::torch::optim::SGDOptions, ::torch::optim::AdamOptions, ::torch::optim::AdamWOptions>;
+
+// What this rank holds, in elements and bytes.
+struct COHORT_API ZeroMemory {
+  size_t params = 0;                 // trainable elements of the model
+  size_t padded = 0;                 // elements in the buckets, with each bucket's padding
+  size_t shard = 0;                  // elements this rank steps (padded / world size)
+  size_t param_bytes = 0;            // the flat parameter buffer (a full replica)
+  size_t grad_bytes = 0;             // the gradient buckets (a full replica)
+  size_t grad_shard_bytes = 0;       // ZeRO-2's reduced gradient shard (0 for ZeRO-1)
+  size_t optimizer_state_bytes = 0;  // this rank's optimizer state tensors (0 before the first step)
+};
+
+class COHORT_API ZeroOptimizer {
+ public:
+  // Collective over `group`, like DistributedDataParallel's constructor: the
+  // same checks (every rank has the same parameters), rank 0's parameters and
+  // buffers broadcast; then the parameters move into the flat buffer. Only a
+  // module on the CPU with a group that moves host memory (native, mpi);
+  // anything else is refused by name. Throws InvalidArgument for invalid
+  // optimizer options.
+  ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                ShardOptimizerOptions optimizer, ZeroOptions opts = {});
+  ~ZeroOptimizer();
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  // Before each training forward (buffers, as DistributedDataParallel's).
+  void pre_forward();
+  // Backward passes under it accumulate locally; the next synced backward
+  // (ZeRO-2) or step() (ZeRO-1) reduces the sum.
+  [[nodiscard]] ddp::NoSyncGuard no_sync();
+  // Clears the gradients (the buckets and, for ZeRO-2, the shard) before the
+  // next accumulation. Call it, not the module's or an optimizer's zero_grad.
+  void zero_grad();
+  // Scales the gradients so that the norm of the whole averaged gradient (all
+  // ranks' shards together) is at most max_norm; returns that norm before
+  // clipping (the same on every rank). As clip_grad_norm with DDP.
+  double clip_grad_norm(double max_norm);
+  // Divides the gradient shard by the scaler's scale and checks every rank's
+  // shard for inf/NaN (GradScaler::unscale). Optional, before clipping.
+  bool unscale(GradScaler& scaler);
+  // Steps this rank's shard, then allgathers every bucket of parameters.
+  void step();
+  // The same through a GradScaler: skipped on every rank when any shard had
+  // inf/NaN (the parameters stay as they were); returns whether it stepped.
+  bool step(GradScaler& scaler);
+
+  double lr() const;
+  void set_lr(double lr);
+  // The optimizer that steps the shard: one parameter per bucket (this
+  // rank's chunk), its state the shard's. For checkpoints and inspection.
+  ::torch::optim::Optimizer& shard_optimizer();
+  ZeroMemory memory() const;
+  ZeroStage stage() const { return opts_.stage; }
+  DistributedDataParallel& ddp() { return *ddp_; }
+
+  struct State;  // shared with the reduce-scatter hook
+
+ private:
+  void gather_grads_into_buckets();
+  void reduce_for_step();
+  std::vector<::torch::Tensor> shard_grads() const;
+
+  std::shared_ptr<::torch::nn::Module> module_;
+  std::shared_ptr<ProcessGroup> group_;
+  ZeroOptions opts_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::shared_ptr<State> state_;
+  std::unique_ptr<::torch::optim::Optimizer> optimizer_;
+  // ZeRO-1: the reducer stays in no_sync (backward only accumulates).
+  std::unique_ptr<ddp::NoSyncGuard> accumulate_only_;
+  bool reduced_ = false;  // ZeRO-1: step()'s reduce-scatter already ran for these gradients
+};
+
+}  // namespace cohort::torch

@@ -1,0 +1,302 @@
+// ZeroOptimizer (ZeRO-1/2): after every step each rank holds the parameters
+// that one process gets training on the whole global batch, and keeps 1/N of
+// the optimizer state. Ranks run as threads over a MemoryStore.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cohort/torch_zero.hpp"
+#include "test_util.hpp"
+#include "torch/ddp_test_model.hpp"
+
+namespace {
+
+using cohort::testing::run_ranks;
+using cohort::torch::ZeroOptimizer;
+using cohort::torch::ZeroOptions;
+using cohort::torch::ZeroStage;
+using ddp_test::borrowed;
+using ddp_test::inputs;
+using ddp_test::Net;
+using ddp_test::targets;
+
+constexpr int64_t kGlobal = 24;  // divides by 1, 2, 3 and 4
+
+// Caps so small that the model's 212 parameters fill several buckets.
+ZeroOptions small_buckets(ZeroStage stage) {
+  ZeroOptions o;
+  o.stage = stage;
+  o.bucket_cap_mb = 0.0005;
+  o.first_bucket_mb = 0.0002;
+  return o;
+}
+
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
+std::vector<torch::Tensor> params_of(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// Largest |a - b| / max(|b|, 1e-3) over every element: relative error with a floor near zero.
+double rel_error(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, ((a[i] - b[i]).abs() / b[i].abs().clamp_min(1e-3)).max().item<double>());
+  return worst;
+}
+
+// One process, LibTorch's own AdamW, on the whole global batch: `steps`
+// steps of `micro` accumulated micro-batches each, optionally clipped.
+std::vector<torch::Tensor> reference(torch::ScalarType type, int steps, int micro = 1, double clip = 0) {
+  Net net;
+  net->to(type);
+  torch::optim::AdamW opt(net->parameters(), adamw());
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      const int64_t from = (s * micro + m) * kGlobal;
+      torch::mse_loss(net->forward(inputs(from, kGlobal).to(type)), targets(from, kGlobal).to(type)).backward();
+    }
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+    opt.step();
+  }
+  return params_of(*net);
+}
+
+// The same training with ZeRO at `world` ranks; rank r's samples are its
+// slice of each global micro-batch. first_no_sync: every micro-batch but the
+// last runs under no_sync().
+std::vector<std::vector<torch::Tensor>> train_zero(int world, ZeroStage stage, torch::ScalarType type, int steps,
+                                                   int micro = 1, bool first_no_sync = false, double clip = 0) {
+  std::vector<std::vector<torch::Tensor>> out(world);
+  run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    Net net;
+    net->to(type);
+    ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+    const int64_t local = kGlobal / world;
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      for (int m = 0; m < micro; ++m) {
+        const int64_t from = (s * micro + m) * kGlobal + pg.rank() * local;
+        opt.pre_forward();
+        auto loss = torch::mse_loss(net->forward(inputs(from, local).to(type)), targets(from, local).to(type));
+        if (first_no_sync && m + 1 < micro) {
+          auto guard = opt.no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+      }
+      if (clip > 0) opt.clip_grad_norm(clip);
+      opt.step();
+    }
+    out[pg.rank()] = params_of(*net);
+  });
+  return out;
+}
+
+struct Case {
+  ZeroStage stage;
+  int world;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << "ZeRO-" << static_cast<int>(c.stage) << " x " << c.world; }
+class Zero : public ::testing::TestWithParam<Case> {};
+
+// The bar: AdamW over 100 steps, 1e-6 relative (float64, where the
+// reduction order is the only difference).
+TEST_P(Zero, AdamW100StepsEqualOneProcessOnTheGlobalBatch) {
+  const auto [stage, world] = GetParam();
+  const auto want = reference(torch::kDouble, 100);
+  const auto got = train_zero(world, stage, torch::kDouble, 100);
+  for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-6) << "rank " << r;
+}
+
+// float32 takes the fused AdamW loop on the shard; LibTorch's step is the reference.
+TEST_P(Zero, Float32IsCloseToOneProcess) {
+  const auto [stage, world] = GetParam();
+  const auto want = reference(torch::kFloat, 30);
+  const auto got = train_zero(world, stage, torch::kFloat, 30);
+  for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-4) << "rank " << r;
+}
+
+TEST_P(Zero, AccumulatesMicroBatchesSyncedOrUnderNoSync) {
+  const auto [stage, world] = GetParam();
+  const auto want = reference(torch::kDouble, 5, 3);
+  for (bool no_sync : {false, true}) {
+    const auto got = train_zero(world, stage, torch::kDouble, 5, 3, no_sync);
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r << " no_sync " << no_sync;
+  }
+}
+
+TEST_P(Zero, ClipsByTheGlobalNorm) {
+  const auto [stage, world] = GetParam();
+  const auto want = reference(torch::kDouble, 10, 1, 0.05);  // small enough to clip every step
+  const auto got = train_zero(world, stage, torch::kDouble, 10, 1, false, 0.05);
+  for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  for (ZeroStage s : {ZeroStage::One, ZeroStage::Two})
+    for (int w : {1, 2, 3, 4}) c.push_back({s, w});
+  return c;
+}
+INSTANTIATE_TEST_SUITE_P(All, Zero, ::testing::ValuesIn(cases()), [](const auto& info) {
+  return "Zero" + std::to_string(static_cast<int>(info.param.stage)) + "_np" + std::to_string(info.param.world);
+});
+
+// The clipping norm is the whole averaged gradient's, on every rank.
+TEST(ZeroClip, NormIsTheGlobalGradientNorm) {
+  Net ref;
+  ref->to(torch::kDouble);
+  torch::mse_loss(ref->forward(inputs(0, kGlobal).to(torch::kDouble)), targets(0, kGlobal).to(torch::kDouble)).backward();
+  const double want = torch::nn::utils::clip_grad_norm_(ref->parameters(), 1e9);
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two})
+    run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      Net net;
+      net->to(torch::kDouble);
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+      const int64_t local = kGlobal / 3;
+      opt.pre_forward();
+      torch::mse_loss(net->forward(inputs(pg.rank() * local, local).to(torch::kDouble)),
+                      targets(pg.rank() * local, local).to(torch::kDouble))
+          .backward();
+      EXPECT_NEAR(opt.clip_grad_norm(1e9), want, 1e-12 * want) << "rank " << pg.rank();
+    });
+}
+
+// Gradients set to none by the user (the module's zero_grad in LibTorch 2.x)
+// are taken from where backward put them.
+TEST(ZeroGrads, SetToNoneByTheUserStillReduces) {
+  const auto want = reference(torch::kDouble, 3);
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
+    std::vector<std::vector<torch::Tensor>> got(2);
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      Net net;
+      net->to(torch::kDouble);
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+      for (int s = 0; s < 3; ++s) {
+        opt.zero_grad();
+        for (auto& p : net->parameters()) p.mutable_grad().reset();
+        const int64_t from = s * kGlobal + pg.rank() * (kGlobal / 2);
+        opt.pre_forward();
+        torch::mse_loss(net->forward(inputs(from, kGlobal / 2).to(torch::kDouble)),
+                        targets(from, kGlobal / 2).to(torch::kDouble))
+            .backward();
+        opt.step();
+      }
+      got[pg.rank()] = params_of(*net);
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "stage " << static_cast<int>(stage);
+  }
+}
+
+// A non-finite gradient on one rank: every rank skips the step, the scale
+// backs off, and nothing moves; a clean step after it moves all alike.
+TEST(ZeroScaler, InfOnOneRankSkipsTheStepEverywhere) {
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two})
+    run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      Net net;
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+      cohort::torch::GradScaler scaler({.init_scale = 1024.0});
+      const auto before = params_of(*net);
+      opt.zero_grad();
+      opt.pre_forward();
+      auto x = inputs(pg.rank() * 8, 8);
+      if (pg.rank() == 1) x[0][0] = std::numeric_limits<float>::infinity();
+      scaler.scale(torch::mse_loss(net->forward(x), targets(pg.rank() * 8, 8))).backward();
+      EXPECT_FALSE(opt.step(scaler)) << "rank " << pg.rank();
+      EXPECT_EQ(scaler.current_scale(), 512.0);
+      EXPECT_EQ(rel_error(params_of(*net), before), 0.0);
+      opt.zero_grad();
+      opt.pre_forward();
+      scaler.scale(torch::mse_loss(net->forward(inputs(pg.rank() * 8, 8)), targets(pg.rank() * 8, 8))).backward();
+      EXPECT_TRUE(opt.step(scaler));
+      EXPECT_GT(rel_error(params_of(*net), before), 0.0);
+    });
+}
+
+// Each rank's optimizer state is 1/N of the whole, within 1% (the padding).
+TEST(ZeroMemory, OptimizerStateIsOneNthPerRank) {
+  struct Wide : torch::nn::Module {
+    Wide() {
+      a = register_module("a", torch::nn::Linear(300, 301));
+      b = register_module("b", torch::nn::Linear(301, 7));
+    }
+    torch::Tensor forward(torch::Tensor x) { return b->forward(torch::relu(a->forward(x))); }
+    torch::nn::Linear a{nullptr}, b{nullptr};
+  };
+  for (int world : {2, 3, 4})
+    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      auto net = std::make_shared<Wide>();
+      ZeroOptimizer opt(net, borrowed(pg), adamw(), {.bucket_cap_mb = 0.1});
+      opt.zero_grad();
+      opt.pre_forward();
+      net->forward(torch::ones({2, 300})).sum().backward();
+      opt.step();
+      const auto m = opt.memory();
+      const size_t n_params = 300 * 301 + 301 + 301 * 7 + 7;
+      EXPECT_EQ(m.params, n_params);
+      EXPECT_EQ(m.padded % world, 0u);
+      EXPECT_EQ(m.shard * world, m.padded);
+      const double full_state = 2.0 * sizeof(float) * n_params;  // exp_avg and exp_avg_sq
+      EXPECT_NEAR(m.optimizer_state_bytes, full_state / world, 0.01 * full_state / world) << "world " << world;
+      EXPECT_EQ(m.grad_shard_bytes, m.shard * sizeof(float));
+    });
+}
+
+TEST(ZeroErrors, BadInputIsNamed) {
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    Net net;
+    auto expect_throw = [&](auto&& make, const std::string& words) {
+      try {
+        make();
+        ADD_FAILURE() << "no error; expected one naming: " << words;
+      } catch (const cohort::InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      }
+    };
+    expect_throw([&] { ZeroOptimizer(nullptr, borrowed(pg), adamw()); }, "module is null");
+    expect_throw([&] { ZeroOptimizer(net.ptr(), nullptr, adamw()); }, "process group is null");
+    expect_throw([&] { ZeroOptimizer(net.ptr(), borrowed(pg), adamw(), {.stage = static_cast<ZeroStage>(3)}); },
+                 "stage 3 does not exist");
+    expect_throw(
+        [&] { ZeroOptimizer(net.ptr(), borrowed(pg), adamw(), {.stage = ZeroStage::One, .find_unused_parameters = true}); },
+        "find_unused_parameters is for ZeRO-2");
+    expect_throw([&] { ZeroOptimizer(net.ptr(), borrowed(pg), torch::optim::AdamWOptions(-1.0)); },
+                 "learning rate must be");
+    ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw());
+    expect_throw([&] { opt.clip_grad_norm(0); }, "max_norm must be");
+    expect_throw([&] { opt.set_lr(std::nan("")); }, "learning rate must be");
+    opt.zero_grad();
+    opt.pre_forward();
+    {
+      auto guard = opt.no_sync();
+      torch::mse_loss(net->forward(inputs(0, 4)), targets(0, 4)).backward();
+    }
+    expect_throw([&] { opt.step(); }, "ran under no_sync()");
+  });
+}
+
+// A replica that differs is named by DistributedDataParallel's check, before anything moves.
+TEST(ZeroErrors, DifferentModelsAreNamed) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    std::shared_ptr<torch::nn::Module> m = pg.rank() == 0 ? Net().ptr() : Net(/*with_unused=*/true).ptr();
+    try {
+      ZeroOptimizer opt(m, borrowed(pg), adamw());
+      ADD_FAILURE() << "rank " << pg.rank() << ": no error";
+    } catch (const cohort::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("different parameters than rank 0"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
