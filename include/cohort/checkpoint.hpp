@@ -37,6 +37,8 @@
 
 namespace cohort {
 
+class ProcessGroup;
+
 // One tensor: contiguous, row-major ("C" order), little-endian element bytes.
 struct COHORT_API NamedTensor {
   std::string name;
@@ -121,6 +123,11 @@ struct COHORT_API LoadOptions {
   // Files (names without ".safetensors") a checkpoint must have: one without
   // them is a FormatError, so load_latest_valid falls back past it.
   std::vector<std::string> required_files;
+  // Read only these files (names without ".safetensors"; a sharded
+  // checkpoint's rank reads its own): the others are checked to exist with
+  // the size the manifest lists, not read or checksummed. Empty: every file.
+  // A name the manifest does not list is a FormatError.
+  std::vector<std::string> only_files;
 };
 
 struct COHORT_API FileInfo {
@@ -153,6 +160,24 @@ struct COHORT_API LoadedCheckpoint {
 COHORT_API std::string save_checkpoint(const std::string& dir, int64_t step,
                             const std::map<std::string, std::vector<NamedTensor>>& files,
                             const Manifest& manifest, const SaveOptions& options = {});
+
+// The same checkpoint written by every rank of `group` (a collective; a host
+// group: native or mpi): each rank passes its own files, whose names must
+// differ from every other rank's (e.g. "optimizer.rank3"), and rank 0 the
+// manifest (the others' is ignored). Rank 0 takes `dir`'s writer lock and
+// creates the temporary directory; every rank writes its files into it, so
+// `dir` must be a file system every rank sees (one host, or a shared mount);
+// rank 0 writes the manifest listing every rank's files with their sizes and
+// CRC32C, and commits as save_checkpoint does. Returns the step directory on
+// every rank. The guarantees of save_checkpoint hold for the whole: bad input
+// on any rank (or a name two ranks pass) throws InvalidArgument on every rank
+// before anything is written; a rank that fails or dies before the commit
+// leaves the previous checkpoints untouched, and the others throw (IoError
+// naming the rank, or the group's PeerError/TimeoutError). Load it with
+// load_checkpoint (LoadOptions::only_files for one rank's part).
+COHORT_API std::string save_checkpoint_sharded(ProcessGroup& group, const std::string& dir, int64_t step,
+                                               const std::map<std::string, std::vector<NamedTensor>>& files,
+                                               const Manifest& manifest, const SaveOptions& options = {});
 
 // Loads one checkpoint directory, verifying every file's size and CRC32C against
 // the manifest. Throws FormatError naming the file and what is wrong, IoError.

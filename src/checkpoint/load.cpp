@@ -8,6 +8,8 @@
 // newest checkpoint that verifies.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "checkpoint/dir_scan.hpp"
 #include "checkpoint/layout.hpp"
 #include "checkpoint/safetensors.hpp"
@@ -37,7 +39,8 @@ std::string checksum_message(const std::string& path, uint32_t got, uint32_t wan
                      "modified after the save); use an older checkpoint", path, got, want);
 }
 
-std::vector<NamedTensor> load_file(Filesystem& fs, const std::string& path, const FileInfo& want, bool verify) {
+// The file exists with the manifest's size; returns it open.
+std::unique_ptr<ReadableFile> check_size(Filesystem& fs, const std::string& path, const FileInfo& want) {
   if (!fs.exists(path))
     throw FormatError(fmt::format("'{}' is listed in the manifest but missing: the checkpoint was copied or cleaned "
                                   "up incompletely", path));
@@ -47,6 +50,11 @@ std::vector<NamedTensor> load_file(Filesystem& fs, const std::string& path, cons
     throw FormatError(fmt::format("'{}' is {} bytes but the manifest says {}: the file is {} (a partial copy, a full "
                                   "disk, or damage after the save)", path, size, want.size,
                                   size < want.size ? "truncated" : "longer than written"));
+  return f;
+}
+
+std::vector<NamedTensor> load_file(Filesystem& fs, const std::string& path, const FileInfo& want, bool verify) {
+  auto f = check_size(fs, path, want);
   ReadResult r;
   try {
     r = read_body(*f, path, verify);
@@ -87,8 +95,18 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
   out.step = pm.step;
   out.format_version = pm.format_version;
   out.manifest = std::move(pm.manifest);
+  for (const std::string& name : options.only_files)
+    if (!pm.files.contains(name + std::string(kTensorFileSuffix)))
+      throw FormatError(fmt::format("checkpoint '{}' has no {}{}, which was asked for (LoadOptions::only_files): it "
+                                    "was written by another program, at another world size, or edited",
+                                    path, name, kTensorFileSuffix));
   for (const auto& [file_name, info] : pm.files) {
     std::string name = file_name.substr(0, file_name.size() - kTensorFileSuffix.size());
+    const auto& only = options.only_files;
+    if (!only.empty() && std::find(only.begin(), only.end(), name) == only.end()) {
+      check_size(fs, join_path(path, file_name), info);
+      continue;
+    }
     out.files[name] = load_file(fs, join_path(path, file_name), info, options.verify_checksums);
     out.file_info[name] = info;
   }

@@ -40,6 +40,7 @@
 #include "checkpoint/layout.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/safetensors.hpp"
+#include "checkpoint/save_steps.hpp"
 #include "cohort/checkpoint.hpp"
 #include "core/log.hpp"
 
@@ -133,95 +134,126 @@ void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, int 
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& dir_arg, int64_t step,
-                            const std::map<std::string, std::vector<NamedTensor>>& files, const Manifest& manifest,
-                            const SaveOptions& options) {
-  // 1. Everything that can be wrong with the arguments, before any write.
+namespace ckpt {
+
+std::string checked_dir(const std::string& dir_arg, int64_t step, int keep_last, const char* who) {
   std::string dir = dir_arg;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  if (dir.empty()) throw InvalidArgument("save_checkpoint: the checkpoint directory is empty; pass a path");
-  if (step < 0) throw InvalidArgument(fmt::format("save_checkpoint: step is {}; it must be >= 0", step));
-  if (options.keep_last < 0)
-    throw InvalidArgument(fmt::format("save_checkpoint: keep_last is {}; use 0 to keep all, or N >= 1",
-                                      options.keep_last));
-  check_manifest(manifest);
+  if (dir.empty()) throw InvalidArgument(fmt::format("{}: the checkpoint directory is empty; pass a path", who));
+  if (step < 0) throw InvalidArgument(fmt::format("{}: step is {}; it must be >= 0", who, step));
+  if (keep_last < 0)
+    throw InvalidArgument(fmt::format("{}: keep_last is {}; use 0 to keep all, or N >= 1", who, keep_last));
+  return dir;
+}
+
+std::map<std::string, EncodedHeader> checked_headers(const std::map<std::string, std::vector<NamedTensor>>& files,
+                                                     const char* who) {
   std::map<std::string, EncodedHeader> headers;
   for (const auto& [name, tensors] : files) {
     check_file_name(name);
     try {
       headers[name] = encode_header(tensors, {{"format", "pt"}});
     } catch (const InvalidArgument& e) {
-      throw InvalidArgument(fmt::format("save_checkpoint: file \"{}\": {}", name, e.what()));
+      throw InvalidArgument(fmt::format("{}: file \"{}\": {}", who, name, e.what()));
     }
   }
-  Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
+  return headers;
+}
 
-  // 2. The directory, its writer lock (held to the end of this save), and the
+FileInfo write_tensor_file(Filesystem& fs, const std::string& dir, const std::string& name,
+                           const EncodedHeader& header, const std::vector<NamedTensor>& tensors) {
+  auto f = fs.create_file(join_path(dir, name + std::string(kTensorFileSuffix)));
+  StreamStats stats = write_body(*f, header, tensors);
+  f->sync();
+  f->close();
+  return FileInfo{stats.size, stats.crc32c};
+}
+
+// Step 2, and the temporary directory of step 3.
+SaveInProgress::SaveInProgress(Filesystem& fs, std::string dir, int64_t step)
+    : fs_(fs), dir_(std::move(dir)), step_(step) {
+  // The directory, its writer lock (held to the end of this save), and the
   // leftovers of crashed saves: with the lock held no other save is under way,
   // so every temporary directory found is a crashed save's.
-  make_dirs(fs, dir);
-  const std::unique_ptr<DirLock> lock = fs.lock_dir(dir);
-  for (const std::string& t : list_temp_dirs(fs, dir)) {
-    if (restore_moved_aside(fs, dir, t)) continue;
+  make_dirs(fs_, dir_);
+  lock_ = fs_.lock_dir(dir_);
+  for (const std::string& t : list_temp_dirs(fs_, dir_)) {
+    if (restore_moved_aside(fs_, dir_, t)) continue;
     // A leftover we cannot remove must not stop this save: it is logged and retried next time.
-    COHORT_INFO(kInit, "checkpoint: removing '{}', left by an earlier save that did not finish", join_path(dir, t));
-    remove_quietly(fs, join_path(dir, t));
+    COHORT_INFO(kInit, "checkpoint: removing '{}', left by an earlier save that did not finish", join_path(dir_, t));
+    remove_quietly(fs_, join_path(dir_, t));
   }
+  final_dir_ = join_path(dir_, step_dir_name(step_));
+  tmp_dir_ = join_path(dir_, temp_dir_name(step_, ::getpid()));
+  old_dir_ = join_path(dir_, temp_dir_name(step_, ::getpid(), "old"));
+  fs_.create_dir(tmp_dir_);
+}
 
-  const std::string final_dir = join_path(dir, step_dir_name(step));
-  const std::string tmp_dir = join_path(dir, temp_dir_name(step, ::getpid()));
-  const std::string old_dir = join_path(dir, temp_dir_name(step, ::getpid(), "old"));
+SaveInProgress::~SaveInProgress() {
+  if (!committed_) remove_quietly(fs_, tmp_dir_);
+}
+
+// Steps 4 to 6.
+std::string SaveInProgress::commit(const Manifest& manifest, const std::map<std::string, FileInfo>& files,
+                                   int keep_last) {
+  std::map<std::string, FileInfo> infos;  // by full file name
+  for (const auto& [name, info] : files) infos[name + std::string(kTensorFileSuffix)] = info;
   bool moved_old = false;
   try {
-    // 3. The tensor files.
-    fs.create_dir(tmp_dir);
-    std::map<std::string, FileInfo> infos;
-    for (const auto& [name, tensors] : files) {
-      std::string file_name = name + std::string(kTensorFileSuffix);
-      auto f = fs.create_file(join_path(tmp_dir, file_name));
-      StreamStats stats = write_body(*f, headers[name], tensors);
-      f->sync();
-      f->close();
-      infos[file_name] = FileInfo{stats.size, stats.crc32c};
-    }
     // 4. The manifest, then the directory's entries.
-    write_file(fs, join_path(tmp_dir, kManifestName), encode_manifest(step, manifest, infos));
-    fs.sync_dir(tmp_dir);
+    write_file(fs_, join_path(tmp_dir_, kManifestName), encode_manifest(step_, manifest, infos));
+    fs_.sync_dir(tmp_dir_);
     // 5. Commit.
-    if (fs.exists(final_dir)) {
-      fs.rename(final_dir, old_dir);
+    if (fs_.exists(final_dir_)) {
+      fs_.rename(final_dir_, old_dir_);
       moved_old = true;
     }
-    fs.rename(tmp_dir, final_dir);
-    fs.sync_dir(dir);
+    fs_.rename(tmp_dir_, final_dir_);
+    fs_.sync_dir(dir_);
+    committed_ = true;
   } catch (...) {
-    remove_quietly(fs, tmp_dir);
     if (moved_old) {
       try {
-        if (!fs.exists(final_dir)) fs.rename(old_dir, final_dir);
+        if (!fs_.exists(final_dir_)) fs_.rename(old_dir_, final_dir_);
       } catch (...) {
         // old_dir stays: the loader reads it under that name and the next save restores it.
       }
     }
-    throw;
+    throw;  // the destructor removes the temporary directory
   }
   if (moved_old) {
     // Renamed to a trash name first: a "-old" name left behind (its removal
     // failed) would later be taken for a step moved aside by a crash and restored.
-    const std::string trash = join_path(dir, temp_dir_name(step, ::getpid(), "trash"));
+    const std::string trash = join_path(dir_, temp_dir_name(step_, ::getpid(), "trash"));
     try {
-      fs.rename(old_dir, trash);
-      remove_quietly(fs, trash);
+      fs_.rename(old_dir_, trash);
+      remove_quietly(fs_, trash);
     } catch (const std::exception& e) {
-      COHORT_WARN(kInit, "checkpoint: could not rename '{}' away after the new step {} was saved: {}", old_dir, step,
+      COHORT_WARN(kInit, "checkpoint: could not rename '{}' away after the new step {} was saved: {}", old_dir_, step_,
                   e.what());
     }
   }
-  COHORT_INFO(kInit, "checkpoint: saved step {} to '{}'", step, final_dir);
-
+  COHORT_INFO(kInit, "checkpoint: saved step {} to '{}'", step_, final_dir_);
   // 6. Retention.
-  apply_retention(fs, dir, step, options.keep_last);
-  return final_dir;
+  apply_retention(fs_, dir_, step_, keep_last);
+  return final_dir_;
+}
+
+}  // namespace ckpt
+
+std::string save_checkpoint(const std::string& dir_arg, int64_t step,
+                            const std::map<std::string, std::vector<NamedTensor>>& files, const Manifest& manifest,
+                            const SaveOptions& options) {
+  // 1. Everything that can be wrong with the arguments, before any write.
+  const std::string dir = checked_dir(dir_arg, step, options.keep_last, "save_checkpoint");
+  check_manifest(manifest);
+  const std::map<std::string, EncodedHeader> headers = checked_headers(files, "save_checkpoint");
+  Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
+  SaveInProgress save(fs, dir, step);  // 2.
+  std::map<std::string, FileInfo> infos;
+  for (const auto& [name, tensors] : files)  // 3. The tensor files.
+    infos[name] = write_tensor_file(fs, save.tmp_dir(), name, headers.at(name), tensors);
+  return save.commit(manifest, infos, options.keep_last);  // 4-6.
 }
 
 }  // namespace cohort
