@@ -5,7 +5,10 @@
 // model and optimizer state and a manifest holding the Progress (epoch,
 // sampler position, step), the world size, the CPU RNG state, the learning-
 // rate schedule (with the GradScaler's scale under --fp16-autocast) and
-// run_config(); a second barrier holds the others until it is written.
+// run_config(); a second barrier holds the others until it is written. Under
+// --shard each rank holds only its part of the optimizer state: every rank
+// writes "optimizer.rank<r>" into the same checkpoint
+// (cohort::save_checkpoint_sharded, atomic for the whole), rank 0 the model.
 //
 // resume: --resume takes the newest valid checkpoint in --checkpoint-dir; a
 // restart by the launcher (TORCHELASTIC_RESTART_COUNT > 0) the newest one this
@@ -13,7 +16,8 @@
 // broadcasts the path; every rank loads it, refuses it when the data order,
 // the model or the optimizer would differ (check_resumable), and restores it
 // (restore). A checkpoint written at another world size continues the epoch
-// after the samples the old world had taken.
+// after the samples the old world had taken; its sharded optimizer state
+// (--shard) is resharded to the new world (restore_sharded_optimizer).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -103,6 +107,15 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
   differs("train_samples", "{} training samples", "--train-limit", kOrder);
   differs("model", "--model {}", "--model", "its weights do not fit this model");
   differs("optimizer", "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
+  // Sharded (zero1, zero2: the same layout) or whole: the optimizer state is stored one way or the other.
+  const auto shard_of = [](const nlohmann::json& c) { return c.is_object() ? c.value("shard", "none") : "none"; };
+  const auto sharded = [&](const nlohmann::json& c) { return shard_of(c) != "none"; };
+  if (sharded(saved) != sharded(now))
+    throw cohort::InvalidArgument(fmt::format(
+        "cannot resume from {}: it was written with --shard {}, this run has --shard {}, so its optimizer state is "
+        "stored {}; HINT: resume with --shard {}, or start a new run with another --checkpoint-dir",
+        ck.path, shard_of(saved), shard_of(now),
+        sharded(saved) ? "in one part per rank" : "whole, by rank 0", sharded(saved) ? "zero1 or zero2" : "none"));
   constexpr const char* kSchedule = "this run's learning-rate schedule";
   constexpr const char* kValue = "this run's value";
   if (lead && saved.is_object())
@@ -126,8 +139,17 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, con
   const int world = pg.size();
   const bool lead = pg.rank() == 0;
   cohort::torch::load_module_state(*model.module, ck.files.at("model"));
-  cohort::torch::load_optimizer_state(optimizer, ck.files.at("optimizer"));
-  Progress at{.step = ck.step, .epoch = ck.manifest.epoch, .position = ck.manifest.sampler_position};
+  // Sharded optimizer state (--shard) is loaded once the ZeroOptimizer exists (restore_sharded_optimizer).
+  if (cfg.shard == "none") {
+    const auto it = ck.files.find("optimizer");
+    if (it == ck.files.end())
+      throw cohort::FormatError(fmt::format("checkpoint '{}' has no optimizer.safetensors: it was not written by this "
+                                            "program; start a new run with another --checkpoint-dir",
+                                            ck.path));
+    cohort::torch::load_optimizer_state(optimizer, it->second);
+  }
+  Progress at{.step = ck.step, .epoch = ck.manifest.epoch, .position = ck.manifest.sampler_position,
+              .resumed_from = ck.path};
   // The schedule's own step (it differs from `step` after an earlier change of world size).
   if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object()) {
     schedule.offset = sched.value("step", at.step) - at.step;
@@ -176,7 +198,8 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
                         {"warmup_steps", cfg.warmup_steps}, {"augment", cfg.augment}, {"clip_grad_norm", cfg.clip_grad_norm},
                         {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast},
                         {"fp16_autocast", cfg.fp16_autocast}, {"device", device.str()}, {"seed", cfg.seed},
-                        {"train_samples", train_samples}, {"world_size", world}, {"run", run_id}};
+                        {"train_samples", train_samples}, {"world_size", world}, {"run", run_id},
+                        {"shard", cfg.shard}};
 }
 
 Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,
@@ -187,7 +210,14 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   if (!resume && !cfg.ckpt_dir.empty() && lead) note_earlier_checkpoints(cfg.ckpt_dir);
   if (!resume || cfg.ckpt_dir.empty()) return {};
   // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
-  const cohort::LoadOptions lopts{.required_files = {"model", "optimizer"}};
+  // The optimizer's files are not required here: a checkpoint whose state is
+  // stored the other way (sharded or whole) must be refused by
+  // check_resumable, naming --shard, not skipped as damaged. Sharded: every
+  // rank's optimizer file is checked to exist with its size; each rank reads
+  // its own later (restore_sharded_optimizer).
+  const cohort::LoadOptions lopts = cfg.shard == "none"
+                                        ? cohort::LoadOptions{.required_files = {"model"}}
+                                        : cohort::LoadOptions{.required_files = {"model"}, .only_files = {"model"}};
   std::string chosen;
   if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, lopts, cfg.resume, config.at("run").get<std::string>());
   chosen = cohort::torch::broadcast_string(pg, chosen, 0);
@@ -200,33 +230,64 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule);
 }
 
+void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const std::string& path) {
+  zero.load_state_shards([&](int rank) {
+    const std::string name = fmt::format("optimizer.rank{}", rank);
+    auto ck = cohort::load_checkpoint(path, {.only_files = {name}});
+    return std::move(ck.files.at(name));
+  });
+}
+
+namespace {
+
+// The manifest of a checkpoint of `at` (rank 0's).
+cohort::Manifest manifest_of(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at,
+                             const cohort::torch::GradScaler& scaler, const LrSchedule& schedule,
+                             const nlohmann::json& config) {
+  cohort::Manifest m;
+  m.epoch = at.epoch;
+  m.sampler_position = at.position;
+  m.world_size = pg.size();
+  m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
+  nlohmann::json lr{{"step", at.step + schedule.offset}, {"peak", schedule.peak}, {"warmup", schedule.warmup}, {"total", schedule.total}};
+  // The scaler's state, for an exact resume.
+  if (cfg.fp16_autocast) {
+    lr["grad_scale"] = scaler.current_scale();
+    lr["growth_tracker"] = scaler.growth_tracker();
+  }
+  m.lr_schedule = lr.dump();
+  m.config = config.dump();
+  return m;
+}
+
+}  // namespace
+
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
-                      torch::optim::Optimizer& optimizer, const cohort::torch::GradScaler& scaler,
-                      const LrSchedule& schedule, const nlohmann::json& config) {
+                      torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
+                      const cohort::torch::GradScaler& scaler, const LrSchedule& schedule,
+                      const nlohmann::json& config) {
   if (cfg.ckpt_dir.empty()) return;
   // Every rank's last step is complete and its gradient collectives did not
   // fail before rank 0 writes (with DDP's stream-ordered wait a failure
   // would otherwise show only at the next collective).
   pg.barrier()->wait();
-  if (pg.rank() == 0) {
-    cohort::Manifest m;
-    m.epoch = at.epoch;
-    m.sampler_position = at.position;
-    m.world_size = pg.size();
-    m.rng_states["torch_cpu"] = cohort::torch::cpu_rng_state();
-    nlohmann::json lr{{"step", at.step + schedule.offset}, {"peak", schedule.peak}, {"warmup", schedule.warmup}, {"total", schedule.total}};
-    // The scaler's state, for an exact resume.
-    if (cfg.fp16_autocast) {
-      lr["grad_scale"] = scaler.current_scale();
-      lr["growth_tracker"] = scaler.growth_tracker();
-    }
-    m.lr_schedule = lr.dump();
-    m.config = config.dump();
-    const auto started = Clock::now();
-    const std::string path = cohort::save_checkpoint(
+  const bool lead = pg.rank() == 0;
+  const auto started = Clock::now();
+  std::string path;
+  if (zero) {
+    std::map<std::string, std::vector<cohort::NamedTensor>> files{
+        {fmt::format("optimizer.rank{}", pg.rank()), zero->state_shard()}};
+    if (lead) files["model"] = cohort::torch::module_state(*model.module);
+    path = cohort::save_checkpoint_sharded(pg, cfg.ckpt_dir, at.step, files,
+                                           lead ? manifest_of(pg, cfg, at, scaler, schedule, config) : cohort::Manifest{},
+                                           {.keep_last = cfg.keep});
+  } else if (lead) {
+    path = cohort::save_checkpoint(
         cfg.ckpt_dir, at.step,
         {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(optimizer)}},
-        m, {.keep_last = cfg.keep});
+        manifest_of(pg, cfg, at, scaler, schedule, config), {.keep_last = cfg.keep});
+  }
+  if (lead) {
     std::printf("checkpoint: step %lld saved to %s (%.0f ms)\n", static_cast<long long>(at.step), path.c_str(),
                 std::chrono::duration<double>(Clock::now() - started).count() * 1000);
     std::fflush(stdout);

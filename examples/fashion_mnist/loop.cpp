@@ -114,9 +114,35 @@ class ProgressLine {
   int64_t position_at_print_;
 };
 
+// train_step under --shard: the ZeroOptimizer clears, reduces, clips and
+// steps (DDP's and the optimizer's parts of the step, on this rank's shard).
+torch::Tensor zero_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr) {
+  const TrainConfig& cfg = t.cfg;
+  cohort::torch::ZeroOptimizer& opt = *t.zero;
+  opt.set_lr(lr);
+  opt.zero_grad();
+  opt.pre_forward();
+  std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");
+  const torch::Tensor loss = forward_loss(t.model, x, y, cfg, t.device.type());
+  forward_span.reset();
+  {
+    cohort::timeline::Span span("backward");  // zero2: the buckets' reduce-scatters, overlapped
+    t.scaler.scale(loss).backward();
+  }
+  if (cfg.fp16_autocast && cfg.clip_grad_norm > 0) opt.unscale(t.scaler);
+  if (cfg.clip_grad_norm > 0) opt.clip_grad_norm(cfg.clip_grad_norm);  // the global norm, over every rank's shard
+  cohort::timeline::Span span("optimizer step");  // zero1's reduce-scatter, the shard step, the allgather
+  if (cfg.fp16_autocast)
+    opt.step(t.scaler);
+  else
+    opt.step();
+  return loss;
+}
+
 }  // namespace
 
 torch::Tensor train_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr) {
+  if (t.zero) return zero_step(t, x, y, lr);
   const TrainConfig& cfg = t.cfg;
   torch::optim::Optimizer& opt = *t.optimizer.optimizer;
   opt.param_groups()[0].options().set_lr(lr);

@@ -115,6 +115,10 @@ int main(int argc, char** argv) {
   app.add_flag("--fp16-autocast", cfg.fp16_autocast,
                "run the forward pass under fp16 autocast with a GradScaler (--device cuda only)")
       ->excludes(bf16);
+  app.add_option("--shard", cfg.shard,
+                 "none: DistributedDataParallel; zero1 or zero2: ZeroOptimizer, each rank keeping 1/N of the "
+                 "optimizer state (zero2: gradients reduce-scattered during backward); docs/zero.md")
+      ->check(CLI::IsMember({"none", "zero1", "zero2"}));
   app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
   app.add_flag("--reduce-at-world-size-1", cfg.reduce_at_world_size_1,
                "run DDP's gradient reduction even with one rank (by default a lone rank skips it), as PyTorch does");

@@ -22,6 +22,7 @@
 #include "cohort/data.hpp"
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "cohort/torch_zero.hpp"
 #include "train.hpp"
 
 // The batches that `samples` samples fill, the last one possibly partial.
@@ -62,6 +63,13 @@ std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConf
                                                                  const std::shared_ptr<cohort::ProcessGroup>& pg,
                                                                  const torch::Device& device);
 
+// --shard zero1|zero2: a ZeroOptimizer over the model in place of DDP and
+// the optimizer (the same options as make_optimizer), or nullptr with
+// --shard none. Collective, like make_ddp; throws InvalidArgument for the
+// flags it cannot run with, naming them.
+std::unique_ptr<cohort::torch::ZeroOptimizer> make_zero(const TrainConfig& cfg, const Model& model,
+                                                        const std::shared_ptr<cohort::ProcessGroup>& pg, double lr);
+
 // ---- checkpointing.cpp ----
 
 // Where the run stands: a checkpoint records it and a resume restores it.
@@ -69,6 +77,7 @@ struct Progress {
   int64_t step = 0;      // optimizer steps taken
   int64_t epoch = 0;     // the epoch under way (0-based)
   int64_t position = 0;  // samples of that epoch this rank has trained on: the sampler's position
+  std::string resumed_from;  // the checkpoint this run resumed from ("": it started from scratch)
 };
 
 // Linear warmup, then cosine decay to 0 at `total` steps, from `peak` (the
@@ -102,11 +111,18 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
                 int64_t per_rank_samples, Model& model, torch::optim::Optimizer& optimizer,
                 cohort::torch::GradScaler& scaler, LrSchedule& schedule);
 // Saves a checkpoint of `at` into --checkpoint-dir (nothing without one),
-// keeping the newest --keep. Collective: every rank calls it, rank 0 writes
-// and prints; barriers before and after.
+// keeping the newest --keep. Collective: every rank calls it; barriers
+// before and after. Without --shard rank 0 writes it all; with --shard
+// (`zero` set) every rank writes its part of the optimizer state beside rank
+// 0's model (save_checkpoint_sharded). Rank 0 prints.
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
-                      torch::optim::Optimizer& optimizer, const cohort::torch::GradScaler& scaler,
-                      const LrSchedule& schedule, const nlohmann::json& config);
+                      torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
+                      const cohort::torch::GradScaler& scaler, const LrSchedule& schedule,
+                      const nlohmann::json& config);
+// --shard after a resume: the sharded optimizer state of checkpoint `path`
+// (at.resumed_from), resharded from the world that wrote it to this one.
+// Each rank reads only the files that hold its part.
+void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const std::string& path);
 
 // ---- loop.cpp ----
 
@@ -118,7 +134,8 @@ struct Trainer {
   Model& model;
   Optimizer& optimizer;
   cohort::torch::GradScaler& scaler;           // enabled with --fp16-autocast only
-  cohort::torch::DistributedDataParallel* ddp;  // nullptr with --no-ddp
+  cohort::torch::DistributedDataParallel* ddp;  // nullptr with --no-ddp or --shard
+  cohort::torch::ZeroOptimizer* zero;           // --shard zero1|zero2, else nullptr
   std::vector<torch::Tensor> params;            // the model's parameters, for clipping and counting
 };
 

@@ -96,6 +96,28 @@ Optimizer make_optimizer(const TrainConfig& cfg, torch::nn::Module& module, doub
   return made;
 }
 
+std::unique_ptr<cohort::torch::ZeroOptimizer> make_zero(const TrainConfig& cfg, const Model& model,
+                                                        const std::shared_ptr<cohort::ProcessGroup>& pg, double lr) {
+  if (cfg.shard == "none") return nullptr;
+  const auto refuse = [&](const char* flag, const char* why) {
+    throw cohort::InvalidArgument(fmt::format("--shard {} does not run with {}: {}", cfg.shard, flag, why));
+  };
+  if (cfg.no_ddp) refuse("--no-ddp", "ZeRO is data parallel; drop one of them");
+  if (cfg.no_allreduce) refuse("--no-allreduce", "a sharded optimizer needs the reduced gradients to step");
+  if (cfg.comm_hook != "allreduce") refuse("--comm-hook", "ZeRO reduce-scatters at full precision");
+  if (cfg.optimizer_step != "fused") refuse("--optimizer-step libtorch", "the shard always takes the fused step");
+  cohort::torch::ZeroOptions zo;
+  zo.stage = cfg.shard == "zero1" ? cohort::torch::ZeroStage::One : cohort::torch::ZeroStage::Two;
+  zo.bucket_cap_mb = cfg.bucket_cap_mb;
+  zo.first_bucket_mb = cfg.first_bucket_mb;
+  cohort::torch::ShardOptimizerOptions opt =
+      cfg.optimizer == "adamw"
+          ? cohort::torch::ShardOptimizerOptions(torch::optim::AdamWOptions(lr).weight_decay(cfg.weight_decay))
+          : cohort::torch::ShardOptimizerOptions(
+                torch::optim::SGDOptions(lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
+  return std::make_unique<cohort::torch::ZeroOptimizer>(model.module, pg, opt, zo);
+}
+
 std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConfig& cfg, const Model& model,
                                                                  const std::shared_ptr<cohort::ProcessGroup>& pg,
                                                                  const torch::Device& device) {
@@ -118,6 +140,6 @@ std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConf
     throw cohort::InvalidArgument(fmt::format("--no-ddp trains one replica; this job has {} ranks (run it with "
                                               "--nproc-per-node 1)",
                                               pg->size()));
-  if (cfg.no_ddp) return nullptr;
+  if (cfg.no_ddp || cfg.shard != "none") return nullptr;
   return std::make_unique<cohort::torch::DistributedDataParallel>(model.module, pg, dopts);
 }

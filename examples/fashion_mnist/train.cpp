@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include <sys/resource.h>
+
 #include "parts.hpp"
 
 namespace {
@@ -55,6 +57,28 @@ void print_throughput(const TrainConfig& cfg, cohort::ProcessGroup& pg, const st
               cfg.model.c_str(), world, static_cast<long long>(nparams), static_cast<long long>(steps),
               static_cast<long long>(timed.steps), ips, timed.steps ? slowest / timed.steps * 1000 : 0.0,
               cfg.no_allreduce ? (cfg.lockstep ? "off+barrier" : "off") : "on");
+}
+
+// The largest per-rank peak resident memory, and the optimizer state one rank
+// holds (under --shard its shard, with what the ZeroOptimizer keeps).
+// Collective; rank 0 prints.
+void print_memory(const TrainConfig& cfg, cohort::ProcessGroup& pg, torch::optim::Optimizer& optimizer,
+                  cohort::torch::ZeroOptimizer* zero) {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const double peak_mb = cohort::torch::allreduce_scalar(pg, usage.ru_maxrss / 1024.0, cohort::ReduceOp::Max);
+  if (pg.rank() != 0) return;
+  constexpr double kMiB = 1 << 20;
+  if (!zero) {
+    std::printf("RESULT memory model=%s shard=none world=%d peak_rss_mb=%.1f optimizer_state_mb=%.2f\n", cfg.model.c_str(),
+                pg.size(), peak_mb, cohort::torch::optimizer_state_bytes(optimizer) / kMiB);
+    return;
+  }
+  const auto m = zero->memory();
+  std::printf("RESULT memory model=%s shard=%s world=%d peak_rss_mb=%.1f optimizer_state_mb=%.2f params=%zu "
+              "shard_elements=%zu param_mb=%.2f grad_mb=%.2f grad_shard_mb=%.2f\n",
+              cfg.model.c_str(), cfg.shard.c_str(), pg.size(), peak_mb, m.optimizer_state_bytes / kMiB, m.params,
+              m.shard, m.param_bytes / kMiB, m.grad_bytes / kMiB, m.grad_shard_bytes / kMiB);
 }
 
 // Rank 0's last line: the accuracy of the final weights, or the last one
@@ -102,11 +126,13 @@ int train(const TrainConfig& cfg) {
 
   const nlohmann::json config = run_config(cfg, device, train_n, world, job_run_id());
   Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule);
+  const auto zero = make_zero(cfg, model, pg, peak_lr);  // --shard: in place of DDP (and of `optimizer`'s step)
+  if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, at.resumed_from);
   const auto ddp = make_ddp(cfg, model, pg, device);
   Trainer t{.cfg = cfg, .pg = *pg, .device = device, .model = model, .optimizer = optimizer, .scaler = scaler,
-            .ddp = ddp.get(), .params = model.module->parameters()};
+            .ddp = ddp.get(), .zero = zero.get(), .params = model.module->parameters()};
   const auto save = [&](const Progress& p) {
-    write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, scaler, schedule, config);
+    write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, zero.get(), scaler, schedule, config);
   };
 
   // Step breakdown (compute / exposed communication / data wait) and the timeline's "train" track.
@@ -125,6 +151,7 @@ int train(const TrainConfig& cfg) {
     save(at);
   }
   print_throughput(cfg, *pg, t.params, at.step, timed);
+  print_memory(cfg, *pg, *optimizer.optimizer, zero.get());
   metrics.finish();
   if (lead) std::fputs(metrics.report().c_str(), stdout);
   if (lead) print_final_accuracy(cfg, world, at.step, last);

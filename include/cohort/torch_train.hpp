@@ -151,6 +151,11 @@ COHORT_API void load_module_state(::torch::nn::Module& module, const std::vector
 COHORT_API std::vector<NamedTensor> optimizer_state(::torch::optim::Optimizer& optimizer);
 COHORT_API void load_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& tensors);
 
+// Bytes of the optimizer's per-parameter state tensors (SGD's momentum
+// buffers; Adam's and AdamW's moments, and max_exp_avg_sq with amsgrad):
+// what sharding the optimizer divides. 0 before the first step.
+COHORT_API size_t optimizer_state_bytes(::torch::optim::Optimizer& optimizer);
+
 COHORT_API NamedTensor to_named(const std::string& name, const ::torch::Tensor& t);
 ::torch::Tensor from_named(const NamedTensor& t);
 

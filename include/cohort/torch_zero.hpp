@@ -41,10 +41,12 @@
 #include <torch/torch.h>
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <variant>
 #include <vector>
 
+#include "cohort/checkpoint.hpp"
 #include "cohort/export.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/torch.hpp"
@@ -119,6 +121,23 @@ class COHORT_API ZeroOptimizer {
   // rank's chunk), its state the shard's. For checkpoints and inspection.
   ::torch::optim::Optimizer& shard_optimizer();
   ZeroMemory memory() const;
+
+  // This rank's part of the optimizer state, one file of a sharded
+  // checkpoint (save_checkpoint_sharded): for each bucket b, this rank's
+  // chunk of every state tensor ("bucket<b>.exp_avg", "bucket<b>.exp_avg_sq",
+  // "bucket<b>.momentum_buffer", ...; the padding included), and
+  // "zero.layout" (int64: the world size, the optimizer kind, the steps
+  // taken, the bucket count, then each bucket's elements without and with
+  // padding), from which a load at another world size reshards. Before the
+  // first step only the layout.
+  std::vector<NamedTensor> state_shard();
+  // Loads what state_shard() saved at any world size, resharding it to this
+  // one. `read(k)` returns the saving run's rank k's tensors; it is called
+  // only for the ranks whose chunks overlap this rank's, rank 0 always. Not
+  // collective. Throws InvalidArgument, changing nothing, when the layout
+  // does not fit this model and these options (another model, bucket_cap_mb
+  // or optimizer), naming what differs.
+  void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
   ZeroStage stage() const { return opts_.stage; }
   DistributedDataParallel& ddp() { return *ddp_; }
 

@@ -227,4 +227,26 @@ void set_cpu_rng_state(const std::string& bytes) {
   gen.set_state(t);
 }
 
+size_t optimizer_state_bytes(::torch::optim::Optimizer& optimizer) {
+  size_t bytes = 0;
+  const auto add = [&](const ::torch::Tensor& t) {
+    if (t.defined()) bytes += t.nbytes();
+  };
+  for (const auto& [key, s] : optimizer.state()) {
+    (void)key;
+    if (auto* a = dynamic_cast<::torch::optim::AdamParamState*>(s.get())) {
+      add(a->exp_avg());
+      add(a->exp_avg_sq());
+      add(a->max_exp_avg_sq());
+    } else if (auto* w = dynamic_cast<::torch::optim::AdamWParamState*>(s.get())) {
+      add(w->exp_avg());
+      add(w->exp_avg_sq());
+      add(w->max_exp_avg_sq());
+    } else if (auto* g = dynamic_cast<::torch::optim::SGDParamState*>(s.get())) {
+      add(g->momentum_buffer());
+    }
+  }
+  return bytes;
+}
+
 }  // namespace cohort::torch

@@ -27,6 +27,7 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
+#include "state_key.hpp"
 
 namespace cohort::torch {
 namespace {
@@ -79,6 +80,7 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     std::byte* param = nullptr;       // the same layout in the parameter storage
     std::byte* grad_shard = nullptr;  // ZeRO-2: this rank's reduced chunk, accumulated
     size_t count = 0;                 // elements, padding included (a multiple of n)
+    size_t used = 0;                  // elements of parameters (count less the padding)
     size_t chunk = 0;                 // count / n
     DType dtype = DType::F32;
     ::torch::ScalarType type = ::torch::kFloat;
@@ -95,12 +97,12 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     return Buffer{bucket_data + static_cast<size_t>(rank) * b.chunk * dtype_size(b.dtype), b.chunk, b.dtype};
   }
 
-  // ZeRO-2, in finalize(): bucket b's reduced chunk into the shard, and the
+  // ZeRO-2, in finalize(): bucket b's reduced chunk into the shard (the
+  // first reduction since zero_grad() was written there directly), and the
   // bucket cleared so that the next backward accumulates from zero.
   void take(size_t b, const Buffer& reduced) {
     Bucket& k = buckets[b];
-    if (k.fresh) {
-      std::memcpy(k.grad_shard, reduced.data, reduced.bytes());
+    if (reduced.data == k.grad_shard) {
       k.fresh = false;
     } else {
       ::torch::NoGradGuard no_grad;
@@ -165,9 +167,12 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     d.comm_hook = [s = state_](ddp::GradBucket& bucket) -> ddp::CommFuture {
       const Buffer all = bucket.buffer();
       if (all.count == 0) return {};
-      const Buffer mine = s->mine(static_cast<std::byte*>(all.data), s->buckets[bucket.index()]);
-      WorkPtr work = bucket.group().reduce_scatter(all, mine, {.op = ReduceOp::Avg, .timeout = bucket.timeout()});
-      return {std::move(work), [s, b = bucket.index(), mine] { s->take(b, mine); }};
+      const State::Bucket& k = s->buckets[bucket.index()];
+      // The first reduction since zero_grad() lands in the gradient shard
+      // itself; a later one (synced micro-batches) in place, added in take().
+      const Buffer into = k.fresh ? Buffer{k.grad_shard, k.chunk, k.dtype} : s->mine(static_cast<std::byte*>(all.data), k);
+      WorkPtr work = bucket.group().reduce_scatter(all, into, {.op = ReduceOp::Avg, .timeout = bucket.timeout()});
+      return {std::move(work), [s, b = bucket.index(), into] { s->take(b, into); }};
     };
   }
   ddp_ = std::make_unique<DistributedDataParallel>(module_, group_, d);  // checks, broadcasts, hooks
@@ -206,6 +211,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     for (size_t j = 0; j < plan[b].params.size(); ++j) {
       ::torch::Tensor& p = trainable.at(plan[b].params[j]);
       k.type = p.scalar_type();
+      k.used += static_cast<size_t>(p.numel());
       std::byte* slot = k.param + plan[b].offsets[j] * dtype_size(k.dtype);
       auto moved = view_of(slot, p.sizes(), p.scalar_type(), st.params);
       moved.copy_(p);
@@ -364,19 +370,179 @@ ZeroMemory ZeroOptimizer::memory() const {
     if (k.grad_shard) m.grad_shard_bytes += k.chunk * dtype_size(k.dtype);
   }
   m.grad_bytes = m.param_bytes;
-  for (const auto& [key, s] : optimizer_->state()) {
-    (void)key;
-    if (auto* a = dynamic_cast<::torch::optim::AdamParamState*>(s.get())) {
-      m.optimizer_state_bytes += a->exp_avg().nbytes() + a->exp_avg_sq().nbytes();
-      if (a->max_exp_avg_sq().defined()) m.optimizer_state_bytes += a->max_exp_avg_sq().nbytes();
-    } else if (auto* w = dynamic_cast<::torch::optim::AdamWParamState*>(s.get())) {
-      m.optimizer_state_bytes += w->exp_avg().nbytes() + w->exp_avg_sq().nbytes();
-      if (w->max_exp_avg_sq().defined()) m.optimizer_state_bytes += w->max_exp_avg_sq().nbytes();
-    } else if (auto* g = dynamic_cast<::torch::optim::SGDParamState*>(s.get())) {
-      if (g->momentum_buffer().defined()) m.optimizer_state_bytes += g->momentum_buffer().nbytes();
+  m.optimizer_state_bytes = optimizer_state_bytes(*optimizer_);
+  return m;
+}
+
+// ---- Sharded optimizer state ----
+
+namespace {
+
+enum Kind : int64_t { kSgd = 0, kAdam = 1, kAdamW = 2 };
+constexpr const char* kKindNames[] = {"SGD", "Adam", "AdamW"};
+
+Kind kind_of(::torch::optim::Optimizer& o) {
+  if (dynamic_cast<::torch::optim::AdamW*>(&o)) return kAdamW;
+  if (dynamic_cast<::torch::optim::Adam*>(&o)) return kAdam;
+  return kSgd;
+}
+
+// A shard parameter's state tensors by field, and its step (Adam's).
+struct ShardState {
+  std::vector<std::pair<std::string, ::torch::Tensor>> fields;
+  int64_t step = 0;
+};
+
+ShardState state_of(::torch::optim::Optimizer& o, const ::torch::Tensor& p) {
+  ShardState out;
+  auto it = o.state().find(state_key(p));
+  if (it == o.state().end()) return out;
+  const auto add = [&](const char* name, const ::torch::Tensor& t) {
+    if (t.defined()) out.fields.emplace_back(name, t);
+  };
+  if (auto* a = dynamic_cast<::torch::optim::AdamParamState*>(it->second.get())) {
+    out.step = a->step();
+    add("exp_avg", a->exp_avg());
+    add("exp_avg_sq", a->exp_avg_sq());
+    add("max_exp_avg_sq", a->max_exp_avg_sq());
+  } else if (auto* w = dynamic_cast<::torch::optim::AdamWParamState*>(it->second.get())) {
+    out.step = w->step();
+    add("exp_avg", w->exp_avg());
+    add("exp_avg_sq", w->exp_avg_sq());
+    add("max_exp_avg_sq", w->max_exp_avg_sq());
+  } else if (auto* g = dynamic_cast<::torch::optim::SGDParamState*>(it->second.get())) {
+    add("momentum_buffer", g->momentum_buffer());
+  }
+  return out;
+}
+
+template <class S>
+std::unique_ptr<::torch::optim::OptimizerParamState> adam_like(const ShardState& s) {
+  auto out = std::make_unique<S>();
+  out->step(s.step);
+  for (const auto& [name, t] : s.fields) {
+    if (name == "exp_avg") out->exp_avg(t);
+    if (name == "exp_avg_sq") out->exp_avg_sq(t);
+    if (name == "max_exp_avg_sq") out->max_exp_avg_sq(t);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<NamedTensor> ZeroOptimizer::state_shard() {
+  const State& st = *state_;
+  const auto& shard = optimizer_->param_groups().at(0).params();
+  std::vector<NamedTensor> out;
+  std::vector<int64_t> layout{st.n, kind_of(*optimizer_), 0, static_cast<int64_t>(st.buckets.size())};
+  size_t next = 0;  // shard parameters exist for the buckets with elements, in bucket order
+  for (size_t b = 0; b < st.buckets.size(); ++b) {
+    const State::Bucket& k = st.buckets[b];
+    layout.push_back(static_cast<int64_t>(k.used));
+    layout.push_back(static_cast<int64_t>(k.count));
+    if (k.chunk == 0) continue;
+    const ShardState s = state_of(*optimizer_, shard.at(next++));
+    layout[2] = std::max(layout[2], s.step);
+    for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("bucket{}.{}", b, field), t));
+  }
+  out.push_back(make_tensor("zero.layout", {static_cast<int64_t>(layout.size())}, layout));
+  return out;
+}
+
+void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read) {
+  const State& st = *state_;
+  std::map<int, std::map<std::string, const NamedTensor*>> by_rank;
+  std::map<int, std::vector<NamedTensor>> files;
+  const auto get = [&](int r) -> const std::map<std::string, const NamedTensor*>& {
+    if (!by_rank.contains(r)) {
+      files[r] = read(r);
+      for (const auto& t : files[r]) by_rank[r][t.name] = &t;
+    }
+    return by_rank[r];
+  };
+  constexpr const char* kWho = "ZeroOptimizer::load_state_shards";
+  const auto& first = get(0);
+  const auto lay_it = first.find("zero.layout");
+  if (lay_it == first.end() || lay_it->second->dtype != DType::I64)
+    throw InvalidArgument(fmt::format("{}: rank 0's shard has no int64 \"zero.layout\": it was not written by "
+                                      "ZeroOptimizer::state_shard()",
+                                      kWho));
+  std::vector<int64_t> lay(lay_it->second->numel());
+  std::memcpy(lay.data(), lay_it->second->bytes.data(), lay.size() * sizeof(int64_t));
+  if (lay.size() < 4 || lay[0] < 1 || static_cast<size_t>(lay[3]) * 2 + 4 != lay.size())
+    throw InvalidArgument(fmt::format("{}: \"zero.layout\" is malformed ({} values)", kWho, lay.size()));
+  const int old_n = static_cast<int>(lay[0]);
+  const Kind kind = kind_of(*optimizer_);
+  if (lay[1] != kind)
+    throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state, this optimizer is {}; HINT: resume with the "
+                                      "optimizer it was written with",
+                                      kWho, lay[1] >= 0 && lay[1] <= 2 ? kKindNames[lay[1]] : "unknown", kKindNames[kind]));
+  if (static_cast<size_t>(lay[3]) != st.buckets.size())
+    throw InvalidArgument(fmt::format("{}: the checkpoint's shard layout has {} buckets, this model has {}: another "
+                                      "model or another bucket_cap_mb / first_bucket_mb; HINT: resume with the same "
+                                      "model and bucket sizes",
+                                      kWho, lay[3], st.buckets.size()));
+  for (size_t b = 0; b < st.buckets.size(); ++b)
+    if (static_cast<size_t>(lay[4 + 2 * b]) != st.buckets[b].used || lay[5 + 2 * b] % old_n != 0)
+      throw InvalidArgument(fmt::format("{}: bucket {} holds {} elements in the checkpoint and {} in this model: another "
+                                        "model or another bucket_cap_mb / first_bucket_mb; HINT: resume with the same "
+                                        "model and bucket sizes",
+                                        kWho, b, lay[4 + 2 * b], st.buckets[b].used));
+
+  // Every new tensor is built before any is installed: a failure changes nothing.
+  const auto& shard = optimizer_->param_groups().at(0).params();
+  std::vector<std::pair<::torch::Tensor, ShardState>> staged;
+  size_t next = 0;
+  for (size_t b = 0; b < st.buckets.size(); ++b) {
+    const State::Bucket& k = st.buckets[b];
+    if (k.chunk == 0) continue;
+    const int64_t old_chunk = lay[5 + 2 * b] / old_n;
+    ShardState s{.fields = {}, .step = lay[2]};
+    const std::string prefix = fmt::format("bucket{}.", b);
+    for (const auto& [name, t] : first) {
+      if (name.rfind(prefix, 0) != 0) continue;
+      const std::string field = name.substr(prefix.size());
+      auto fresh = ::torch::zeros({static_cast<int64_t>(k.chunk)}, ::torch::TensorOptions().dtype(k.type));
+      // This rank's elements [lo, hi) of the bucket, from the old chunks that hold them.
+      const int64_t lo = static_cast<int64_t>(st.rank) * static_cast<int64_t>(k.chunk);
+      const int64_t hi = std::min<int64_t>(lo + static_cast<int64_t>(k.chunk), static_cast<int64_t>(k.used));
+      for (int64_t at = lo; at < hi;) {
+        const int q = static_cast<int>(at / old_chunk);
+        const int64_t end = std::min<int64_t>(hi, (q + 1) * old_chunk);
+        const auto& theirs = get(q);
+        const auto found = theirs.find(name);
+        if (found == theirs.end())
+          throw InvalidArgument(fmt::format("{}: rank {}'s shard lacks \"{}\", which rank 0's has: the checkpoint is "
+                                            "incomplete or mixed from two runs",
+                                            kWho, q, name));
+        const ::torch::Tensor old = from_named(*found->second);
+        if (old.numel() != old_chunk || old.scalar_type() != k.type)
+          throw InvalidArgument(fmt::format("{}: \"{}\" of rank {} has {} elements of {}; the layout says {} of {}",
+                                            kWho, name, q, old.numel(), c10::toString(old.scalar_type()), old_chunk,
+                                            c10::toString(k.type)));
+        fresh.narrow(0, at - lo, end - at).copy_(old.narrow(0, at - q * old_chunk, end - at));
+        at = end;
+      }
+      s.fields.emplace_back(field, fresh);
+    }
+    staged.emplace_back(shard.at(next++), std::move(s));
+  }
+  for (auto& [p, s] : staged) {
+    if (s.fields.empty()) {  // saved before its first step
+      optimizer_->state().erase(state_key(p));
+      continue;
+    }
+    auto& slot = optimizer_->state()[state_key(p)];
+    if (kind == kSgd) {
+      auto g = std::make_unique<::torch::optim::SGDParamState>();
+      g->momentum_buffer(s.fields.front().second);
+      slot = std::move(g);
+    } else if (kind == kAdam) {
+      slot = adam_like<::torch::optim::AdamParamState>(s);
+    } else {
+      slot = adam_like<::torch::optim::AdamWParamState>(s);
     }
   }
-  return m;
 }
 
 }  // namespace cohort::torch

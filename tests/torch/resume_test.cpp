@@ -83,6 +83,44 @@ TEST(Resume, AdamWResumesWithIdenticalLosses) {
   fs::remove_all(base);
 }
 
+// --shard zero2: each rank saves its part of the AdamW state into one
+// checkpoint (save_checkpoint_sharded); a rank killed mid-run, then --resume,
+// gives the uninterrupted run's losses. The same checkpoint resumes at one
+// rank (resharded, --shard zero1) and is refused without --shard.
+TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  const std::vector<std::string> sharded{"--optimizer", "adamw", "--shard", "zero2"};
+  auto full = lt::run(job(base + "/a", sharded, 50), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 50u) << full.out;
+  ASSERT_TRUE(fs::exists(base + "/a/step_000000040/optimizer.rank1.safetensors"));
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), sharded.begin(), sharded.end());
+    return extra;
+  };
+  auto killed = lt::run(job(base + "/b", with({"--fault-kill-rank", "1", "--fault-at-step", "27"}), 50), env, 600);
+  EXPECT_NE(killed.status, 0);
+  auto resumed = lt::run(job(base + "/b", with({"--resume"}), 50), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+
+  std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "zero1", "--resume"}, 54);
+  one[3] = "1";  // --nproc-per-node 1: the two ranks' state resharded into one
+  auto alone = lt::run(one, env, 600);
+  ASSERT_EQ(alone.status, 0) << alone.err;
+  EXPECT_NE(alone.out.find("written by 2 ranks, this run has 1"), std::string::npos) << alone.out;
+  auto refused = lt::run(job(base + "/b", {"--optimizer", "adamw", "--resume"}, 60), env, 600);
+  EXPECT_NE(refused.status, 0);
+  EXPECT_NE(refused.err.find("this run has --shard none, so its optimizer state is stored in one part per rank"), std::string::npos) << refused.err;
+  fs::remove_all(base);
+}
+
 TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed");
   std::string base = lt::temp_dir();
