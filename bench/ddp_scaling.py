@@ -5,7 +5,9 @@ peers are Debian's PyTorch 1.13 (/usr/bin/python3) and PyTorch 2.13 (a
 virtual environment from scripts/install-pytorch-peer.sh); the ratios are
 against the faster of the two. One
 intra-op thread per rank (OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1) on both sides.
-Invoked by bench/ddp_scaling.sh; results go to docs/performance.md.
+Invoked by bench/ddp_scaling.sh; with --csv FILE (docs/perf/ddp-scaling.csv) every
+run's images/s is written there, and bench/write_performance.py puts the table into
+docs/performance.md.
 
 World 2 runs in three modes:
   sync      DDP as users run it (gradients averaged every step);
@@ -18,6 +20,7 @@ pace of the slower rank); lockstep -> sync is what gradient communication
 costs on top of that.
 """
 import argparse
+import datetime
 import os
 import re
 import statistics
@@ -82,6 +85,7 @@ def main():
     ap.add_argument("--build", default=BUILD, help="cohort's build directory (its LibTorch is the one it was built with)")
     ap.add_argument("--peer-versions", default="1.13,2.13.0",
                     help="PyTorch peers: 1.13 is Debian's python3-torch, others come from scripts/install-pytorch-peer.sh")
+    ap.add_argument("--csv", metavar="FILE", help="also write every run's images/s here (docs/perf/ddp-scaling.csv)")
     args = ap.parse_args()
     BUILD = args.build
     ensure_peer()
@@ -107,11 +111,49 @@ def main():
                           flush=True)
                     res.setdefault((who, model, w, mode), []).append(v)
 
-    print("## every run, images/s (the spread between runs is part of the result)\n")
+    print(table(res, args.models.split(","), whos, args.reps))
+    if args.csv:
+        write_csv(args.csv, res)
+        print(f"\nraw figures: {args.csv}")
+
+
+CSV_HEADER = "measured_utc,bench,model,who,world,mode,rep,imgs_per_s"
+
+
+def write_csv(path, res):
+    """Every run's images/s, one line per (who, model, world, mode, rep), stamped with the time of writing."""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    with open(path, "w") as f:
+        f.write(CSV_HEADER + "\n")
+        for (who, model, w, mode), vals in sorted(res.items()):
+            for rep, v in enumerate(vals):
+                f.write(f"{when},ddp_scaling,{model},{who},{w},{mode},{rep + 1},{v}\n")
+
+
+def read_csv(path):
+    """(measured_utc, models, whos, reps, res) as write_csv wrote them."""
+    res, when, models, whos, reps = {}, None, [], [], 0
+    with open(path) as f:
+        header = f.readline().strip()
+        if header != CSV_HEADER:
+            raise SystemExit(f"{path}: not a ddp_scaling CSV (header {header!r})")
+        for line in f:
+            when, _, model, who, w, mode, rep, v = line.strip().split(",")
+            models += [model] if model not in models else []
+            whos += [who] if who not in whos else []
+            reps = max(reps, int(rep))
+            res.setdefault((who, model, int(w), mode), []).append(None if v == "None" else float(v))
+    whos.sort(key=lambda w: (w != "cohort", w))
+    return when, models, whos, reps, res
+
+
+def table(res, models, whos, reps):
+    """The printed tables and ratio lines, from res: (who, model, world, mode) -> images/s per rep."""
+    out = ["## every run, images/s (the spread between runs is part of the result)\n"]
     for (who, model, w, mode), vals in sorted(res.items()):
         shown = ", ".join("-" if v is None else f"{v:.0f}" for v in vals)
-        print(f"- {model} {who} world {w} {mode}: {shown}")
-    print()
+        out.append(f"- {model} {who} world {w} {mode}: {shown}")
+    out.append("")
 
     def med(k):
         v = [x for x in res.get(k, []) if x is not None]
@@ -120,29 +162,31 @@ def main():
     def ratio(a, b):
         return f"{a / b:.2f}" if a and b else "-"
 
-    print(f"## DDP throughput, images/s (median of {args.reps} interleaved runs, 1 thread per rank)\n")
-    print("| model | who | world 1 | world 2 | w2 lockstep | w2 no sync | efficiency w2/(2 w1) | w2 / own no-sync ceiling "
-          "| lockstep / ceiling | w2 / lockstep |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for model in args.models.split(","):
+    out.append(f"## DDP throughput, images/s (median of {reps} interleaved runs, 1 thread per rank)\n")
+    out.append("| model | who | world 1 | world 2 | w2 lockstep | w2 no sync | efficiency w2/(2 w1) | w2 / own no-sync "
+               "ceiling | lockstep / ceiling | w2 / lockstep |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    f = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
+    for model in models:
         for who in whos:
             w1, w2 = med((who, model, 1, "sync")), med((who, model, 2, "sync"))
             ls, ns = med((who, model, 2, "lockstep")), med((who, model, 2, "nosync"))
-            f = lambda v: f"{v:.0f}" if v else "-"
             eff = ratio(w2, 2 * w1) if w1 else "-"
-            print(f"| {model} | {who} | {f(w1)} | {f(w2)} | {f(ls)} | {f(ns)} | {eff} | {ratio(w2, ns)} | {ratio(ls, ns)} "
-                  f"| {ratio(w2, ls)} |")
-    print()
-    for model in args.models.split(","):
+            out.append(f"| {model} | {who} | {f(w1)} | {f(w2)} | {f(ls)} | {f(ns)} | {eff} | {ratio(w2, ns)} | "
+                       f"{ratio(ls, ns)} | {ratio(w2, ls)} |")
+    out.append("")
+    peers = [w for w in whos if w != "cohort"]
+    for model in models:
         a, c = med(("cohort", model, 2, "sync")), med(("cohort", model, 1, "sync"))
         for who in peers:
             b, d = med((who, model, 2, "sync")), med((who, model, 1, "sync"))
             if a and b and c and d:
-                print(f"- {model}: cohort / {who} DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x")
+                out.append(f"- {model}: cohort / {who} DDP at world 2: {a / b:.2f}x; at world 1: {c / d:.2f}x")
         best2 = max((med((w, model, 2, "sync")) or 0 for w in peers), default=0)
         best1 = max((med((w, model, 1, "sync")) or 0 for w in peers), default=0)
         if a and c and best2 and best1:
-            print(f"- {model}: cohort / the faster PyTorch at world 2: {a / best2:.2f}x; at world 1: {c / best1:.2f}x")
+            out.append(f"- {model}: cohort / the faster PyTorch at world 2: {a / best2:.2f}x; at world 1: {c / best1:.2f}x")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ docs/performance.md marks each generated table:
     <!-- end of table -->
 
 and everything between a pair of marks is replaced by the table computed from
-that CSV (bench/compare_peers.py --csv writes them; compare_peers.py's
-table() computes medians and ratios the same way for both). The prose around
+that CSV (bench/compare_peers.py, bench/zero_compare.py and
+bench/ddp_scaling.py write them with --csv, told apart by their header; each script's table() computes the medians
+and ratios the same way for its printed table and for the page). The prose around
 the marks stays as people wrote it. --check: exit 1 when the page differs from
 what the CSVs give, changing nothing.
 """
@@ -24,13 +25,27 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import compare_peers  # noqa: E402  (the same medians and ratios as its printed table)
+import ddp_scaling  # noqa: E402
+import zero_compare  # noqa: E402
 
 DOCS = os.path.join(HERE, "..", "docs")
 MARK = re.compile(r"(<!-- table: (?P<csv>[^ ]+) -->\n)(?P<body>.*?)(<!-- end of table -->)", re.S)
 
 
 def render(csv_rel):
-    when, coll, np, reps, results = compare_peers.read_csv(os.path.join(DOCS, csv_rel))
+    path = os.path.join(DOCS, csv_rel)
+    with open(path) as f:
+        header = f.readline().strip()
+    if header == ddp_scaling.CSV_HEADER:
+        when, models, whos, reps, res = ddp_scaling.read_csv(path)
+        body = ddp_scaling.table(res, models, whos, reps)
+        body = re.sub(r"^## (.*)$", r"**\1**", body, flags=re.M)  # its headings would cut the page's section
+        return f"Measured {when} UTC (raw figures: docs/{csv_rel}).\n\n{body}\n"
+    if header == zero_compare.CSV_HEADER:
+        when, model, world, reps, results = zero_compare.read_csv(path)
+        title, rest = zero_compare.table(results, model, world, reps).split("\n", 1)
+        return f"Measured {when} UTC: {title} (raw figures: docs/{csv_rel}).\n{rest}\n"
+    when, coll, np, reps, results = compare_peers.read_csv(path)
     body = compare_peers.table(results, coll, np, reps, with_gloo=any("gloo" in n for n in results))
     # The table's own heading line becomes a sentence: the section's heading is the page's.
     lines = body.split("\n")
