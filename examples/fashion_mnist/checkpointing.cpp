@@ -17,7 +17,9 @@
 // the model or the optimizer would differ (check_resumable), and restores it
 // (restore). A checkpoint written at another world size continues the epoch
 // after the samples the old world had taken; its sharded optimizer state
-// (--shard) is resharded to the new world (restore_sharded_optimizer).
+// (--shard) is resharded to the new world (restore_sharded_optimizer), or
+// gathered into a whole one for a run without --shard, and a whole one is cut
+// into shards for a run with it.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -107,15 +109,12 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
   differs("train_samples", "{} training samples", "--train-limit", kOrder);
   differs("model", "--model {}", "--model", "its weights do not fit this model");
   differs("optimizer", "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
-  // Sharded (zero1, zero2: the same layout) or whole: the optimizer state is stored one way or the other.
+  // Sharded (zero1, zero2: the same layout) or whole: either loads into the other (restore).
   const auto shard_of = [](const nlohmann::json& c) { return c.is_object() ? c.value("shard", "none") : "none"; };
-  const auto sharded = [&](const nlohmann::json& c) { return shard_of(c) != "none"; };
-  if (sharded(saved) != sharded(now))
-    throw cohort::InvalidArgument(fmt::format(
-        "cannot resume from {}: it was written with --shard {}, this run has --shard {}, so its optimizer state is "
-        "stored {}; HINT: resume with --shard {}, or start a new run with another --checkpoint-dir",
-        ck.path, shard_of(saved), shard_of(now),
-        sharded(saved) ? "in one part per rank" : "whole, by rank 0", sharded(saved) ? "zero1 or zero2" : "none"));
+  if (lead && (shard_of(saved) != "none") != (shard_of(now) != "none"))
+    std::printf("resume: the checkpoint was written with --shard %s, this run has --shard %s: its optimizer state is %s\n",
+                shard_of(saved).c_str(), shard_of(now).c_str(),
+                shard_of(saved) != "none" ? "gathered from every rank's part" : "cut into this run's shards");
   constexpr const char* kSchedule = "this run's learning-rate schedule";
   constexpr const char* kValue = "this run's value";
   if (lead && saved.is_object())
@@ -131,6 +130,13 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
                     show(saved[key]).c_str(), show(now.at(key)).c_str(), goes_on_with);
 }
 
+// Rank `rank`'s part of a sharded checkpoint's optimizer state (that file alone is read).
+std::vector<cohort::NamedTensor> optimizer_part(const std::string& path, int rank) {
+  const std::string name = fmt::format("optimizer.rank{}", rank);
+  auto ck = cohort::load_checkpoint(path, {.only_files = {name}});
+  return std::move(ck.files.at(name));
+}
+
 // Loads the checkpoint's state into the model, optimizer and scaler, sets the
 // schedule's offset, restores the CPU RNG, and returns where the run continues.
 Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, const cohort::ProcessGroup& pg,
@@ -140,7 +146,15 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, con
   const bool lead = pg.rank() == 0;
   cohort::torch::load_module_state(*model.module, ck.files.at("model"));
   // Sharded optimizer state (--shard) is loaded once the ZeroOptimizer exists (restore_sharded_optimizer).
-  if (cfg.shard == "none") {
+  const auto saved = nlohmann::json::parse(ck.manifest.config, nullptr, false);
+  const bool sharded = saved.is_object() && saved.value("shard", "none") != "none";
+  if (cfg.shard == "none" && sharded) {
+    // Written with --shard: every rank's part, gathered into this optimizer's per-parameter state.
+    cohort::torch::load_optimizer_state(
+        optimizer, cohort::torch::zero_state_to_full(*model.module, [&](int rank) {
+          return ck.files.at(fmt::format("optimizer.rank{}", rank));  // a run without --shard reads every file
+        }));
+  } else if (cfg.shard == "none") {
     const auto it = ck.files.find("optimizer");
     if (it == ck.files.end())
       throw cohort::FormatError(fmt::format("checkpoint '{}' has no optimizer.safetensors: it was not written by this "
@@ -149,7 +163,7 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, con
     cohort::torch::load_optimizer_state(optimizer, it->second);
   }
   Progress at{.step = ck.step, .epoch = ck.manifest.epoch, .position = ck.manifest.sampler_position,
-              .resumed_from = ck.path};
+              .resumed_from = ck.path, .sharded_state = sharded};
   // The schedule's own step (it differs from `step` after an earlier change of world size).
   if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object()) {
     schedule.offset = sched.value("step", at.step) - at.step;
@@ -210,16 +224,20 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   if (!resume && !cfg.ckpt_dir.empty() && lead) note_earlier_checkpoints(cfg.ckpt_dir);
   if (!resume || cfg.ckpt_dir.empty()) return {};
   // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
-  // The optimizer's files are not required here: a checkpoint whose state is
-  // stored the other way (sharded or whole) must be refused by
-  // check_resumable, naming --shard, not skipped as damaged. Sharded: every
-  // rank's optimizer file is checked to exist with its size; each rank reads
-  // its own later (restore_sharded_optimizer).
+  // The optimizer's files are not required here: the state may be stored
+  // either way (sharded or whole) and loads into either kind of run. With
+  // --shard only the model is read now: every rank's optimizer file is
+  // checked to exist with its size, and each rank reads the parts it needs
+  // later (restore_sharded_optimizer).
+  // Rank 0 verifies every file of the checkpoint it chooses (a damaged
+  // optimizer part makes it fall back to an older one); the others then
+  // read what they need.
+  const cohort::LoadOptions choose{.required_files = {"model"}};
   const cohort::LoadOptions lopts = cfg.shard == "none"
-                                        ? cohort::LoadOptions{.required_files = {"model"}}
+                                        ? choose
                                         : cohort::LoadOptions{.required_files = {"model"}, .only_files = {"model"}};
   std::string chosen;
-  if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, lopts, cfg.resume, config.at("run").get<std::string>());
+  if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, choose, cfg.resume, config.at("run").get<std::string>());
   chosen = cohort::torch::broadcast_string(pg, chosen, 0);
   if (chosen.empty()) {
     if (lead) std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
@@ -230,12 +248,23 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule);
 }
 
-void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const std::string& path) {
-  zero.load_state_shards([&](int rank) {
-    const std::string name = fmt::format("optimizer.rank{}", rank);
-    auto ck = cohort::load_checkpoint(path, {.only_files = {name}});
-    return std::move(ck.files.at(name));
-  });
+void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, cohort::ProcessGroup& pg, const Progress& at) {
+  std::string error;
+  try {
+    if (at.sharded_state) {
+      zero.load_state_shards([&](int rank) { return optimizer_part(at.resumed_from, rank); });
+    } else {
+      auto ck = cohort::load_checkpoint(at.resumed_from, {.only_files = {"optimizer"}});
+      zero.load_full_state(ck.files.at("optimizer"));
+    }
+  } catch (const cohort::Error& e) {
+    error = e.what();
+  }
+  // Every rank reads other files: all go on, or all stop, together.
+  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
+    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of the "
+                                                              "optimizer state of {}", at.resumed_from)
+                                                : fmt::format("resume: {}", error));
 }
 
 namespace {

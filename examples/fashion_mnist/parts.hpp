@@ -78,6 +78,7 @@ struct Progress {
   int64_t epoch = 0;     // the epoch under way (0-based)
   int64_t position = 0;  // samples of that epoch this rank has trained on: the sampler's position
   std::string resumed_from;  // the checkpoint this run resumed from ("": it started from scratch)
+  bool sharded_state = false;  // that checkpoint holds the optimizer state in one part per rank (--shard)
 };
 
 // Linear warmup, then cosine decay to 0 at `total` steps, from `peak` (the
@@ -119,10 +120,12 @@ void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Pr
                       torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
                       const cohort::torch::GradScaler& scaler, const LrSchedule& schedule,
                       const nlohmann::json& config);
-// --shard after a resume: the sharded optimizer state of checkpoint `path`
-// (at.resumed_from), resharded from the world that wrote it to this one.
-// Each rank reads only the files that hold its part.
-void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const std::string& path);
+// --shard after a resume: the optimizer state of the checkpoint `at` resumed
+// from, into this rank's shard: resharded from the world that wrote it to
+// this one when it is sharded (each rank reads only the files that hold its
+// part), cut from the whole state when a run without --shard wrote it.
+// Collective: when any rank fails, every rank throws.
+void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, cohort::ProcessGroup& pg, const Progress& at);
 
 // ---- loop.cpp ----
 

@@ -127,7 +127,7 @@ int train(const TrainConfig& cfg) {
   const nlohmann::json config = run_config(cfg, device, train_n, world, job_run_id());
   Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule);
   const auto zero = make_zero(cfg, model, pg, peak_lr);  // --shard: in place of DDP (and of `optimizer`'s step)
-  if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, at.resumed_from);
+  if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, *pg, at);
   const auto ddp = make_ddp(cfg, model, pg, device);
   Trainer t{.cfg = cfg, .pg = *pg, .device = device, .model = model, .optimizer = optimizer, .scaler = scaler,
             .ddp = ddp.get(), .zero = zero.get(), .params = model.module->parameters()};

@@ -325,6 +325,10 @@ class COHORT_API Reducer {
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
   // True while a no_sync() guard is alive.
   bool in_no_sync() const;
+  // mark_ready() calls made under no_sync() since the last synced iteration
+  // began (since construction if none did): nonzero means gradients were
+  // accumulated locally and not reduced yet.
+  size_t no_sync_marks() const;
   // With find_unused_parameters, after a finalize() that returned true: false
   // when no rank had a gradient for the parameter in that iteration (its
   // result is zeros; PyTorch leaves such a .grad as it was, none stays none).

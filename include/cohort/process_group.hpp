@@ -109,6 +109,18 @@ class COHORT_API ProcessGroup {
   virtual WorkPtr allgather(Buffer send, Buffer recv, AllgatherOptions opts = {}) = 0;
   // send.count == size() * recv.count; rank r gets op over ranks of send[r * recv.count ...].
   virtual WorkPtr reduce_scatter(Buffer send, Buffer recv, ReduceScatterOptions opts = {}) = 0;
+  // Many allgathers (reduce_scatters) in one collective, as PyTorch's
+  // allgather_into_tensor_coalesced / reduce_scatter_tensor_coalesced: pair i
+  // is what allgather(send[i], recv[i]) (reduce_scatter) would take, every
+  // pair of one dtype. The default packs the inputs into one buffer from
+  // allocate_buffer (shared memory on one host, where single copy runs), runs
+  // one collective on it and unpacks into recv when the Work is waited on (or
+  // first seen completed): read recv only after that. Throws InvalidArgument
+  // for lists of different lengths, mixed dtypes or counts that do not fit,
+  // naming the pair.
+  virtual WorkPtr allgather_coalesced(std::vector<Buffer> send, std::vector<Buffer> recv, AllgatherOptions opts = {});
+  virtual WorkPtr reduce_scatter_coalesced(std::vector<Buffer> send, std::vector<Buffer> recv,
+                                           ReduceScatterOptions opts = {});
   // At root, recv.count == size() * send.count; elsewhere recv is ignored.
   virtual WorkPtr gather(Buffer send, Buffer recv, GatherOptions opts = {}) = 0;
   // At root, send.count == size() * recv.count; elsewhere send is ignored.

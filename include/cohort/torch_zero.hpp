@@ -100,7 +100,9 @@ class COHORT_API ZeroOptimizer {
   // (ZeRO-2) or step() (ZeRO-1) reduces the sum.
   [[nodiscard]] ddp::NoSyncGuard no_sync();
   // Clears the gradients (the buckets and, for ZeRO-2, the shard) before the
-  // next accumulation. Call it, not the module's or an optimizer's zero_grad.
+  // next accumulation. Call it, not the module's or an optimizer's zero_grad:
+  // a backward after the gradients were reduced (clip_grad_norm, unscale,
+  // step) and before zero_grad() is refused by the next of those calls.
   void zero_grad();
   // Scales the gradients so that the norm of the whole averaged gradient (all
   // ranks' shards together) is at most max_norm; returns that norm before
@@ -127,8 +129,9 @@ class COHORT_API ZeroOptimizer {
   // chunk of every state tensor ("bucket<b>.exp_avg", "bucket<b>.exp_avg_sq",
   // "bucket<b>.momentum_buffer", ...; the padding included), and
   // "zero.layout" (int64: the world size, the optimizer kind, the steps
-  // taken, the bucket count, then each bucket's elements without and with
-  // padding), from which a load at another world size reshards. Before the
+  // taken, the bucket count, the two bucket caps in bytes, then each bucket's
+  // elements without and with padding), from which a load at another world
+  // size reshards. Before the
   // first step only the layout.
   std::vector<NamedTensor> state_shard();
   // Loads what state_shard() saved at any world size, resharding it to this
@@ -138,14 +141,22 @@ class COHORT_API ZeroOptimizer {
   // does not fit this model and these options (another model, bucket_cap_mb
   // or optimizer), naming what differs.
   void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
+  // A plain optimizer's state, as optimizer_state() saves it (LibTorch's SGD,
+  // Adam or AdamW over this module's trainable parameters in registration
+  // order, one param group: what DDP or one process checkpoints), cut into
+  // this rank's shard. Not collective. Throws InvalidArgument, changing
+  // nothing, when it does not fit.
+  void load_full_state(const std::vector<NamedTensor>& full);
   ZeroStage stage() const { return opts_.stage; }
   DistributedDataParallel& ddp() { return *ddp_; }
 
   struct State;  // shared with the reduce-scatter hook
 
  private:
-  void gather_grads_into_buckets();
+  void point_grads_at_buckets(bool keep_values);
   void reduce_for_step();
+  void run_all(std::vector<WorkPtr> works);
+  void check_usable() const;
   std::vector<::torch::Tensor> shard_grads() const;
 
   std::shared_ptr<::torch::nn::Module> module_;
@@ -156,7 +167,20 @@ class COHORT_API ZeroOptimizer {
   std::unique_ptr<::torch::optim::Optimizer> optimizer_;
   // ZeRO-1: the reducer stays in no_sync (backward only accumulates).
   std::unique_ptr<ddp::NoSyncGuard> accumulate_only_;
-  bool reduced_ = false;  // ZeRO-1: step()'s reduce-scatter already ran for these gradients
+  bool reduced_ = false;  // ZeRO-1: step()'s reduce-scatter already ran for these gradients ...
+  size_t marks_at_reduce_ = 0;  // ... after this many marks of the (always no_sync) reducer
+  bool stepped_ = false;  // step() ran since zero_grad()
+  bool failed_ = false;   // a collective failed: the buffers it may still write into are leaked
 };
+
+// The other way round: the optimizer state a ZeroOptimizer over `module`
+// saved (state_shard() of every rank of the saving run, read(k) returning
+// rank k's), in optimizer_state()'s per-parameter naming, for
+// load_optimizer_state into LibTorch's optimizer of the same kind over the
+// module's trainable parameters (one param group): plain DDP or one process
+// resuming a sharded checkpoint. Reads every rank's part. Throws
+// InvalidArgument when the layout does not fit the module.
+COHORT_API std::vector<NamedTensor> zero_state_to_full(const ::torch::nn::Module& module,
+                                                       const std::function<std::vector<NamedTensor>(int rank)>& read);
 
 }  // namespace cohort::torch

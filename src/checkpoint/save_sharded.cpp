@@ -90,7 +90,7 @@ std::string save_checkpoint_sharded(ProcessGroup& group, const std::string& dir_
     dir = checked_dir(dir_arg, step, options.keep_last, kWho);
     if (lead) check_manifest(manifest);
     headers = checked_headers(files, kWho);
-  } catch (const InvalidArgument& e) {
+  } catch (const std::exception& e) {  // anything (bad_alloc too): every rank must hear of it, or they would wait
     error = e.what();
   }
   throw_if_any<InvalidArgument>(group, error);

@@ -541,6 +541,11 @@ bool Reducer::in_no_sync() const {
   return impl_->no_sync_depth > 0;
 }
 
+size_t Reducer::no_sync_marks() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->no_sync_marks;
+}
+
 void Reducer::leave_no_sync() {
   std::lock_guard<std::mutex> g(impl_->mu);
   --impl_->no_sync_depth;

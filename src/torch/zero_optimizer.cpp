@@ -20,9 +20,13 @@
 //     reduce-scatters every bucket once, in step().
 #include "cohort/torch_zero.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <mutex>
 #include <cstring>
+#include <optional>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -35,30 +39,18 @@ namespace {
 // The shard optimizers: LibTorch's classes (their options, state and
 // checkpoint format) with the fused step, so that GradScaler::step, which
 // calls optimizer.step(), takes it too.
-class ShardSgd final : public ::torch::optim::SGD {
+template <class Base, void (*Fused)(Base&)>
+class Shard final : public Base {
  public:
-  using SGD::SGD;
-  ::torch::Tensor step(LossClosure) override {
-    sgd_step(*this);
+  using Base::Base;
+  ::torch::Tensor step(typename Base::LossClosure) override {
+    Fused(*this);
     return {};
   }
 };
-class ShardAdam final : public ::torch::optim::Adam {
- public:
-  using Adam::Adam;
-  ::torch::Tensor step(LossClosure) override {
-    adam_step(*this);
-    return {};
-  }
-};
-class ShardAdamW final : public ::torch::optim::AdamW {
- public:
-  using AdamW::AdamW;
-  ::torch::Tensor step(LossClosure) override {
-    adamw_step(*this);
-    return {};
-  }
-};
+using ShardSgd = Shard<::torch::optim::SGD, sgd_step>;
+using ShardAdam = Shard<::torch::optim::Adam, adam_step>;
+using ShardAdamW = Shard<::torch::optim::AdamW, adamw_step>;
 
 size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
@@ -90,8 +82,21 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
   std::vector<Bucket> buckets;
   std::shared_ptr<std::byte[]> params;      // also owned by every parameter's storage
   std::shared_ptr<std::byte[]> grad_shard;  // ZeRO-2
-  std::atomic<bool> synced{false};   // ZeRO-2: a bucket was reduced since zero_grad()
-  std::atomic<bool> local{false};    // a backward under no_sync() left local gradients in the buckets
+  std::atomic<bool> synced{false};      // ZeRO-2: a bucket was reduced since zero_grad() ...
+  std::atomic<bool> after_step{false};  // ... or since the last step()
+  // Every collective issued on these buffers (the hook's, step()'s), so that
+  // none is left writing into them when they are freed.
+  std::mutex works_mu;
+  std::vector<WorkPtr> works;
+  void issued(WorkPtr w) {
+    std::lock_guard<std::mutex> g(works_mu);
+    std::erase_if(works, [](const WorkPtr& x) { return x->is_completed(); });
+    works.push_back(std::move(w));
+  }
+  bool any_running() {
+    std::lock_guard<std::mutex> g(works_mu);
+    return std::any_of(works.begin(), works.end(), [](const WorkPtr& x) { return !x->is_completed(); });
+  }
 
   Buffer mine(std::byte* bucket_data, const Bucket& b) const {
     return Buffer{bucket_data + static_cast<size_t>(rank) * b.chunk * dtype_size(b.dtype), b.chunk, b.dtype};
@@ -111,17 +116,17 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     }
     std::memset(k.grad, 0, k.count * dtype_size(k.dtype));
     synced = true;
-    local = false;
+    after_step = true;
   }
 };
 
 namespace {
-// Every bucket of parameters, in place: rank r's chunk to every rank.
-void allgather_params(ProcessGroup& group, const ZeroOptimizer::State& st) {
+// Every bucket of parameters, in place: rank r's chunk to every rank (started, not waited for).
+std::vector<WorkPtr> allgather_params(ProcessGroup& group, const ZeroOptimizer::State& st) {
   std::vector<WorkPtr> works;
   for (const auto& k : st.buckets)
     if (k.count > 0) works.push_back(group.allgather(st.mine(k.param, k), Buffer{k.param, k.count, k.dtype}));
-  for (auto& w : works) w->wait();
+  return works;
 }
 }  // namespace
 
@@ -172,6 +177,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
       // itself; a later one (synced micro-batches) in place, added in take().
       const Buffer into = k.fresh ? Buffer{k.grad_shard, k.chunk, k.dtype} : s->mine(static_cast<std::byte*>(all.data), k);
       WorkPtr work = bucket.group().reduce_scatter(all, into, {.op = ReduceOp::Avg, .timeout = bucket.timeout()});
+      s->issued(work);
       return {std::move(work), [s, b = bucket.index(), into] { s->take(b, into); }};
     };
   }
@@ -242,36 +248,68 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
+  if (failed_ || state_->any_running()) {
+    // A collective may still write into the buckets, the gradient shard or
+    // the parameters (after a failed step or backward): never free them
+    // under it. Leaked, as the reducer leaks its own buckets then.
+    (void)new std::shared_ptr<State>(state_);
+    (void)accumulate_only_.release();
+    (void)ddp_.release();
+    return;
+  }
   accumulate_only_.reset();
   optimizer_.reset();
   ddp_.reset();  // leaves .grad as copies of the buckets
 }
 
-void ZeroOptimizer::pre_forward() { ddp_->pre_forward(); }
+void ZeroOptimizer::check_usable() const {
+  if (failed_)
+    throw Error("ZeroOptimizer: a collective of an earlier step failed, so the ranks no longer agree on the "
+                "parameters; this optimizer can no longer be used (restart from a checkpoint)");
+}
+
+// Waits for every collective in `works`; if one fails, the others may still
+// run, so the buffers are kept for good (the destructor leaks them).
+void ZeroOptimizer::run_all(std::vector<WorkPtr> works) {
+  for (const auto& w : works) state_->issued(w);
+  try {
+    for (const auto& w : works) w->wait();
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+}
+
+void ZeroOptimizer::pre_forward() {
+  check_usable();
+  ddp_->pre_forward();
+}
 
 ddp::NoSyncGuard ZeroOptimizer::no_sync() {
-  state_->local = true;
+  check_usable();
   return ddp_->no_sync();
 }
 
 void ZeroOptimizer::zero_grad() {
+  check_usable();
   State& st = *state_;
   // ZeRO-2 clears each bucket once it is reduced: only local (no_sync)
   // accumulation can be left in them. ZeRO-1 accumulates there always.
-  if (opts_.stage == ZeroStage::One || st.local.load()) {
+  if (opts_.stage == ZeroStage::One || ddp_->reducer().no_sync_marks() > 0)
     for (auto& k : st.buckets) std::memset(k.grad, 0, k.count * dtype_size(k.dtype));
-    st.local = false;
-  }
   for (auto& k : st.buckets) k.fresh = true;
   st.synced = false;
+  st.after_step = false;
   reduced_ = false;
-  gather_grads_into_buckets();  // .grad set to none by the user: back to the bucket views (zeros)
+  stepped_ = false;
+  point_grads_at_buckets(false);  // .grad set to none by the user: back to the bucket views (zeros)
 }
 
-// .grad of every parameter as a view of its bucket slot again: a gradient
-// backward made fresh (after the user set .grad to none) is copied in, a
-// missing one counts as zeros.
-void ZeroOptimizer::gather_grads_into_buckets() {
+// .grad of every parameter as a view of its bucket slot again. keep_values:
+// a gradient backward made fresh (after the user set .grad to none) is
+// copied in, a missing one counts as zeros; otherwise the slots stay as they
+// are (zero_grad cleared them).
+void ZeroOptimizer::point_grads_at_buckets(bool keep_values) {
   ::torch::NoGradGuard no_grad;
   ddp::Reducer& reducer = ddp_->reducer();
   size_t i = 0;
@@ -282,8 +320,8 @@ void ZeroOptimizer::gather_grads_into_buckets() {
     auto& g = p.mutable_grad();
     if (p.numel() > 0 && (!g.defined() || g.data_ptr() != slot)) {
       auto view = ::torch::from_blob(slot, p.sizes(), p.options());
-      if (g.defined()) view.copy_(g);
-      else view.zero_();
+      if (keep_values && g.defined()) view.copy_(g);
+      else if (keep_values) view.zero_();
       g = view;
       reducer.set_grad(i, slot);
     }
@@ -292,23 +330,35 @@ void ZeroOptimizer::gather_grads_into_buckets() {
 }
 
 void ZeroOptimizer::reduce_for_step() {
+  check_usable();
   State& st = *state_;
+  const size_t marks = ddp_->reducer().no_sync_marks();
+  constexpr const char* kAfterReduce =
+      "ZeroOptimizer: a backward ran after this step's gradients were reduced (by clip_grad_norm, unscale or step) and "
+      "before zero_grad(); its gradients would be lost or counted twice. HINT: call opt.zero_grad() (not the module's) "
+      "before the first backward of each step";
   if (opts_.stage == ZeroStage::Two) {
-    if (st.local.load() && !st.synced.load())
-      throw InvalidArgument("ZeroOptimizer: every backward since zero_grad() ran under no_sync(), so no gradient was "
+    if (marks > 0)
+      throw InvalidArgument("ZeroOptimizer: the last backward ran under no_sync(), so its gradients were never "
                             "reduced; HINT: run the last micro-batch's backward outside no_sync()");
+    if (stepped_ && st.after_step.load()) throw InvalidArgument(kAfterReduce);
     for (auto& k : st.buckets)  // a bucket no backward reduced (no gradients at all): zeros
       if (k.fresh && k.chunk > 0) std::memset(k.grad_shard, 0, k.chunk * dtype_size(k.dtype));
     return;
   }
-  if (reduced_) return;
-  gather_grads_into_buckets();
+  // ZeRO-1: the reducer stays in no_sync, so its marks count every backward.
+  if (reduced_) {
+    if (marks != marks_at_reduce_) throw InvalidArgument(kAfterReduce);
+    return;
+  }
+  point_grads_at_buckets(true);
   std::vector<WorkPtr> works;
   for (auto& k : st.buckets)
     if (k.count > 0)
       works.push_back(group_->reduce_scatter(Buffer{k.grad, k.count, k.dtype}, st.mine(k.grad, k), {.op = ReduceOp::Avg}));
-  for (auto& w : works) w->wait();
+  run_all(std::move(works));
   reduced_ = true;
+  marks_at_reduce_ = marks;
 }
 
 std::vector<::torch::Tensor> ZeroOptimizer::shard_grads() const {
@@ -318,6 +368,7 @@ std::vector<::torch::Tensor> ZeroOptimizer::shard_grads() const {
 }
 
 double ZeroOptimizer::clip_grad_norm(double max_norm) {
+  check_usable();
   if (!(max_norm > 0) || !std::isfinite(max_norm))
     throw InvalidArgument(fmt::format("ZeroOptimizer::clip_grad_norm: max_norm must be a finite number > 0 (got {})",
                                       max_norm));
@@ -340,13 +391,17 @@ bool ZeroOptimizer::unscale(GradScaler& scaler) {
 void ZeroOptimizer::step() {
   reduce_for_step();
   optimizer_->step();
-  allgather_params(*group_, *state_);
+  run_all(allgather_params(*group_, *state_));
+  stepped_ = true;
+  state_->after_step = false;
 }
 
 bool ZeroOptimizer::step(GradScaler& scaler) {
   reduce_for_step();
   const bool stepped = scaler.step(*optimizer_, group_.get());  // the same decision on every rank
-  if (stepped) allgather_params(*group_, *state_);
+  if (stepped) run_all(allgather_params(*group_, *state_));
+  stepped_ = true;
+  state_->after_step = false;
   return stepped;
 }
 
@@ -428,66 +483,129 @@ std::unique_ptr<::torch::optim::OptimizerParamState> adam_like(const ShardState&
   return out;
 }
 
+// The saving run's files by rank, read once each, by tensor name.
+class ShardFiles {
+ public:
+  explicit ShardFiles(const std::function<std::vector<NamedTensor>(int rank)>& read) : read_(read) {}
+  const std::map<std::string, const NamedTensor*>& get(int rank) {
+    if (!by_name_.contains(rank)) {
+      files_[rank] = read_(rank);
+      for (const auto& t : files_[rank]) by_name_[rank][t.name] = &t;
+    }
+    return by_name_[rank];
+  }
+  // Rank `rank`'s tensor `name` as a 1-D tensor of `count` elements of `type`; InvalidArgument otherwise.
+  ::torch::Tensor chunk(int rank, const std::string& name, int64_t count, ::torch::ScalarType type, const char* who) {
+    const auto& theirs = get(rank);
+    const auto found = theirs.find(name);
+    if (found == theirs.end())
+      throw InvalidArgument(fmt::format("{}: rank {}'s shard lacks \"{}\", which rank 0's has: the checkpoint is "
+                                        "incomplete or mixed from two runs",
+                                        who, rank, name));
+    ::torch::Tensor t = from_named(*found->second);
+    if (t.numel() != count || t.scalar_type() != type)
+      throw InvalidArgument(fmt::format("{}: \"{}\" of rank {} has {} elements of {}; the layout says {} of {}", who,
+                                        name, rank, t.numel(), c10::toString(t.scalar_type()), count,
+                                        c10::toString(type)));
+    return t.reshape({count});
+  }
+
+ private:
+  const std::function<std::vector<NamedTensor>(int rank)>& read_;
+  std::map<int, std::vector<NamedTensor>> files_;
+  std::map<int, std::map<std::string, const NamedTensor*>> by_name_;
+};
+
+// "zero.layout": int64 [world, kind, steps, buckets, cap bytes, first cap
+// bytes, then per bucket: elements without padding, with padding].
+struct Layout {
+  int world = 1;
+  Kind kind = kSgd;
+  int64_t steps = 0;
+  size_t cap_bytes = 0, first_cap_bytes = 0;
+  std::vector<std::pair<size_t, size_t>> buckets;  // (used, count)
+
+  std::vector<int64_t> encode() const {
+    std::vector<int64_t> v{world, kind, steps, static_cast<int64_t>(buckets.size()), static_cast<int64_t>(cap_bytes),
+                           static_cast<int64_t>(first_cap_bytes)};
+    for (const auto& [used, count] : buckets) {
+      v.push_back(static_cast<int64_t>(used));
+      v.push_back(static_cast<int64_t>(count));
+    }
+    return v;
+  }
+  static Layout decode(const std::map<std::string, const NamedTensor*>& rank0, const char* who) {
+    const auto it = rank0.find("zero.layout");
+    if (it == rank0.end() || it->second->dtype != DType::I64)
+      throw InvalidArgument(fmt::format("{}: rank 0's shard has no int64 \"zero.layout\": it was not written by "
+                                        "ZeroOptimizer::state_shard()",
+                                        who));
+    std::vector<int64_t> v(it->second->numel());
+    std::memcpy(v.data(), it->second->bytes.data(), v.size() * sizeof(int64_t));
+    if (v.size() < 6 || v[0] < 1 || v[1] < 0 || v[1] > 2 || v[3] < 0 || static_cast<size_t>(v[3]) * 2 + 6 != v.size())
+      throw InvalidArgument(fmt::format("{}: \"zero.layout\" is malformed ({} values)", who, v.size()));
+    Layout l{.world = static_cast<int>(v[0]), .kind = static_cast<Kind>(v[1]), .steps = v[2],
+             .cap_bytes = static_cast<size_t>(v[4]), .first_cap_bytes = static_cast<size_t>(v[5]), .buckets = {}};
+    for (size_t b = 0; b < static_cast<size_t>(v[3]); ++b) {
+      const size_t used = static_cast<size_t>(v[6 + 2 * b]), count = static_cast<size_t>(v[7 + 2 * b]);
+      if (count % static_cast<size_t>(l.world) != 0 || used > count)
+        throw InvalidArgument(fmt::format("{}: \"zero.layout\" bucket {} has {} elements of {} padded, not a "
+                                          "multiple of the world size {}",
+                                          who, b, used, count, l.world));
+      l.buckets.emplace_back(used, count);
+    }
+    return l;
+  }
+};
+
+// As the reducer turns bucket_cap_mb into bytes (reducer.cpp), so that a plan rebuilt from them is its plan.
+size_t mib_bytes(double mib) { return static_cast<size_t>(mib * 1024 * 1024); }
+
 }  // namespace
 
 std::vector<NamedTensor> ZeroOptimizer::state_shard() {
   const State& st = *state_;
   const auto& shard = optimizer_->param_groups().at(0).params();
   std::vector<NamedTensor> out;
-  std::vector<int64_t> layout{st.n, kind_of(*optimizer_), 0, static_cast<int64_t>(st.buckets.size())};
+  Layout layout{.world = st.n, .kind = kind_of(*optimizer_), .steps = 0, .cap_bytes = mib_bytes(opts_.bucket_cap_mb),
+                .first_cap_bytes = mib_bytes(opts_.first_bucket_mb), .buckets = {}};
   size_t next = 0;  // shard parameters exist for the buckets with elements, in bucket order
   for (size_t b = 0; b < st.buckets.size(); ++b) {
     const State::Bucket& k = st.buckets[b];
-    layout.push_back(static_cast<int64_t>(k.used));
-    layout.push_back(static_cast<int64_t>(k.count));
+    layout.buckets.emplace_back(k.used, k.count);
     if (k.chunk == 0) continue;
     const ShardState s = state_of(*optimizer_, shard.at(next++));
-    layout[2] = std::max(layout[2], s.step);
+    layout.steps = std::max(layout.steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("bucket{}.{}", b, field), t));
   }
-  out.push_back(make_tensor("zero.layout", {static_cast<int64_t>(layout.size())}, layout));
+  const std::vector<int64_t> v = layout.encode();
+  out.push_back(make_tensor("zero.layout", {static_cast<int64_t>(v.size())}, v));
   return out;
 }
 
 void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read) {
   const State& st = *state_;
-  std::map<int, std::map<std::string, const NamedTensor*>> by_rank;
-  std::map<int, std::vector<NamedTensor>> files;
-  const auto get = [&](int r) -> const std::map<std::string, const NamedTensor*>& {
-    if (!by_rank.contains(r)) {
-      files[r] = read(r);
-      for (const auto& t : files[r]) by_rank[r][t.name] = &t;
-    }
-    return by_rank[r];
-  };
   constexpr const char* kWho = "ZeroOptimizer::load_state_shards";
-  const auto& first = get(0);
-  const auto lay_it = first.find("zero.layout");
-  if (lay_it == first.end() || lay_it->second->dtype != DType::I64)
-    throw InvalidArgument(fmt::format("{}: rank 0's shard has no int64 \"zero.layout\": it was not written by "
-                                      "ZeroOptimizer::state_shard()",
-                                      kWho));
-  std::vector<int64_t> lay(lay_it->second->numel());
-  std::memcpy(lay.data(), lay_it->second->bytes.data(), lay.size() * sizeof(int64_t));
-  if (lay.size() < 4 || lay[0] < 1 || static_cast<size_t>(lay[3]) * 2 + 4 != lay.size())
-    throw InvalidArgument(fmt::format("{}: \"zero.layout\" is malformed ({} values)", kWho, lay.size()));
-  const int old_n = static_cast<int>(lay[0]);
+  ShardFiles files(read);
+  const auto& first = files.get(0);
+  const Layout lay = Layout::decode(first, kWho);
+  const int old_n = lay.world;
   const Kind kind = kind_of(*optimizer_);
-  if (lay[1] != kind)
+  if (lay.kind != kind)
     throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state, this optimizer is {}; HINT: resume with the "
                                       "optimizer it was written with",
-                                      kWho, lay[1] >= 0 && lay[1] <= 2 ? kKindNames[lay[1]] : "unknown", kKindNames[kind]));
-  if (static_cast<size_t>(lay[3]) != st.buckets.size())
+                                      kWho, kKindNames[lay.kind], kKindNames[kind]));
+  if (lay.buckets.size() != st.buckets.size())
     throw InvalidArgument(fmt::format("{}: the checkpoint's shard layout has {} buckets, this model has {}: another "
                                       "model or another bucket_cap_mb / first_bucket_mb; HINT: resume with the same "
                                       "model and bucket sizes",
-                                      kWho, lay[3], st.buckets.size()));
+                                      kWho, lay.buckets.size(), st.buckets.size()));
   for (size_t b = 0; b < st.buckets.size(); ++b)
-    if (static_cast<size_t>(lay[4 + 2 * b]) != st.buckets[b].used || lay[5 + 2 * b] % old_n != 0)
+    if (lay.buckets[b].first != st.buckets[b].used)
       throw InvalidArgument(fmt::format("{}: bucket {} holds {} elements in the checkpoint and {} in this model: another "
                                         "model or another bucket_cap_mb / first_bucket_mb; HINT: resume with the same "
                                         "model and bucket sizes",
-                                        kWho, b, lay[4 + 2 * b], st.buckets[b].used));
+                                        kWho, b, lay.buckets[b].first, st.buckets[b].used));
 
   // Every new tensor is built before any is installed: a failure changes nothing.
   const auto& shard = optimizer_->param_groups().at(0).params();
@@ -496,8 +614,8 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
   for (size_t b = 0; b < st.buckets.size(); ++b) {
     const State::Bucket& k = st.buckets[b];
     if (k.chunk == 0) continue;
-    const int64_t old_chunk = lay[5 + 2 * b] / old_n;
-    ShardState s{.fields = {}, .step = lay[2]};
+    const int64_t old_chunk = static_cast<int64_t>(lay.buckets[b].second) / old_n;
+    ShardState s{.fields = {}, .step = lay.steps};
     const std::string prefix = fmt::format("bucket{}.", b);
     for (const auto& [name, t] : first) {
       if (name.rfind(prefix, 0) != 0) continue;
@@ -509,17 +627,7 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
       for (int64_t at = lo; at < hi;) {
         const int q = static_cast<int>(at / old_chunk);
         const int64_t end = std::min<int64_t>(hi, (q + 1) * old_chunk);
-        const auto& theirs = get(q);
-        const auto found = theirs.find(name);
-        if (found == theirs.end())
-          throw InvalidArgument(fmt::format("{}: rank {}'s shard lacks \"{}\", which rank 0's has: the checkpoint is "
-                                            "incomplete or mixed from two runs",
-                                            kWho, q, name));
-        const ::torch::Tensor old = from_named(*found->second);
-        if (old.numel() != old_chunk || old.scalar_type() != k.type)
-          throw InvalidArgument(fmt::format("{}: \"{}\" of rank {} has {} elements of {}; the layout says {} of {}",
-                                            kWho, name, q, old.numel(), c10::toString(old.scalar_type()), old_chunk,
-                                            c10::toString(k.type)));
+        const ::torch::Tensor old = files.chunk(q, name, old_chunk, k.type, kWho);
         fresh.narrow(0, at - lo, end - at).copy_(old.narrow(0, at - q * old_chunk, end - at));
         at = end;
       }
@@ -543,6 +651,130 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
       slot = adam_like<::torch::optim::AdamWParamState>(s);
     }
   }
+}
+
+namespace {
+
+// The module's trainable parameters, in registration order (DDP's and ZeRO's order).
+std::vector<::torch::Tensor> trainable_of(const ::torch::nn::Module& module) {
+  std::vector<::torch::Tensor> out;
+  for (const auto& p : module.parameters(true))
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
+// "group0.param<k>.<field>" -> (k, field); nullopt for other names ("group0.lr").
+std::optional<std::pair<size_t, std::string>> param_field(const std::string& name, const char* who) {
+  if (name.rfind("group", 0) != 0) return std::nullopt;
+  if (name.rfind("group0.", 0) != 0)
+    throw InvalidArgument(fmt::format("{}: \"{}\" belongs to a second param group; ZeroOptimizer has one", who, name));
+  constexpr std::string_view kParam = "group0.param";
+  if (name.rfind(kParam, 0) != 0) return std::nullopt;
+  const size_t dot = name.find('.', kParam.size());
+  if (dot == std::string::npos) return std::nullopt;
+  return std::pair{static_cast<size_t>(std::stoul(name.substr(kParam.size(), dot - kParam.size()))), name.substr(dot + 1)};
+}
+
+}  // namespace
+
+void ZeroOptimizer::load_full_state(const std::vector<NamedTensor>& full) {
+  constexpr const char* kWho = "ZeroOptimizer::load_full_state";
+  const State& st = *state_;
+  const ddp::BucketPlan& plan = ddp_->reducer().plan();
+  const std::vector<::torch::Tensor> params = trainable_of(*module_);
+  std::map<size_t, std::map<std::string, const NamedTensor*>> by_param;
+  int64_t steps = 0;
+  bool sgd_state = false, adam_state = false;
+  for (const auto& t : full) {
+    const auto pf = param_field(t.name, kWho);
+    if (!pf) continue;
+    if (pf->first >= params.size())
+      throw InvalidArgument(fmt::format("{}: \"{}\" is for parameter {}, but the module has {} trainable ones: "
+                                        "another model",
+                                        kWho, t.name, pf->first, params.size()));
+    if (pf->second == "step") {
+      steps = std::max(steps, from_named(t).item<int64_t>());
+      continue;
+    }
+    sgd_state |= pf->second == "momentum_buffer";
+    adam_state |= pf->second == "exp_avg";
+    by_param[pf->first][pf->second] = &t;
+  }
+  const Kind kind = kind_of(*optimizer_);
+  if ((kind == kSgd && adam_state) || (kind != kSgd && sgd_state))
+    throw InvalidArgument(fmt::format("{}: the state is {}'s, this optimizer is {}; HINT: resume with the optimizer it "
+                                      "was written with",
+                                      kWho, sgd_state ? "SGD" : "Adam/AdamW", kKindNames[kind]));
+  // One shard of a world of 1 (no padding), which load_state_shards cuts to this world.
+  Layout layout{.world = 1, .kind = kind, .steps = steps, .cap_bytes = mib_bytes(opts_.bucket_cap_mb),
+                .first_cap_bytes = mib_bytes(opts_.first_bucket_mb), .buckets = {}};
+  std::vector<NamedTensor> shard;
+  for (size_t b = 0; b < plan.size(); ++b) {
+    const State::Bucket& k = st.buckets[b];
+    layout.buckets.emplace_back(k.used, k.used);
+    std::map<std::string, ::torch::Tensor> fields;
+    for (size_t j = 0; j < plan[b].params.size(); ++j) {
+      const size_t i = plan[b].params[j];
+      const auto found = by_param.find(i);
+      if (found == by_param.end()) continue;  // not stepped yet: zeros
+      for (const auto& [field, t] : found->second) {
+        auto& flat = fields[field];
+        if (!flat.defined()) flat = ::torch::zeros({static_cast<int64_t>(k.used)}, ::torch::TensorOptions().dtype(k.type));
+        const ::torch::Tensor v = from_named(*t);
+        if (v.numel() != params[i].numel() || v.scalar_type() != k.type)
+          throw InvalidArgument(fmt::format("{}: \"{}\" has {} elements of {}, its parameter {} of {}: another model",
+                                            kWho, t->name, v.numel(), c10::toString(v.scalar_type()),
+                                            params[i].numel(), c10::toString(k.type)));
+        flat.narrow(0, static_cast<int64_t>(plan[b].offsets[j]), v.numel()).copy_(v.reshape({-1}));
+      }
+    }
+    for (const auto& [field, flat] : fields) shard.push_back(to_named(fmt::format("bucket{}.{}", b, field), flat));
+  }
+  const std::vector<int64_t> v = layout.encode();
+  shard.push_back(make_tensor("zero.layout", {static_cast<int64_t>(v.size())}, v));
+  load_state_shards([&](int) { return shard; });
+}
+
+std::vector<NamedTensor> zero_state_to_full(const ::torch::nn::Module& module,
+                                            const std::function<std::vector<NamedTensor>(int rank)>& read) {
+  constexpr const char* kWho = "zero_state_to_full";
+  ShardFiles files(read);
+  const auto& first = files.get(0);
+  const Layout lay = Layout::decode(first, kWho);
+  const std::vector<::torch::Tensor> params = trainable_of(module);
+  std::vector<ddp::ParamSpec> specs;
+  for (const auto& p : params) specs.push_back({"", static_cast<size_t>(p.numel()), to_dtype(p.scalar_type())});
+  const ddp::BucketPlan plan = ddp::plan_buckets(
+      specs, {.cap_bytes = lay.cap_bytes, .first_cap_bytes = lay.first_cap_bytes, .count_multiple = static_cast<size_t>(lay.world)});
+  if (plan.size() != lay.buckets.size())
+    throw InvalidArgument(fmt::format("{}: the shards hold {} buckets, this module's parameters make {}: another model",
+                                      kWho, lay.buckets.size(), plan.size()));
+  std::vector<NamedTensor> out;
+  std::vector<bool> stepped(params.size(), false);
+  for (size_t b = 0; b < plan.size(); ++b) {
+    if (plan[b].count != lay.buckets[b].second)
+      throw InvalidArgument(fmt::format("{}: bucket {} holds {} elements in the shards, {} for this module: another model",
+                                        kWho, b, lay.buckets[b].second, plan[b].count));
+    const int64_t chunk = static_cast<int64_t>(plan[b].count) / lay.world;
+    const std::string prefix = fmt::format("bucket{}.", b);
+    for (const auto& [name, t] : first) {
+      if (name.rfind(prefix, 0) != 0 || chunk == 0) continue;
+      const ::torch::ScalarType type = from_named(*t).scalar_type();
+      std::vector<::torch::Tensor> parts;
+      for (int q = 0; q < lay.world; ++q) parts.push_back(files.chunk(q, name, chunk, type, kWho));
+      const ::torch::Tensor whole = ::torch::cat(parts);
+      for (size_t j = 0; j < plan[b].params.size(); ++j) {
+        const size_t i = plan[b].params[j];
+        const auto v = whole.narrow(0, static_cast<int64_t>(plan[b].offsets[j]), params[i].numel()).view(params[i].sizes());
+        out.push_back(to_named(fmt::format("group0.param{}.{}", i, name.substr(prefix.size())), v));
+        stepped[i] = true;
+      }
+    }
+  }
+  if (lay.kind != kSgd)
+    for (size_t i = 0; i < params.size(); ++i)
+      if (stepped[i]) out.push_back(to_named(fmt::format("group0.param{}.step", i), ::torch::tensor(lay.steps, ::torch::kLong)));
+  return out;
 }
 
 }  // namespace cohort::torch

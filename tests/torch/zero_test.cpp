@@ -266,6 +266,30 @@ void zero_steps(ZeroOptimizer& opt, Net& net, const cohort::ProcessGroup& pg, in
   }
 }
 
+// A ZeRO run at `world` ranks (float64): 5 steps, the state saved (every
+// rank's shard, rank 0's module), 5 more steps; `want` is rank 0's parameters at the end.
+struct SavedRun {
+  std::vector<std::vector<cohort::NamedTensor>> shards;
+  std::vector<cohort::NamedTensor> model_state;
+  std::vector<torch::Tensor> want;
+};
+SavedRun save_mid_run(int world, ZeroStage stage, const cohort::torch::ShardOptimizerOptions& optim) {
+  SavedRun r;
+  r.shards.resize(world);
+  run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    Net net;
+    net->to(torch::kDouble);
+    ZeroOptimizer opt(net.ptr(), borrowed(pg), optim, small_buckets(stage));
+    zero_steps(opt, net, pg, 0, 5);
+    r.shards[pg.rank()] = opt.state_shard();
+    if (pg.rank() == 0) r.model_state = cohort::torch::module_state(*net);
+    zero_steps(opt, net, pg, 5, 10);
+    if (pg.rank() == 0) r.want = params_of(*net);
+  });
+  return r;
+}
+
 // State saved at world 4 after 5 steps, loaded at worlds 4, 3, 2 and 1 (each
 // a different padding and chunking), continues exactly as the run that
 // never stopped; for both stages and SGD with momentum as well as AdamW.
@@ -275,20 +299,7 @@ TEST(ZeroCheckpoint, StateSavedAtWorld4ReshardsToAnyWorld) {
       const cohort::torch::ShardOptimizerOptions optim =
           sgd ? cohort::torch::ShardOptimizerOptions(torch::optim::SGDOptions(0.05).momentum(0.9))
               : cohort::torch::ShardOptimizerOptions(adamw());
-      std::vector<std::vector<cohort::NamedTensor>> shards(4);
-      std::vector<cohort::NamedTensor> model_state;
-      std::vector<torch::Tensor> want;
-      run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
-        torch::set_num_threads(1);
-        Net net;
-        net->to(torch::kDouble);
-        ZeroOptimizer opt(net.ptr(), borrowed(pg), optim, small_buckets(stage));
-        zero_steps(opt, net, pg, 0, 5);
-        shards[pg.rank()] = opt.state_shard();
-        if (pg.rank() == 0) model_state = cohort::torch::module_state(*net);
-        zero_steps(opt, net, pg, 5, 10);
-        if (pg.rank() == 0) want = params_of(*net);
-      });
+      const auto [shards, model_state, want] = save_mid_run(4, stage, optim);
       for (int world : {4, 3, 2, 1}) {
         std::vector<std::vector<torch::Tensor>> got(world);
         run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
@@ -302,7 +313,9 @@ TEST(ZeroCheckpoint, StateSavedAtWorld4ReshardsToAnyWorld) {
             read.insert(k);
             return shards.at(k);
           });
-          if (world == 4) EXPECT_EQ(read, (std::set<int>{0, pg.rank()})) << "a rank reads only what it needs";
+          if (world == 4) {
+            EXPECT_EQ(read, (std::set<int>{0, pg.rank()})) << "a rank reads only what it needs";
+          }
           zero_steps(opt, net, pg, 5, 10);
           got[pg.rank()] = params_of(*net);
         });
@@ -311,6 +324,53 @@ TEST(ZeroCheckpoint, StateSavedAtWorld4ReshardsToAnyWorld) {
               << "ZeRO-" << static_cast<int>(stage) << (sgd ? " SGD" : " AdamW") << " at world " << world << " rank " << r;
       }
     }
+}
+
+// Steps [from, to) of one process on the global batch with LibTorch's AdamW (float64).
+void plain_steps(torch::optim::AdamW& opt, Net& net, int from, int to) {
+  for (int s = from; s < to; ++s) {
+    opt.zero_grad();
+    torch::mse_loss(net->forward(inputs(s * kGlobal, kGlobal).to(torch::kDouble)),
+                    targets(s * kGlobal, kGlobal).to(torch::kDouble))
+        .backward();
+    opt.step();
+  }
+}
+
+// A sharded state (world 3) gathered into LibTorch's AdamW, and LibTorch's
+// state cut into shards (world 2): either continues as the run that wrote it.
+TEST(ZeroCheckpoint, ShardedAndPlainStateLoadIntoEachOther) {
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
+    const auto [shards, model_state, want] = save_mid_run(3, stage, adamw());
+    {
+      Net net;
+      net->to(torch::kDouble);
+      cohort::torch::load_module_state(*net, model_state);
+      torch::optim::AdamW opt(net->parameters(), adamw());
+      cohort::torch::load_optimizer_state(opt, cohort::torch::zero_state_to_full(*net, [&](int k) { return shards.at(k); }));
+      plain_steps(opt, net, 5, 10);
+      EXPECT_LT(rel_error(params_of(*net), want), 1e-9) << "gathered, ZeRO-" << static_cast<int>(stage);
+    }
+    // The other way: one process's LibTorch AdamW state, continued under ZeRO at world 2.
+    Net plain;
+    plain->to(torch::kDouble);
+    torch::optim::AdamW plain_opt(plain->parameters(), adamw());
+    plain_steps(plain_opt, plain, 0, 5);
+    const auto full = cohort::torch::optimizer_state(plain_opt);
+    const auto plain_model = cohort::torch::module_state(*plain);
+    plain_steps(plain_opt, plain, 5, 10);
+    const auto want_plain = params_of(*plain);
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      Net net;
+      net->to(torch::kDouble);
+      cohort::torch::load_module_state(*net, plain_model);
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+      opt.load_full_state(full);
+      zero_steps(opt, net, pg, 5, 10);
+      EXPECT_LT(rel_error(params_of(*net), want_plain), 1e-9) << "cut into shards, ZeRO-" << static_cast<int>(stage);
+    });
+  }
 }
 
 TEST(ZeroCheckpoint, ALayoutThatDoesNotFitIsRefusedAndChangesNothing) {
@@ -382,6 +442,49 @@ TEST(ZeroErrors, BadInputIsNamed) {
     }
     expect_throw([&] { opt.step(); }, "ran under no_sync()");
   });
+}
+
+// Sequences that would lose gradients or count them twice are refused by name.
+TEST(ZeroErrors, GradientsThatWouldBeLostAreRefused) {
+  const auto expect_throw = [](auto&& call, const std::string& words) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one naming: " << words;
+    } catch (const cohort::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two})
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      Net net;
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+      const auto backward = [&] {
+        opt.pre_forward();
+        torch::mse_loss(net->forward(inputs(pg.rank() * 4, 4)), targets(pg.rank() * 4, 4)).backward();
+      };
+      opt.zero_grad();
+      backward();
+      opt.step();
+      backward();  // no zero_grad() in between
+      expect_throw([&] { opt.step(); }, "before zero_grad()");
+      opt.zero_grad();
+      backward();
+      if (stage == ZeroStage::Two) {  // a synced backward, then one under no_sync: the last was never reduced
+        {
+          auto guard = opt.no_sync();
+          backward();
+        }
+        expect_throw([&] { opt.step(); }, "ran under no_sync()");
+        backward();  // synced: reduces what no_sync accumulated too
+      }
+      opt.step();
+      // set to none, a backward that is abandoned, then zero_grad: the gradients are zeros again
+      opt.zero_grad();
+      for (auto& p : net->parameters()) p.mutable_grad().reset();
+      backward();
+      opt.zero_grad();
+      for (auto& p : net->parameters()) EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+    });
 }
 
 // A replica that differs is named by DistributedDataParallel's check, before anything moves.
