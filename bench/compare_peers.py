@@ -8,7 +8,6 @@ Rows of every program have the nccl-tests shape:
   size count type redop [root] time algbw busbw #wrong [in-place columns]
 """
 import argparse
-import datetime
 import os
 import re
 import statistics
@@ -16,6 +15,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import perf_csv  # noqa: E402
 SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
@@ -89,31 +90,22 @@ CSV_HEADER = "measured_utc,coll,np,config,rep,size_bytes,time_us,busbw_gbps,wron
 
 def write_csv(path, results, coll, np):
     """Every rep's raw figures, one line per configuration, rep and size, stamped with the time of writing."""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    with open(path, "w") as f:
-        f.write(CSV_HEADER + "\n")
-        for name, reps in results.items():
-            for rep, rows in enumerate(reps):
-                for size in sorted(rows):
-                    t, bw, wrong = rows[size]
-                    f.write(f"{when},{coll},{np},{name},{rep + 1},{size},{t},{bw},{wrong}\n")
+    when = perf_csv.now_utc()
+    perf_csv.write(path, CSV_HEADER, ([when, coll, np, name, rep + 1, size, *rows[size]]
+                                      for name, reps in results.items() for rep, rows in enumerate(reps)
+                                      for size in sorted(rows)))
 
 
 def read_csv(path):
     """(measured_utc, coll, np, reps, results) as write_csv wrote them."""
     results, when, coll, np, reps = {}, None, None, None, 0
-    with open(path) as f:
-        header = f.readline().strip()
-        if header != CSV_HEADER:
-            raise SystemExit(f"{path}: not a compare_peers CSV (header {header!r}, expected {CSV_HEADER!r})")
-        for line in f:
-            when, c, n, name, rep, size, t, bw, wrong = line.strip().split(",")
-            coll, np, rep = c, int(n), int(rep)
-            reps = max(reps, rep)
-            runs = results.setdefault(name, [])
-            while len(runs) < rep:
-                runs.append({})
-            runs[rep - 1][int(size)] = (float(t), float(bw), wrong)
+    for when, c, n, name, rep, size, t, bw, wrong in perf_csv.rows(path, CSV_HEADER, "compare_peers"):
+        coll, np, rep = c, int(n), int(rep)
+        reps = max(reps, rep)
+        runs = results.setdefault(name, [])
+        while len(runs) < rep:
+            runs.append({})
+        runs[rep - 1][int(size)] = (float(t), float(bw), wrong)
     return when, coll, np, reps, results
 
 

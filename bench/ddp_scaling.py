@@ -20,7 +20,6 @@ pace of the slower rank); lockstep -> sync is what gradient communication
 costs on top of that.
 """
 import argparse
-import datetime
 import os
 import re
 import statistics
@@ -29,6 +28,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import perf_csv  # noqa: E402
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
@@ -122,27 +123,20 @@ CSV_HEADER = "measured_utc,bench,model,who,world,mode,rep,imgs_per_s"
 
 def write_csv(path, res):
     """Every run's images/s, one line per (who, model, world, mode, rep), stamped with the time of writing."""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    with open(path, "w") as f:
-        f.write(CSV_HEADER + "\n")
-        for (who, model, w, mode), vals in sorted(res.items()):
-            for rep, v in enumerate(vals):
-                f.write(f"{when},ddp_scaling,{model},{who},{w},{mode},{rep + 1},{v}\n")
+    when = perf_csv.now_utc()
+    perf_csv.write(path, CSV_HEADER, ([when, "ddp_scaling", model, who, w, mode, rep + 1, v]
+                                      for (who, model, w, mode), vals in sorted(res.items())
+                                      for rep, v in enumerate(vals)))
 
 
 def read_csv(path):
     """(measured_utc, models, whos, reps, res) as write_csv wrote them."""
     res, when, models, whos, reps = {}, None, [], [], 0
-    with open(path) as f:
-        header = f.readline().strip()
-        if header != CSV_HEADER:
-            raise SystemExit(f"{path}: not a ddp_scaling CSV (header {header!r})")
-        for line in f:
-            when, _, model, who, w, mode, rep, v = line.strip().split(",")
-            models += [model] if model not in models else []
-            whos += [who] if who not in whos else []
-            reps = max(reps, int(rep))
-            res.setdefault((who, model, int(w), mode), []).append(None if v == "None" else float(v))
+    for when, _, model, who, w, mode, rep, v in perf_csv.rows(path, CSV_HEADER, "ddp_scaling"):
+        models += [model] if model not in models else []
+        whos += [who] if who not in whos else []
+        reps = max(reps, int(rep))
+        res.setdefault((who, model, int(w), mode), []).append(None if v == "None" else float(v))
     whos.sort(key=lambda w: (w != "cohort", w))
     return when, models, whos, reps, res
 

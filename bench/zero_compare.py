@@ -9,7 +9,6 @@ to docs/performance.md (bench/write_performance.py renders it from --csv).
     bench/zero_compare.sh [--reps 3] [--model mlp] [--steps 120] [--csv docs/perf/zero-np2.csv]
 """
 import argparse
-import datetime
 import os
 import re
 import statistics
@@ -19,6 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ddp_scaling  # noqa: E402  (the same environment, launch and peer install as the DDP benchmark)
+import perf_csv  # noqa: E402
 
 CSV_HEADER = "measured_utc,bench,model,world,who,config,rep,imgs_per_s,peak_rss_mb,optimizer_state_mb"
 # (who, config) in the order of the table's rows; ratios compare each cohort row with the peer row named.
@@ -60,26 +60,18 @@ def peer(python, model, world, steps, config):
 
 
 def write_csv(path, model, world, results):
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    with open(path, "w") as f:
-        f.write(CSV_HEADER + "\n")
-        for (who, config), runs in results.items():
-            for rep, (ips, rss, state) in enumerate(runs):
-                f.write(f"{when},zero_compare,{model},{world},{who},{config},{rep + 1},{ips},{rss},{state}\n")
+    when = perf_csv.now_utc()
+    perf_csv.write(path, CSV_HEADER, ([when, "zero_compare", model, world, who, config, rep + 1, *run]
+                                      for (who, config), runs in results.items() for rep, run in enumerate(runs)))
 
 
 def read_csv(path):
     """(measured_utc, model, world, reps, results) as write_csv wrote them."""
     results, when, model, world, reps = {}, None, None, None, 0
-    with open(path) as f:
-        header = f.readline().strip()
-        if header != CSV_HEADER:
-            raise SystemExit(f"{path}: not a zero_compare CSV (header {header!r})")
-        for line in f:
-            when, _, model, w, who, config, rep, ips, rss, state = line.strip().split(",")
-            world, reps = int(w), max(reps, int(rep))
-            num = lambda v: None if v == "None" else float(v)  # noqa: E731
-            results.setdefault((who, config), []).append((num(ips), num(rss), num(state)))
+    num = lambda v: None if v == "None" else float(v)  # noqa: E731
+    for when, _, model, w, who, config, rep, ips, rss, state in perf_csv.rows(path, CSV_HEADER, "zero_compare"):
+        world, reps = int(w), max(reps, int(rep))
+        results.setdefault((who, config), []).append((num(ips), num(rss), num(state)))
     return when, model, world, reps, results
 
 
