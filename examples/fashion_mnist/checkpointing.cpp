@@ -86,6 +86,11 @@ std::string choose_checkpoint(const std::string& dir, const cohort::LoadOptions&
   return "";
 }
 
+// A run configuration's --shard ("none" for one that predates the flag, or no configuration at all).
+std::string shard_of(const nlohmann::json& config) {
+  return config.is_object() ? config.value("shard", "none") : "none";
+}
+
 // What fixes the data order and the step count, and what the saved state
 // belongs to, must be the same as when the checkpoint was written, or the
 // run would not continue where it stopped: throws InvalidArgument naming the
@@ -110,7 +115,6 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
   differs("model", "--model {}", "--model", "its weights do not fit this model");
   differs("optimizer", "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
   // Sharded (zero1, zero2: the same layout) or whole: either loads into the other (restore).
-  const auto shard_of = [](const nlohmann::json& c) { return c.is_object() ? c.value("shard", "none") : "none"; };
   if (lead && (shard_of(saved) != "none") != (shard_of(now) != "none"))
     std::printf("resume: the checkpoint was written with --shard %s, this run has --shard %s: its optimizer state is %s\n",
                 shard_of(saved).c_str(), shard_of(now).c_str(),
@@ -146,8 +150,7 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, con
   const bool lead = pg.rank() == 0;
   cohort::torch::load_module_state(*model.module, ck.files.at("model"));
   // Sharded optimizer state (--shard) is loaded once the ZeroOptimizer exists (restore_sharded_optimizer).
-  const auto saved = nlohmann::json::parse(ck.manifest.config, nullptr, false);
-  const bool sharded = saved.is_object() && saved.value("shard", "none") != "none";
+  const bool sharded = shard_of(nlohmann::json::parse(ck.manifest.config, nullptr, false)) != "none";
   if (cfg.shard == "none" && sharded) {
     // Written with --shard: every rank's part, gathered into this optimizer's per-parameter state.
     cohort::torch::load_optimizer_state(

@@ -162,6 +162,7 @@ class COHORT_API ZeroOptimizer {
   std::shared_ptr<::torch::nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
   ZeroOptions opts_;
+  std::vector<::torch::Tensor> params_;  // the trainable parameters, in DDP's (registration) order
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::shared_ptr<State> state_;
   std::unique_ptr<::torch::optim::Optimizer> optimizer_;

@@ -52,6 +52,14 @@ using ShardSgd = Shard<::torch::optim::SGD, sgd_step>;
 using ShardAdam = Shard<::torch::optim::Adam, adam_step>;
 using ShardAdamW = Shard<::torch::optim::AdamW, adamw_step>;
 
+// The module's trainable parameters, in registration order (DDP's and ZeRO's order).
+std::vector<::torch::Tensor> trainable_of(const ::torch::nn::Module& module) {
+  std::vector<::torch::Tensor> out;
+  for (const auto& p : module.parameters(true))
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
 size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // A tensor over `data` that keeps `owner` alive.
@@ -199,9 +207,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   if (opts_.stage == ZeroStage::Two) {
     st.grad_shard = std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(shard_total, 1)]());
   }
-  std::vector<::torch::Tensor> trainable;
-  for (auto& item : module_->named_parameters(true))
-    if (item.value().requires_grad()) trainable.push_back(item.value());  // DDP's order
+  params_ = trainable_of(*module_);  // DDP's order: reducer parameter i is params_[i]
 
   ::torch::NoGradGuard no_grad;
   st.buckets.resize(plan.size());
@@ -215,7 +221,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     k.dtype = plan[b].dtype;
     if (st.grad_shard) k.grad_shard = st.grad_shard.get() + shard_at[b];
     for (size_t j = 0; j < plan[b].params.size(); ++j) {
-      ::torch::Tensor& p = trainable.at(plan[b].params[j]);
+      ::torch::Tensor& p = params_.at(plan[b].params[j]);
       k.type = p.scalar_type();
       k.used += static_cast<size_t>(p.numel());
       std::byte* slot = k.param + plan[b].offsets[j] * dtype_size(k.dtype);
@@ -312,10 +318,8 @@ void ZeroOptimizer::zero_grad() {
 void ZeroOptimizer::point_grads_at_buckets(bool keep_values) {
   ::torch::NoGradGuard no_grad;
   ddp::Reducer& reducer = ddp_->reducer();
-  size_t i = 0;
-  for (auto& item : module_->named_parameters(true)) {
-    ::torch::Tensor& p = item.value();
-    if (!p.requires_grad()) continue;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ::torch::Tensor& p = params_[i];
     void* slot = reducer.bucket_slot(i);
     auto& g = p.mutable_grad();
     if (p.numel() > 0 && (!g.defined() || g.data_ptr() != slot)) {
@@ -325,7 +329,6 @@ void ZeroOptimizer::point_grads_at_buckets(bool keep_values) {
       g = view;
       reducer.set_grad(i, slot);
     }
-    ++i;
   }
 }
 
@@ -416,8 +419,7 @@ void ZeroOptimizer::set_lr(double lr) {
 
 ZeroMemory ZeroOptimizer::memory() const {
   ZeroMemory m;
-  for (auto& item : module_->named_parameters(true))
-    if (item.value().requires_grad()) m.params += static_cast<size_t>(item.value().numel());
+  for (const auto& p : params_) m.params += static_cast<size_t>(p.numel());
   for (const auto& k : state_->buckets) {
     m.padded += k.count;
     m.shard += k.chunk;
@@ -655,14 +657,6 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
 
 namespace {
 
-// The module's trainable parameters, in registration order (DDP's and ZeRO's order).
-std::vector<::torch::Tensor> trainable_of(const ::torch::nn::Module& module) {
-  std::vector<::torch::Tensor> out;
-  for (const auto& p : module.parameters(true))
-    if (p.requires_grad()) out.push_back(p);
-  return out;
-}
-
 // "group0.param<k>.<field>" -> (k, field); nullopt for other names ("group0.lr").
 std::optional<std::pair<size_t, std::string>> param_field(const std::string& name, const char* who) {
   if (name.rfind("group", 0) != 0) return std::nullopt;
@@ -681,7 +675,7 @@ void ZeroOptimizer::load_full_state(const std::vector<NamedTensor>& full) {
   constexpr const char* kWho = "ZeroOptimizer::load_full_state";
   const State& st = *state_;
   const ddp::BucketPlan& plan = ddp_->reducer().plan();
-  const std::vector<::torch::Tensor> params = trainable_of(*module_);
+  const std::vector<::torch::Tensor>& params = params_;
   std::map<size_t, std::map<std::string, const NamedTensor*>> by_param;
   int64_t steps = 0;
   bool sgd_state = false, adam_state = false;
