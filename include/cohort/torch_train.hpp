@@ -157,7 +157,7 @@ COHORT_API void load_optimizer_state(::torch::optim::Optimizer& optimizer, const
 COHORT_API size_t optimizer_state_bytes(::torch::optim::Optimizer& optimizer);
 
 COHORT_API NamedTensor to_named(const std::string& name, const ::torch::Tensor& t);
-::torch::Tensor from_named(const NamedTensor& t);
+COHORT_API ::torch::Tensor from_named(const NamedTensor& t);
 
 // The default CPU generator's state as bytes, and back (for the manifest).
 COHORT_API std::string cpu_rng_state();

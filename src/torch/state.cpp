@@ -72,6 +72,11 @@ std::string saved_kind(const std::vector<NamedTensor>& tensors) {
 }  // namespace
 
 NamedTensor to_named(const std::string& name, const ::torch::Tensor& t) {
+  if (t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0)
+    throw InvalidArgument(fmt::format("'{}' has no data: a parameter FullyShardedDataParallel keeps sharded (it exists "
+                                      "whole only while its unit computes). HINT: save fsdp.full_state() or "
+                                      "fsdp.state_shard(), not the module's own state",
+                                      name));
   auto c = t.detach().contiguous().cpu();
   NamedTensor n{name, to_dtype(c.scalar_type()), c.sizes().vec(), {}};
   const auto* p = static_cast<const uint8_t*>(c.data_ptr());

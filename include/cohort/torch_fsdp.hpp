@@ -1,0 +1,203 @@
+// cohort/torch_fsdp.hpp: fully sharded data parallelism (FSDP, ZeRO-3) for
+// LibTorch: every rank keeps 1/N of the parameters, of their gradients and of
+// the optimizer state; a unit's parameters exist in full only while the unit
+// computes (Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded
+// Data Parallel", VLDB 2023; Rajbhandari et al., ZeRO stage 3, SC 2020).
+//
+// The units are the modules the model wraps in FsdpUnit (one per transformer
+// block, say); the model's other parameters form the root unit, gathered for
+// the whole forward and backward:
+//
+//   struct Net : torch::nn::Module {
+//     Net() { for (int i = 0; i < 8; ++i)
+//               blocks.push_back(register_module("block" + std::to_string(i),
+//                                std::make_shared<cohort::torch::FsdpUnit<Block>>(Block(1024))));
+//             head = register_module("head", torch::nn::Linear(1024, 10)); }   // in the root unit
+//     torch::Tensor forward(torch::Tensor x) { for (auto& b : blocks) x = b->forward(x); return head(x); }
+//     std::vector<std::shared_ptr<cohort::torch::FsdpUnit<Block>>> blocks;
+//     torch::nn::Linear head{nullptr};
+//   };
+//
+//   auto pg = cohort::init_process_group();
+//   auto model = std::make_shared<Net>();
+//   cohort::torch::FullyShardedDataParallel fsdp(model, pg);    // shards the parameters
+//   torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));  // over the shards
+//   for (batch : loader) {
+//     fsdp.zero_grad();
+//     fsdp.pre_forward();                 // gathers the root unit
+//     auto loss = loss_fn(model->forward(x), y);   // each unit gathered, run, freed
+//     loss.backward();                    // each unit gathered again; its gradient reduce-scattered
+//     fsdp.clip_grad_norm(1.0);           // optional: the global norm
+//     cohort::torch::adamw_step(opt);     // or opt.step(): steps this rank's shards
+//   }
+//
+// FsdpUnit<M> keeps M's parameter and submodule names, so the model's
+// state names are those of the unwrapped model, and without an FSDP over it
+// an FsdpUnit is M itself (one process, DDP). docs/fsdp.md has the design.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cohort/checkpoint.hpp"
+#include "cohort/export.hpp"
+#include "cohort/process_group.hpp"
+
+namespace cohort::torch {
+
+class FullyShardedDataParallel;
+
+// What an FsdpUnit tells the FSDP over it (nothing when there is none).
+class COHORT_API FsdpUnitBase : public ::torch::nn::Module {
+ public:
+  // Before the wrapped forward: the unit's parameters are gathered.
+  void enter();
+  // After it: they are freed; with autograd on, `out` comes back wrapped so
+  // that its backward gathers them again first.
+  ::torch::Tensor leave(::torch::Tensor out);
+
+ private:
+  friend class FullyShardedDataParallel;
+  FullyShardedDataParallel* fsdp_ = nullptr;
+  size_t unit_ = 0;
+};
+
+// Module M (a ModuleHolder such as torch::nn::Linear or a TORCH_MODULE type)
+// as one FSDP unit. Its forward takes what M's does and returns its tensor,
+// whose gradient is where backward gathers the unit again.
+template <class M>
+class FsdpUnit : public FsdpUnitBase {
+ public:
+  explicit FsdpUnit(M inner) : inner_(std::move(inner)) {
+    // M's own parameters and children under their own names: the names of
+    // the model do not change with the wrapping.
+    for (auto& p : inner_->named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value(), p.value().requires_grad());
+    for (auto& b : inner_->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
+    for (auto& c : inner_->named_children()) register_module(c.key(), c.value());
+  }
+  template <class... Args>
+  auto forward(Args&&... args) {
+    using Out = std::decay_t<decltype(inner_->forward(std::forward<Args>(args)...))>;
+    static_assert(std::is_same_v<Out, ::torch::Tensor>,
+                  "FsdpUnit<M>: M::forward must return one torch::Tensor (backward gathers the unit again when "
+                  "the gradient reaches it); wrap a module that does, or return a tuple from outside the unit");
+    enter();
+    return leave(inner_->forward(std::forward<Args>(args)...));
+  }
+  M& inner() { return inner_; }
+
+ private:
+  M inner_;
+};
+
+struct COHORT_API FsdpOptions {
+  // Units gathered ahead of the one that computes: the next one in forward
+  // order (as the last iteration ran them) while this one's forward runs, the
+  // previous one while this one's backward runs. 0 gathers each unit only
+  // when it starts.
+  int prefetch = 1;
+  bool broadcast_buffers = true;  // rank 0's buffers in pre_forward(), as DDP's
+};
+
+// What this rank holds, in elements and bytes.
+struct COHORT_API FsdpMemory {
+  size_t params = 0;            // trainable elements of the model
+  size_t padded = 0;            // elements of every unit, each padded to a multiple of N
+  size_t shard = 0;             // elements this rank keeps (padded / N)
+  size_t units = 0;             // units, the root one included when it has parameters
+  size_t largest_unit = 0;      // elements of the largest unit, padded
+  size_t shard_bytes = 0;       // the parameter shard
+  size_t grad_shard_bytes = 0;  // the gradient shard
+  size_t gather_bytes = 0;      // the buffers units are gathered and reduced in (peak so far)
+};
+
+class COHORT_API FullyShardedDataParallel {
+ public:
+  // Collective over `group`: finds the FsdpUnit modules in `module`, checks
+  // that every rank has the same units and parameters (a mismatch names the
+  // parameter or unit and the ranks), broadcasts rank 0's parameters and
+  // buffers, then keeps this rank's shard of each unit and frees the rest.
+  // A parameter that belongs to two units (tied weights) is refused by name.
+  // Frozen parameters (requires_grad false) and buffers stay whole on every
+  // rank. A CPU module on a host group (native, mpi) only, for now.
+  FullyShardedDataParallel(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                           FsdpOptions opts = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // Before each forward (training or not): gathers the root unit, broadcasts
+  // the buffers. A unit's forward without it throws.
+  void pre_forward();
+  // The shards to optimize: one 1-D tensor per unit (this rank's chunk of it,
+  // padding included), whose .grad holds the averaged gradient after backward.
+  std::vector<::torch::Tensor> parameters() const;
+  // Clears the gradient shards (and what no_sync accumulated).
+  void zero_grad();
+  // Backward passes under it keep whole gradients in .grad instead of
+  // reduce-scattering them (the next synced backward reduces the sum), as
+  // DDP's no_sync: more memory, less communication.
+  class [[nodiscard]] NoSync {
+   public:
+    explicit NoSync(FullyShardedDataParallel* f) : f_(f) {}
+    NoSync(NoSync&& o) noexcept : f_(std::exchange(o.f_, nullptr)) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    ~NoSync();
+
+   private:
+    FullyShardedDataParallel* f_;
+  };
+  NoSync no_sync();
+  // Scales the gradient shards so that the global gradient's norm is at most
+  // max_norm; returns the norm before clipping, the same on every rank.
+  double clip_grad_norm(double max_norm);
+
+  // The whole model's trainable parameters under their names, gathered
+  // (collective; every rank gets them), with the frozen ones and the buffers:
+  // what module_state() of the unwrapped model gives.
+  std::vector<NamedTensor> full_state();
+  // Loads such a state (from FSDP, DDP or one process): each rank keeps its
+  // shard. Not collective. InvalidArgument, changing nothing, when a tensor
+  // is missing or does not fit.
+  void load_full_state(const std::vector<NamedTensor>& state);
+  // This rank's shard of every unit ("fsdp.unit<u>", padding included) and
+  // the layout ("fsdp.layout", int64: world size, unit count, then each
+  // unit's elements without and with padding): one file of a sharded
+  // checkpoint. load_state_shards() reads it back at any world size.
+  std::vector<NamedTensor> state_shard() const;
+  // `read(k)` returns the saving run's rank k's state_shard(); called for the
+  // ranks whose chunks overlap this rank's. Not collective. InvalidArgument,
+  // changing nothing, when the layout does not fit this model.
+  void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
+  // The same for an optimizer over parameters(): its state cut by unit
+  // ("fsdp.unit<u>.<field>", with "fsdp.layout" and "fsdp.steps"), and back
+  // at any world size.
+  std::vector<NamedTensor> optimizer_state_shard(::torch::optim::Optimizer& optimizer) const;
+  void load_optimizer_state_shards(::torch::optim::Optimizer& optimizer,
+                                   const std::function<std::vector<NamedTensor>(int rank)>& read);
+
+  FsdpMemory memory() const;
+  ProcessGroup& group() { return *group_; }
+  // The units' names ("" for the root), in module order.
+  std::vector<std::string> unit_names() const;
+
+  struct State;  // shared with the autograd hooks
+
+ private:
+  friend class FsdpUnitBase;
+  void shard_units();
+  std::shared_ptr<::torch::nn::Module> module_;
+  std::shared_ptr<ProcessGroup> group_;
+  FsdpOptions opts_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace cohort::torch

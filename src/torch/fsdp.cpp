@@ -1,0 +1,848 @@
+// FullyShardedDataParallel: parameters, gradients and optimizer state split
+// across the ranks; each unit gathered only while it computes
+// (include/cohort/torch_fsdp.hpp has the user's view, docs/fsdp.md the design).
+//
+// Per unit u (an FsdpUnit module, or the root: the parameters outside any):
+//   - its trainable parameters, flattened in registration order and padded
+//     to a multiple of N elements: `count`; rank r keeps chunk r (count / N)
+//     in the shard buffer (shared memory on one host, so that the allgather
+//     takes the single-copy path: peers read the chunk where it lies);
+//   - one c10::StorageImpl that every parameter of the unit views. Gathered,
+//     its data pointer is a slot of the gather pool, filled by the allgather;
+//     freed, it points at nothing (nbytes 0). Autograd's saved tensors view
+//     the same StorageImpl, so a unit gathered again for backward, into any
+//     slot, is what they read. Neither step bumps a version counter;
+//   - its gradient: when the post hooks of every parameter's gradient
+//     accumulator have run (no later part of backward reads the unit), the
+//     gradients are copied into a slot (shared memory), .grad is dropped and
+//     the slot is reduce-scattered (Avg) into a chunk; the end-of-backward
+//     callback waits for these and adds each chunk into the gradient shard.
+// Forward: pre_forward() gathers the root unit (kept until backward ends);
+// FsdpUnit::forward gathers its unit (waiting for the prefetch when one is
+// in flight), starts the next units' gathers (the order of the last
+// iteration), runs, frees, and hooks the output's gradient: backward reaching
+// it gathers the unit again and prefetches the one before it.
+#include "cohort/torch_fsdp.hpp"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "cohort/error.hpp"
+#include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
+#include "shard_state.hpp"
+
+namespace cohort::torch {
+
+struct COHORT_HIDDEN FullyShardedDataParallel::State {
+  struct Unit {
+    std::string name;             // the FsdpUnit's module name; "" for the root
+    std::vector<size_t> params;   // indices into State::params
+    std::vector<size_t> offsets;  // each one's first element in the flat unit
+    size_t used = 0, count = 0, chunk = 0;
+    ::torch::ScalarType type = ::torch::kFloat;
+    DType dtype = DType::F32;
+    std::byte* shard = nullptr;       // chunk `rank` of the flat parameters
+    std::byte* grad_shard = nullptr;  // the averaged gradient of that chunk, accumulated
+    c10::Storage storage;             // what the parameters view
+    int slot = -1;                    // the gather slot its data is in; -1: freed
+    WorkPtr gathering;                // the allgather into it, until waited for
+    size_t ready = 0;                 // gradients ready in this backward
+    bool reduced = false;             // reduce-scattered (or, under no_sync, released) in this backward
+    ::torch::Tensor shard_param;      // a 1-D view of `shard` whose .grad views `grad_shard`
+    size_t bytes() const { return count * dtype_size(dtype); }
+    size_t chunk_bytes() const { return chunk * dtype_size(dtype); }
+  };
+  struct Pending {  // a reduce_scatter in flight
+    size_t unit;
+    int slot;
+    WorkPtr work;
+    std::unique_ptr<std::byte[]> into;  // the reduced chunk, added into grad_shard when done
+  };
+
+  ProcessGroup* group = nullptr;
+  int rank = 0, n = 1;
+  FsdpOptions opts;
+  std::vector<::torch::Tensor> params;  // trainable, in the module's order
+  std::vector<std::string> names;
+  std::vector<Unit> units;              // units[0] is the root
+  std::vector<size_t> unit_of;          // by parameter
+  std::map<const void*, size_t> index_of;  // TensorImpl -> index into params
+  std::vector<::torch::Tensor> buffers;
+  std::vector<FsdpUnitBase*> unit_modules;  // by unit (nullptr for the root)
+  using AccumulatorPtr = decltype(::torch::autograd::impl::grad_accumulator(std::declval<const ::torch::Tensor&>()));
+  std::vector<AccumulatorPtr> accumulators;
+  std::vector<uintptr_t> hook_keys;
+  std::shared_ptr<std::byte[]> shards;  // every unit's chunk
+  std::unique_ptr<std::byte[]> grad_shards;
+  std::vector<std::shared_ptr<std::byte[]>> slots;  // the gather pool, each `slot_bytes`
+  std::vector<bool> busy;
+  size_t slot_bytes = 0;
+  std::deque<Pending> pending;
+  std::vector<size_t> order, last_order;  // units as forward entered them: this iteration, the last
+  bool open = false;                      // pre_forward() ran, its backward has not ended
+  bool callback_queued = false;
+  int no_sync = 0;
+  bool failed = false;
+
+  void check_usable() const {
+    if (failed)
+      throw Error("FullyShardedDataParallel: a collective failed, so the ranks no longer agree on the parameters; "
+                  "this FSDP can no longer be used (restart from a checkpoint)");
+  }
+  void wait(const WorkPtr& w) {
+    try {
+      w->wait();
+    } catch (...) {
+      failed = true;  // its buffers may still be written: never freed (the destructor leaks them)
+      throw;
+    }
+  }
+
+  // A free slot of the pool, allocating one when every slot is in use.
+  int acquire() {
+    for (size_t s = 0; s < slots.size(); ++s)
+      if (!busy[s]) {
+        busy[s] = true;
+        return static_cast<int>(s);
+      }
+    slots.push_back(group->allocate_buffer(slot_bytes));
+    busy.push_back(true);
+    return static_cast<int>(slots.size()) - 1;
+  }
+
+  void point_storage(Unit& u, void* data, size_t bytes) {
+    c10::StorageImpl* impl = u.storage.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
+    impl->set_nbytes(bytes);
+  }
+
+  // Starts gathering unit u (nothing when it is gathered or on its way).
+  void gather(size_t i) {
+    Unit& u = units[i];
+    if (u.slot >= 0 || u.count == 0) return;
+    u.slot = acquire();
+    std::byte* full = slots[static_cast<size_t>(u.slot)].get();
+    point_storage(u, full, u.bytes());
+    u.gathering = group->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{full, u.count, u.dtype});
+  }
+  // Unit u gathered and complete.
+  void materialize(size_t i) {
+    gather(i);
+    Unit& u = units[i];
+    if (u.gathering) {
+      WorkPtr w = std::move(u.gathering);
+      wait(w);
+    }
+  }
+  void release(size_t i) {
+    Unit& u = units[i];
+    if (u.slot < 0) return;
+    if (u.gathering) {  // a prefetch never used: it still writes into the slot
+      WorkPtr w = std::move(u.gathering);
+      wait(w);
+    }
+    point_storage(u, nullptr, 0);
+    busy[static_cast<size_t>(u.slot)] = false;
+    u.slot = -1;
+  }
+
+  // The units forward runs after `i` (by the last iteration's order), gathered ahead.
+  void prefetch_after(size_t position) {
+    for (int k = 1; k <= opts.prefetch; ++k)
+      if (position + static_cast<size_t>(k) < last_order.size()) gather(last_order[position + static_cast<size_t>(k)]);
+  }
+  void prefetch_before(size_t i) {
+    const auto at = std::find(order.rbegin(), order.rend(), i);
+    if (at == order.rend()) return;
+    size_t position = static_cast<size_t>(order.rend() - at) - 1;
+    for (int k = 1; k <= opts.prefetch && position >= static_cast<size_t>(k); ++k)
+      gather(order[position - static_cast<size_t>(k)]);
+  }
+
+  void enter(size_t i) {
+    check_usable();
+    if (!open)
+      throw InvalidArgument(fmt::format("FullyShardedDataParallel: unit '{}' ran forward before pre_forward(); its "
+                                        "parameters live sharded and the root unit is gathered there. HINT: call "
+                                        "fsdp.pre_forward() before each forward of the model",
+                                        units[i].name));
+    order.push_back(i);
+    materialize(i);
+    if (order.size() <= last_order.size() && last_order[order.size() - 1] == i) prefetch_after(order.size() - 1);
+  }
+
+  void queue_end_of_backward(const std::shared_ptr<State>& self) {
+    if (callback_queued) return;
+    callback_queued = true;
+    ::torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr<State>(self)] {
+      if (auto s = weak.lock()) s->end_backward();
+    });
+  }
+
+  // Backward reached unit i's output: its parameters are needed again.
+  void pre_backward(size_t i, const std::shared_ptr<State>& self) {
+    check_usable();
+    queue_end_of_backward(self);
+    materialize(i);
+    prefetch_before(i);
+  }
+
+  void grad_ready(size_t p, const std::shared_ptr<State>& self) {
+    queue_end_of_backward(self);
+    Unit& u = units[unit_of[p]];
+    if (++u.ready == u.params.size() && !u.reduced) reduce(unit_of[p]);
+  }
+
+  // Unit i's gradients (zeros where none) to the slot, reduce-scattered
+  // into this rank's chunk; its parameters freed.
+  void reduce(size_t i) {
+    Unit& u = units[i];
+    u.reduced = true;
+    if (no_sync > 0 || u.count == 0) {  // .grad keeps the whole gradient for the next synced backward
+      release(i);
+      return;
+    }
+    reap(false);
+    const int s = acquire();
+    std::byte* full = slots[static_cast<size_t>(s)].get();
+    const size_t es = dtype_size(u.dtype);
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      ::torch::Tensor& p = params[u.params[j]];
+      std::byte* to = full + u.offsets[j] * es;
+      const auto& g = p.grad();
+      if (g.defined()) {
+        if (g.is_sparse() || g.scalar_type() != u.type)
+          throw InvalidArgument(fmt::format("FullyShardedDataParallel: the gradient of '{}' is not a dense {} tensor",
+                                            names[u.params[j]], c10::toString(u.type)));
+        const ::torch::Tensor c = g.contiguous();
+        std::memcpy(to, c.data_ptr(), static_cast<size_t>(p.numel()) * es);
+      } else {
+        std::memset(to, 0, static_cast<size_t>(p.numel()) * es);
+      }
+      p.mutable_grad().reset();
+    }
+    std::memset(full + u.used * es, 0, (u.count - u.used) * es);
+    release(i);
+    Pending r{.unit = i, .slot = s, .work = {}, .into = std::make_unique<std::byte[]>(u.chunk_bytes())};
+    r.work = group->reduce_scatter(Buffer{full, u.count, u.dtype}, Buffer{r.into.get(), u.chunk, u.dtype},
+                                   {.op = ReduceOp::Avg});
+    pending.push_back(std::move(r));
+  }
+
+  // Completed reductions into the gradient shards (all of them: wait).
+  void reap(bool all) {
+    while (!pending.empty() && (all || pending.front().work->is_completed())) {
+      Pending& r = pending.front();
+      wait(r.work);
+      Unit& u = units[r.unit];
+      ::torch::NoGradGuard no_grad;
+      const auto opt = ::torch::TensorOptions().dtype(u.type);
+      const auto n_ = static_cast<int64_t>(u.chunk);
+      ::torch::from_blob(u.grad_shard, {n_}, opt).add_(::torch::from_blob(r.into.get(), {n_}, opt));
+      busy[static_cast<size_t>(r.slot)] = false;
+      pending.pop_front();
+    }
+  }
+
+  // End of backward (autograd's callback): every unit not yet reduced is
+  // (zeros for its missing gradients: the same collectives on every rank),
+  // the reductions are added into the shards, every unit freed.
+  void end_backward() {
+    callback_queued = false;
+    for (size_t i = 0; i < units.size(); ++i)
+      if (!units[i].reduced) reduce(i);
+    reap(true);
+    for (size_t i = 0; i < units.size(); ++i) {
+      release(i);
+      units[i].ready = 0;
+      units[i].reduced = false;
+    }
+    last_order = std::move(order);
+    order.clear();
+    open = false;
+  }
+};
+
+namespace {
+
+class GradReady final : public ::torch::autograd::FunctionPostHook {
+ public:
+  GradReady(std::weak_ptr<FullyShardedDataParallel::State> s, size_t p) : s_(std::move(s)), p_(p) {}
+  ::torch::autograd::variable_list operator()(const ::torch::autograd::variable_list& outputs,
+                                              const ::torch::autograd::variable_list&) override {
+    if (auto s = s_.lock()) s->grad_ready(p_, s);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<FullyShardedDataParallel::State> s_;
+  size_t p_;
+};
+
+}  // namespace
+
+// ---- FsdpUnitBase ----
+
+void FsdpUnitBase::enter() {
+  if (fsdp_) fsdp_->state_->enter(unit_);
+}
+
+::torch::Tensor FsdpUnitBase::leave(::torch::Tensor out) {
+  if (!fsdp_) return out;
+  auto& st = fsdp_->state_;
+  st->release(unit_);
+  if (out.defined() && out.requires_grad()) {
+    out.register_hook([weak = std::weak_ptr<FullyShardedDataParallel::State>(st), unit = unit_](const ::torch::Tensor&) {
+      if (auto s = weak.lock()) s->pre_backward(unit, s);
+    });
+  }
+  return out;
+}
+
+
+// ---- Construction ----
+
+namespace {
+
+using Unit = FullyShardedDataParallel::State::Unit;
+
+size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// The unit a parameter named `name` belongs to: the FsdpUnit with the longest
+// name that prefixes it, else the root (0).
+size_t unit_for(const std::string& name, const std::vector<Unit>& units) {
+  size_t best = 0, best_len = 0;
+  for (size_t u = 1; u < units.size(); ++u) {
+    const std::string& prefix = units[u].name;
+    if (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 && name[prefix.size()] == '.' &&
+        prefix.size() + 1 > best_len) {
+      best = u;
+      best_len = prefix.size() + 1;
+    }
+  }
+  return best;
+}
+
+std::string unit_label(const Unit& u) { return u.name.empty() ? std::string("the root unit") : fmt::format("unit '{}'", u.name); }
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::Module> module,
+                                                   std::shared_ptr<ProcessGroup> group, FsdpOptions opts)
+    : module_(std::move(module)), group_(std::move(group)), opts_(opts), state_(std::make_shared<State>()) {
+  constexpr const char* kWho = "FullyShardedDataParallel";
+  if (!module_) throw InvalidArgument(fmt::format("{}: the module is null", kWho));
+  if (!group_) throw InvalidArgument(fmt::format("{}: the process group is null (call cohort::init_process_group())", kWho));
+  if (opts_.prefetch < 0)
+    throw InvalidArgument(fmt::format("{}: prefetch must be >= 0 (got {}); 0 gathers each unit only when it runs", kWho,
+                                      opts_.prefetch));
+  if (group_->cuda_device() >= 0)
+    throw InvalidArgument(fmt::format("{}: the {} backend moves GPU memory; FSDP runs on a CPU module with a host "
+                                      "group (native or mpi) for now (docs/fsdp.md). HINT: init the group with the "
+                                      "native backend",
+                                      kWho, group_->backend_name()));
+  if (dynamic_cast<FsdpUnitBase*>(module_.get()))
+    throw InvalidArgument(fmt::format("{}: the model itself is an FsdpUnit; wrap its blocks in FsdpUnit instead: the "
+                                      "parameters outside every unit form the root unit by themselves",
+                                      kWho));
+  State& st = *state_;
+  st.group = group_.get();
+  st.rank = group_->rank();
+  st.n = group_->size();
+  st.opts = opts_;
+  st.units.push_back(Unit{});  // the root
+  st.unit_modules.push_back(nullptr);
+  for (const auto& item : module_->named_modules("", /*include_self=*/false))
+    if (auto* m = dynamic_cast<FsdpUnitBase*>(item.value().get())) {
+      if (m->fsdp_)
+        throw InvalidArgument(fmt::format("{}: unit '{}' already belongs to another FullyShardedDataParallel", kWho,
+                                          item.key()));
+      Unit u;
+      u.name = item.key();
+      st.units.push_back(std::move(u));
+      st.unit_modules.push_back(m);
+    }
+
+  // Trainable parameters by unit; a tensor in two units is refused.
+  std::vector<::torch::Tensor> frozen, all_tensors;
+  std::vector<std::string> frozen_names;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const ::torch::Tensor& p = item.value();
+    if (!p.device().is_cpu())
+      throw InvalidArgument(fmt::format("{}: parameter '{}' is on {}; FSDP runs on CPU modules for now (docs/fsdp.md)",
+                                        kWho, item.key(), p.device().str()));
+    const size_t u = unit_for(item.key(), st.units);
+    const auto seen = st.index_of.find(p.unsafeGetTensorImpl());
+    if (seen != st.index_of.end()) {
+      const size_t first = st.unit_of[seen->second];
+      if (first != u)
+        throw InvalidArgument(fmt::format(
+            "{}: parameter '{}' of {} is the same tensor as '{}' of {}: a parameter shared between units (tied "
+            "weights) cannot live in two shards. HINT: wrap the modules that share it in one FsdpUnit, or leave "
+            "the shared one in a unit that contains both",
+            kWho, item.key(), unit_label(st.units[u]), st.names[seen->second], unit_label(st.units[first])));
+      continue;  // tied within one unit: one parameter
+    }
+    if (!p.requires_grad()) {
+      frozen.push_back(p);
+      frozen_names.push_back(item.key());
+      continue;
+    }
+    Unit& unit = st.units[u];
+    if (!unit.params.empty() && p.scalar_type() != unit.type)
+      throw InvalidArgument(fmt::format("{}: parameter '{}' is {} but {} holds {} ones ('{}'); a unit is one flat "
+                                        "tensor of one dtype. HINT: convert the module to one dtype, or split the unit",
+                                        kWho, item.key(), c10::toString(p.scalar_type()), unit_label(unit),
+                                        c10::toString(unit.type), st.names[unit.params.front()]));
+    unit.type = p.scalar_type();
+    unit.dtype = to_dtype(p.scalar_type());
+    unit.params.push_back(st.params.size());
+    unit.offsets.push_back(unit.used);
+    unit.used += static_cast<size_t>(p.numel());
+    st.index_of[p.unsafeGetTensorImpl()] = st.params.size();
+    st.unit_of.push_back(u);
+    st.params.push_back(p);
+    st.names.push_back(item.key());
+  }
+  std::vector<std::string> buffer_names;
+  for (const auto& b : module_->named_buffers(true)) {
+    st.buffers.push_back(b.value());
+    buffer_names.push_back(b.key());
+  }
+
+  // The same units and parameters everywhere, then rank 0's values.
+  std::vector<std::string> unit_names;
+  std::vector<::torch::Tensor> unit_shapes;
+  for (const auto& u : st.units) {
+    unit_names.push_back(u.name.empty() ? std::string("(root)") : u.name);
+    unit_shapes.push_back(::torch::empty({static_cast<int64_t>(u.used)}, ::torch::TensorOptions().dtype(u.type)));
+  }
+  check_same_parameters(*group_, unit_names, unit_shapes, "FSDP unit");
+  check_same_parameters(*group_, st.names, st.params, "parameter");
+  check_same_parameters(*group_, frozen_names, frozen, "frozen parameter");
+  check_same_parameters(*group_, buffer_names, st.buffers, "buffer");
+  all_tensors = st.params;
+  all_tensors.insert(all_tensors.end(), frozen.begin(), frozen.end());
+  all_tensors.insert(all_tensors.end(), st.buffers.begin(), st.buffers.end());
+  broadcast_tensors(*group_, all_tensors, 0);
+  shard_units();
+}
+
+// Every unit flattened, this rank's chunk kept, the rest freed.
+void FullyShardedDataParallel::shard_units() {
+  State& st = *state_;
+  const size_t n = static_cast<size_t>(st.n);
+  size_t shard_total = 0;
+  std::vector<size_t> at;
+  for (auto& u : st.units) {
+    u.count = (u.used + n - 1) / n * n;
+    u.chunk = u.count / n;
+    at.push_back(shard_total);
+    shard_total += round64(u.chunk_bytes());
+    st.slot_bytes = std::max(st.slot_bytes, round64(u.bytes()));
+  }
+  st.shards = group_->allocate_buffer(std::max<size_t>(shard_total, 64));
+  st.grad_shards = std::make_unique<std::byte[]>(std::max<size_t>(shard_total, 64));  // zeroed
+  ::torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    Unit& u = st.units[i];
+    if (u.count == 0) continue;
+    u.shard = st.shards.get() + at[i];
+    u.grad_shard = st.grad_shards.get() + at[i];
+    const auto opt = ::torch::TensorOptions().dtype(u.type);
+    ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(u.count)}, opt);
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      ::torch::Tensor& p = st.params[u.params[j]];
+      auto view = flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel()).view(p.sizes());
+      view.copy_(p);
+      p.set_data(view);  // the parameter now views the unit's storage
+    }
+    std::memcpy(u.shard, static_cast<std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
+                u.chunk_bytes());
+    u.storage = flat.storage();
+    st.point_storage(u, nullptr, 0);  // the whole unit freed; this rank's chunk lives on in the shard
+    auto keep = st.shards;
+    u.shard_param = ::torch::from_blob(u.shard, {static_cast<int64_t>(u.chunk)}, [keep](void*) {}, opt);
+    u.shard_param.requires_grad_(true);
+    u.shard_param.mutable_grad() = ::torch::from_blob(u.grad_shard, {static_cast<int64_t>(u.chunk)}, opt);
+  }
+  for (size_t i = 0; i < st.params.size(); ++i) {
+    auto acc = ::torch::autograd::impl::grad_accumulator(st.params[i]);
+    st.hook_keys.push_back(acc->add_post_hook(std::make_unique<GradReady>(state_, i)));
+    st.accumulators.push_back(std::move(acc));
+  }
+  for (size_t i = 1; i < st.units.size(); ++i) {
+    st.unit_modules[i]->fsdp_ = this;
+    st.unit_modules[i]->unit_ = i;
+  }
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  State& st = *state_;
+  for (size_t i = 0; i < st.accumulators.size(); ++i) st.accumulators[i]->del_post_hook(st.hook_keys[i]);
+  for (auto* m : st.unit_modules)
+    if (m) m->fsdp_ = nullptr;
+  bool running = st.failed;
+  for (const auto& r : st.pending) running |= !r.work->is_completed();
+  for (const auto& u : st.units) running |= u.gathering && !u.gathering->is_completed();
+  if (running) {
+    // A collective may still write into the slots or read the shards: never
+    // free them under it (as ZeroOptimizer and the reducer leak theirs).
+    (void)new std::shared_ptr<State>(state_);
+    return;
+  }
+  for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
+}
+
+// ---- Training ----
+
+void FullyShardedDataParallel::pre_forward() {
+  State& st = *state_;
+  st.check_usable();
+  if (st.callback_queued) {
+    // The last backward failed before its end: what it started is finished
+    // here, nothing of it kept (the gradients it reduced are dropped).
+    st.callback_queued = false;
+    st.reap(true);
+    for (auto& u : st.units) {
+      u.ready = 0;
+      u.reduced = false;
+    }
+  }
+  for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
+  if (!st.order.empty()) st.last_order = std::move(st.order);
+  st.order.clear();
+  st.materialize(0);
+  if (opts_.broadcast_buffers && st.n > 1 && !st.buffers.empty()) broadcast_tensors(*group_, st.buffers, 0);
+  st.open = true;
+}
+
+std::vector<::torch::Tensor> FullyShardedDataParallel::parameters() const {
+  std::vector<::torch::Tensor> out;
+  for (const auto& u : state_->units)
+    if (u.chunk > 0) out.push_back(u.shard_param);
+  return out;
+}
+
+void FullyShardedDataParallel::zero_grad() {
+  State& st = *state_;
+  st.check_usable();
+  if (st.callback_queued || !st.pending.empty())
+    throw InvalidArgument("FullyShardedDataParallel::zero_grad: a backward is still running; call it before the "
+                          "forward of the next step");
+  for (const auto& u : st.units)
+    if (u.chunk > 0) std::memset(u.grad_shard, 0, u.chunk_bytes());
+  for (auto& p : st.params) p.mutable_grad().reset();  // what no_sync accumulated
+}
+
+FullyShardedDataParallel::NoSync FullyShardedDataParallel::no_sync() {
+  state_->check_usable();
+  ++state_->no_sync;
+  return NoSync(this);
+}
+FullyShardedDataParallel::NoSync::~NoSync() {
+  if (f_) --f_->state_->no_sync;
+}
+
+double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
+  State& st = *state_;
+  st.check_usable();
+  if (!(max_norm > 0) || !std::isfinite(max_norm))
+    throw InvalidArgument(fmt::format("FullyShardedDataParallel::clip_grad_norm: max_norm must be a finite number > 0 "
+                                      "(got {})",
+                                      max_norm));
+  ::torch::NoGradGuard no_grad;
+  double squares = 0;
+  for (const auto& p : parameters()) squares += p.grad().to(::torch::kDouble).square().sum().item<double>();
+  const double norm = std::sqrt(allreduce_scalar(*group_, squares, ReduceOp::Sum));
+  const double coef = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
+  if (coef < 1)
+    for (const auto& p : parameters()) p.grad().mul_(coef);
+  return norm;
+}
+
+FsdpMemory FullyShardedDataParallel::memory() const {
+  const State& st = *state_;
+  FsdpMemory m;
+  for (const auto& u : st.units) {
+    if (u.count == 0) continue;
+    m.params += u.used;
+    m.padded += u.count;
+    m.shard += u.chunk;
+    m.units += 1;
+    m.largest_unit = std::max(m.largest_unit, u.count);
+    m.shard_bytes += u.chunk_bytes();
+  }
+  m.grad_shard_bytes = m.shard_bytes;
+  m.gather_bytes = st.slots.size() * st.slot_bytes;
+  return m;
+}
+
+std::vector<std::string> FullyShardedDataParallel::unit_names() const {
+  std::vector<std::string> out;
+  for (const auto& u : state_->units) out.push_back(u.name);
+  return out;
+}
+
+// ---- State ----
+
+namespace {
+
+// "fsdp.layout": int64 [world, units, then per unit: elements without padding, with padding].
+struct FsdpLayout {
+  int world = 1;
+  std::vector<std::pair<size_t, size_t>> units;  // (used, count)
+
+  NamedTensor encode() const {
+    std::vector<int64_t> v{world, static_cast<int64_t>(units.size())};
+    for (const auto& [used, count] : units) {
+      v.push_back(static_cast<int64_t>(used));
+      v.push_back(static_cast<int64_t>(count));
+    }
+    return make_tensor("fsdp.layout", {static_cast<int64_t>(v.size())}, v);
+  }
+  static FsdpLayout decode(const std::map<std::string, const NamedTensor*>& rank0, const char* who) {
+    const auto it = rank0.find("fsdp.layout");
+    if (it == rank0.end() || it->second->dtype != DType::I64)
+      throw InvalidArgument(fmt::format("{}: rank 0's shard has no int64 \"fsdp.layout\": it was not written by "
+                                        "FullyShardedDataParallel (state_shard or optimizer_state_shard)",
+                                        who));
+    std::vector<int64_t> v(it->second->numel());
+    std::memcpy(v.data(), it->second->bytes.data(), v.size() * sizeof(int64_t));
+    if (v.size() < 2 || v[0] < 1 || v[1] < 0 || static_cast<size_t>(v[1]) * 2 + 2 != v.size())
+      throw InvalidArgument(fmt::format("{}: \"fsdp.layout\" is malformed ({} values)", who, v.size()));
+    FsdpLayout l{.world = static_cast<int>(v[0]), .units = {}};
+    for (size_t u = 0; u < static_cast<size_t>(v[1]); ++u) {
+      const size_t used = static_cast<size_t>(v[2 + 2 * u]), count = static_cast<size_t>(v[3 + 2 * u]);
+      if (count % static_cast<size_t>(l.world) != 0 || used > count)
+        throw InvalidArgument(fmt::format("{}: \"fsdp.layout\" unit {} has {} elements of {} padded, not a multiple "
+                                          "of the world size {}",
+                                          who, u, used, count, l.world));
+      l.units.emplace_back(used, count);
+    }
+    return l;
+  }
+  // Throws unless the saved units are this model's.
+  void check_fits(const std::vector<Unit>& mine, const char* who) const {
+    if (units.size() != mine.size())
+      throw InvalidArgument(fmt::format("{}: the checkpoint has {} FSDP units, this model {} (the root included): "
+                                        "another model or another wrapping. HINT: resume with the model and FsdpUnit "
+                                        "wrapping it was saved with, or save and load full_state()",
+                                        who, units.size(), mine.size()));
+    for (size_t u = 0; u < units.size(); ++u)
+      if (units[u].first != mine[u].used)
+        throw InvalidArgument(fmt::format("{}: {} holds {} elements in the checkpoint and {} in this model: another "
+                                          "model or another wrapping. HINT: resume with the model it was saved with",
+                                          who, unit_label(mine[u]), units[u].first, mine[u].used));
+  }
+};
+
+FsdpLayout layout_of(const std::vector<Unit>& units, int world) {
+  FsdpLayout l{.world = world, .units = {}};
+  for (const auto& u : units) l.units.emplace_back(u.used, u.count);
+  return l;
+}
+
+::torch::Tensor chunk_view(const Unit& u, std::byte* data) {
+  return ::torch::from_blob(data, {static_cast<int64_t>(u.chunk)}, ::torch::TensorOptions().dtype(u.type));
+}
+
+}  // namespace
+
+std::vector<NamedTensor> FullyShardedDataParallel::full_state() {
+  State& st = *state_;
+  st.check_usable();
+  std::map<size_t, NamedTensor> trained;  // by parameter index
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    const bool was_gathered = st.units[i].slot >= 0;
+    st.materialize(i);
+    for (size_t p : st.units[i].params) trained.emplace(p, to_named(st.names[p], st.params[p]));
+    if (!was_gathered) st.release(i);
+  }
+  std::vector<NamedTensor> out;
+  for (const auto& item : module_->named_parameters(true)) {
+    const auto it = st.index_of.find(item.value().unsafeGetTensorImpl());
+    if (it == st.index_of.end()) {
+      out.push_back(to_named(item.key(), item.value()));  // frozen: whole on every rank
+    } else {
+      NamedTensor t = trained.at(it->second);
+      t.name = item.key();  // a tied parameter under each of its names
+      out.push_back(std::move(t));
+    }
+  }
+  for (const auto& b : module_->named_buffers(true)) out.push_back(to_named(b.key(), b.value()));
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_state(const std::vector<NamedTensor>& state) {
+  constexpr const char* kWho = "FullyShardedDataParallel::load_full_state";
+  State& st = *state_;
+  st.check_usable();
+  std::map<std::string, const NamedTensor*> by_name;
+  for (const auto& t : state) by_name[t.name] = &t;
+  const auto find = [&](const std::string& name, const char* kind, ::torch::IntArrayRef sizes, ::torch::ScalarType type) {
+    const auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw InvalidArgument(fmt::format("{}: the state has no tensor for {} '{}'; was it saved from another model?",
+                                        kWho, kind, name));
+    ::torch::Tensor t = from_named(*it->second);
+    if (t.sizes() != sizes || t.scalar_type() != type)
+      throw InvalidArgument(fmt::format("{}: '{}' is {} {} in the state, {} {} in the model", kWho, name,
+                                        c10::toString(t.scalar_type()), c10::str(t.sizes()), c10::toString(type),
+                                        c10::str(sizes)));
+    return t;
+  };
+  // Everything staged first: a failure changes nothing.
+  std::vector<::torch::Tensor> chunks(st.units.size());
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    const Unit& u = st.units[i];
+    if (u.count == 0) continue;
+    ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(u.count)}, ::torch::TensorOptions().dtype(u.type));
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const ::torch::Tensor& p = st.params[u.params[j]];
+      flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel())
+          .copy_(find(st.names[u.params[j]], "parameter", p.sizes(), u.type).reshape({-1}));
+    }
+    chunks[i] = flat.narrow(0, static_cast<int64_t>(st.rank) * static_cast<int64_t>(u.chunk), static_cast<int64_t>(u.chunk));
+  }
+  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> whole;  // frozen parameters and buffers
+  size_t known = 0;
+  for (const auto& item : module_->named_parameters(true)) {
+    ++known;
+    if (!st.index_of.contains(item.value().unsafeGetTensorImpl()))
+      whole.emplace_back(item.value(), find(item.key(), "frozen parameter", item.value().sizes(), item.value().scalar_type()));
+  }
+  for (const auto& b : module_->named_buffers(true)) {
+    ++known;
+    whole.emplace_back(b.value(), find(b.key(), "buffer", b.value().sizes(), b.value().scalar_type()));
+  }
+  if (by_name.size() > known) {
+    std::set<std::string> ours;
+    for (const auto& item : module_->named_parameters(true)) ours.insert(item.key());
+    for (const auto& b : module_->named_buffers(true)) ours.insert(b.key());
+    std::string extra;
+    for (const auto& [name, t] : by_name)
+      if (!ours.contains(name)) extra += (extra.empty() ? "" : ", ") + name;
+    throw InvalidArgument(fmt::format("{}: the state has tensors the model does not: {}", kWho, extra));
+  }
+  ::torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < st.units.size(); ++i)
+    if (chunks[i].defined()) chunk_view(st.units[i], st.units[i].shard).copy_(chunks[i]);
+  for (auto& [to, from] : whole) to.copy_(from);
+  for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
+  st.open = false;  // the root is gathered anew by the next pre_forward()
+}
+
+std::vector<NamedTensor> FullyShardedDataParallel::state_shard() const {
+  const State& st = *state_;
+  std::vector<NamedTensor> out;
+  for (size_t i = 0; i < st.units.size(); ++i)
+    if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard)));
+  out.push_back(layout_of(st.units, st.n).encode());
+  return out;
+}
+
+void FullyShardedDataParallel::load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read) {
+  constexpr const char* kWho = "FullyShardedDataParallel::load_state_shards";
+  State& st = *state_;
+  st.check_usable();
+  shard::ShardFiles files(read);
+  const FsdpLayout lay = FsdpLayout::decode(files.get(0), kWho);
+  lay.check_fits(st.units, kWho);
+  std::vector<::torch::Tensor> staged(st.units.size());
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    const Unit& u = st.units[i];
+    if (u.chunk == 0) continue;
+    const int64_t old_chunk = static_cast<int64_t>(lay.units[i].second) / lay.world;
+    staged[i] = files.rechunk(fmt::format("fsdp.unit{}", i), u.type, st.rank, u.chunk, u.used, old_chunk, kWho);
+  }
+  ::torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < st.units.size(); ++i)
+    if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard).copy_(staged[i]);
+  for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
+  st.open = false;
+}
+
+namespace {
+
+// The optimizer must be over parameters(), in order, in one group.
+void check_optimizer_is_ours(::torch::optim::Optimizer& o, const std::vector<::torch::Tensor>& shards, const char* who) {
+  const auto& groups = o.param_groups();
+  bool ours = groups.size() == 1 && groups[0].params().size() == shards.size();
+  for (size_t i = 0; ours && i < shards.size(); ++i)
+    ours = groups[0].params()[i].unsafeGetTensorImpl() == shards[i].unsafeGetTensorImpl();
+  if (!ours)
+    throw InvalidArgument(fmt::format("{}: the optimizer is not over this FSDP's parameters() (one param group, in "
+                                      "their order). HINT: build it as torch::optim::AdamW opt(fsdp.parameters(), ...)",
+                                      who));
+}
+
+}  // namespace
+
+std::vector<NamedTensor> FullyShardedDataParallel::optimizer_state_shard(::torch::optim::Optimizer& optimizer) const {
+  const State& st = *state_;
+  check_optimizer_is_ours(optimizer, parameters(), "FullyShardedDataParallel::optimizer_state_shard");
+  std::vector<NamedTensor> out;
+  int64_t steps = 0;
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    if (st.units[i].chunk == 0) continue;
+    const shard::ShardState s = shard::state_of(optimizer, st.units[i].shard_param);
+    steps = std::max(steps, s.step);
+    for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("fsdp.unit{}.{}", i, field), t));
+  }
+  out.push_back(layout_of(st.units, st.n).encode());
+  out.push_back(make_tensor("fsdp.optimizer", {2}, std::vector<int64_t>{shard::kind_of(optimizer), steps}));
+  return out;
+}
+
+void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optimizer& optimizer,
+                                                           const std::function<std::vector<NamedTensor>(int rank)>& read) {
+  constexpr const char* kWho = "FullyShardedDataParallel::load_optimizer_state_shards";
+  const State& st = *state_;
+  check_optimizer_is_ours(optimizer, parameters(), kWho);
+  shard::ShardFiles files(read);
+  const auto& first = files.get(0);
+  const FsdpLayout lay = FsdpLayout::decode(first, kWho);
+  lay.check_fits(st.units, kWho);
+  const auto kind_it = first.find("fsdp.optimizer");
+  if (kind_it == first.end() || kind_it->second->dtype != DType::I64 || kind_it->second->numel() != 2)
+    throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"fsdp.optimizer\": it holds no optimizer state "
+                                      "(written by state_shard(), not optimizer_state_shard()?)",
+                                      kWho));
+  int64_t head[2];
+  std::memcpy(head, kind_it->second->bytes.data(), sizeof(head));
+  const shard::Kind kind = shard::kind_of(optimizer);
+  if (head[0] != kind)
+    throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state, this optimizer is {}; HINT: resume with the "
+                                      "optimizer it was written with",
+                                      kWho, head[0] >= 0 && head[0] <= 2 ? shard::kKindNames[head[0]] : "unknown",
+                                      shard::kKindNames[kind]));
+  std::vector<std::pair<::torch::Tensor, shard::ShardState>> staged;
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    const Unit& u = st.units[i];
+    if (u.chunk == 0) continue;
+    const int64_t old_chunk = static_cast<int64_t>(lay.units[i].second) / lay.world;
+    shard::ShardState s{.fields = {}, .step = head[1]};
+    const std::string prefix = fmt::format("fsdp.unit{}.", i);
+    for (const auto& [name, t] : first)
+      if (name.rfind(prefix, 0) == 0)
+        s.fields.emplace_back(name.substr(prefix.size()),
+                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, old_chunk, kWho));
+    staged.emplace_back(u.shard_param, std::move(s));
+  }
+  for (auto& [p, s] : staged) shard::install_state(optimizer, p, kind, s);
+}
+
+}  // namespace cohort::torch

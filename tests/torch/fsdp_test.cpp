@@ -1,0 +1,424 @@
+// FullyShardedDataParallel: after every step the gathered parameters are
+// those of one process training on the whole global batch; each rank keeps
+// 1/N of them; units are gathered only while they compute; sharded state
+// reshards across world sizes; bad input is named. Ranks run as threads over
+// a MemoryStore.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "cohort/torch_fsdp.hpp"
+#include "cohort/torch_train.hpp"
+#include "test_util.hpp"
+#include "torch/ddp_test_model.hpp"
+
+namespace {
+
+using cohort::testing::run_ranks;
+using cohort::torch::FsdpUnit;
+using cohort::torch::FullyShardedDataParallel;
+using ddp_test::borrowed;
+using ddp_test::inputs;
+using ddp_test::targets;
+using torch::nn::Linear;
+
+constexpr int64_t kGlobal = 24;  // divides by 1, 2, 3 and 4
+
+// A block with a unit inside it (nested units).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    inner = register_module("inner", std::make_shared<FsdpUnit<Linear>>(Linear(7, 7)));
+    out = register_module("out", Linear(7, 8));
+  }
+  torch::Tensor forward(torch::Tensor x) { return out->forward(torch::tanh(inner->forward(x))); }
+  std::shared_ptr<FsdpUnit<Linear>> inner;
+  Linear out{nullptr};
+};
+TORCH_MODULE(Block);
+
+// Units: in (8 -> 7, 63 elements: padded at worlds 2 and 4), block (its
+// inner unit nested), a second plain unit; the head stays in the root unit.
+struct FNetImpl : torch::nn::Module {
+  FNetImpl() {
+    in = register_module("in", std::make_shared<FsdpUnit<Linear>>(Linear(8, 7)));
+    block = register_module("block", std::make_shared<FsdpUnit<Block>>(Block()));
+    mid = register_module("mid", std::make_shared<FsdpUnit<Linear>>(Linear(8, 8)));
+    head = register_module("head", Linear(8, 4));
+    torch::NoGradGuard g;
+    int k = 0;
+    for (auto& p : parameters()) {
+      auto flat = p.view({-1});
+      for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * (k++)) * 0.5;
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(in->forward(x));
+    x = torch::tanh(block->forward(x));
+    x = torch::tanh(mid->forward(x));
+    return head->forward(x);
+  }
+  std::shared_ptr<FsdpUnit<Linear>> in, mid;
+  std::shared_ptr<FsdpUnit<Block>> block;
+  Linear head{nullptr};
+};
+TORCH_MODULE(FNet);
+
+torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
+std::map<std::string, torch::Tensor> by_name(const std::vector<cohort::NamedTensor>& state) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& t : state) out[t.name] = cohort::torch::from_named(t);
+  return out;
+}
+
+// Largest |a - b| / max(|b|, 1e-3) over every element of every tensor `want` names.
+double rel_error(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
+  double worst = 0;
+  for (const auto& [name, b] : want) {
+    const auto it = got.find(name);
+    if (it == got.end()) {
+      ADD_FAILURE() << "missing " << name;
+      return 1e9;
+    }
+    worst = std::max(worst, ((it->second.to(b.scalar_type()) - b).abs() / b.abs().clamp_min(1e-3)).max().item<double>());
+  }
+  return worst;
+}
+
+// One process, LibTorch's AdamW, the whole global batch (FsdpUnit without an FSDP is the plain module).
+std::map<std::string, torch::Tensor> reference(torch::ScalarType type, int steps, int micro = 1, double clip = 0) {
+  FNet net;
+  net->to(type);
+  torch::optim::AdamW opt(net->parameters(), adamw());
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      const int64_t from = (s * micro + m) * kGlobal;
+      torch::mse_loss(net->forward(inputs(from, kGlobal).to(type)), targets(from, kGlobal).to(type)).backward();
+    }
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+    opt.step();
+  }
+  return by_name(cohort::torch::module_state(*net));
+}
+
+struct Train {
+  torch::ScalarType type = torch::kDouble;
+  int steps = 1, micro = 1;
+  bool no_sync = false;  // every micro-batch but the last under no_sync()
+  double clip = 0;
+  bool fused = false;    // cohort::torch::adamw_step instead of opt.step()
+  int prefetch = 1;
+};
+
+// Steps [from, to) of the schedule on an existing FSDP.
+void fsdp_steps(FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt, FNet& net, const Train& t, int from, int to) {
+  const int world = fsdp.group().size(), rank = fsdp.group().rank();
+  const int64_t local = kGlobal / world;
+  for (int s = from; s < to; ++s) {
+    fsdp.zero_grad();
+    for (int m = 0; m < t.micro; ++m) {
+      const int64_t at = (s * t.micro + m) * kGlobal + rank * local;
+      fsdp.pre_forward();
+      auto loss = torch::mse_loss(net->forward(inputs(at, local).to(t.type)), targets(at, local).to(t.type));
+      if (t.no_sync && m + 1 < t.micro) {
+        auto guard = fsdp.no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    if (t.clip > 0) fsdp.clip_grad_norm(t.clip);
+    if (t.fused) cohort::torch::adamw_step(opt);
+    else opt.step();
+  }
+}
+
+std::vector<std::map<std::string, torch::Tensor>> train_fsdp(int world, const Train& t) {
+  std::vector<std::map<std::string, torch::Tensor>> out(world);
+  run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(t.type);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg), {.prefetch = t.prefetch});
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    fsdp_steps(fsdp, opt, net, t, 0, t.steps);
+    out[pg.rank()] = by_name(fsdp.full_state());
+  });
+  return out;
+}
+
+class Fsdp : public ::testing::TestWithParam<int> {};
+
+// The bar: AdamW over 100 steps, 1e-6 relative (float64: the
+// reduction order is the only difference).
+TEST_P(Fsdp, AdamW100StepsEqualOneProcessOnTheGlobalBatch) {
+  const int world = GetParam();
+  const auto want = reference(torch::kDouble, 100);
+  const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 100});
+  for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-6) << "rank " << r;
+}
+
+// float32 with the fused AdamW on the shards; LibTorch's step is the reference.
+TEST_P(Fsdp, Float32WithTheFusedStepIsCloseToOneProcess) {
+  const int world = GetParam();
+  const auto want = reference(torch::kFloat, 30);
+  const auto got = train_fsdp(world, {.type = torch::kFloat, .steps = 30, .fused = true});
+  for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-4) << "rank " << r;
+}
+
+TEST_P(Fsdp, AccumulatesMicroBatchesSyncedOrUnderNoSync) {
+  const int world = GetParam();
+  const auto want = reference(torch::kDouble, 5, 3);
+  for (bool no_sync : {false, true}) {
+    const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 5, .micro = 3, .no_sync = no_sync});
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r << " no_sync " << no_sync;
+  }
+}
+
+TEST_P(Fsdp, ClipsByTheGlobalNormWithAnyPrefetch) {
+  const int world = GetParam();
+  const auto want = reference(torch::kDouble, 10, 1, 0.05);  // small enough to clip every step
+  for (int prefetch : {0, 1, 3}) {
+    const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 10, .clip = 0.05, .prefetch = prefetch});
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r << " prefetch " << prefetch;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, Fsdp, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "np" + std::to_string(info.param); });
+
+// Each rank keeps 1/N of every unit; outside a unit's forward and backward
+// its parameters hold no memory, and at most a few units are whole at once.
+TEST(FsdpMemory, ShardsAreOneNthAndUnitsAreFreedAfterUse) {
+  run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    const auto m = fsdp.memory();
+    const size_t n_params = 8 * 7 + 7 + 7 * 7 + 7 + 7 * 8 + 8 + 8 * 8 + 8 + 8 * 4 + 4;
+    EXPECT_EQ(m.params, n_params);
+    EXPECT_EQ(m.units, 5u);  // root, in, block, block.inner, mid
+    EXPECT_EQ(m.shard * 4, m.padded);
+    EXPECT_LT(m.padded, n_params + 5 * 4);
+    const auto freed = [&](const std::string& prefix) {
+      for (const auto& p : net->named_parameters())
+        if (p.key().rfind(prefix, 0) == 0 && p.value().storage().nbytes() != 0) return false;
+      return true;
+    };
+    EXPECT_TRUE(freed("in.") && freed("mid.") && freed("block.") && freed("head."));
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    for (int s = 0; s < 3; ++s) {
+      fsdp.zero_grad();
+      fsdp.pre_forward();
+      EXPECT_FALSE(freed("head.")) << "the root unit is gathered by pre_forward()";
+      auto y = net->forward(inputs(pg.rank() * 6, 6));
+      EXPECT_TRUE(freed("in.") && freed("mid.") && freed("block.")) << "units freed after their forward";
+      torch::mse_loss(y, targets(pg.rank() * 6, 6)).backward();
+      EXPECT_TRUE(freed("in.") && freed("mid.") && freed("block.") && freed("head.")) << "all freed after backward";
+      for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << "whole gradients dropped";
+      opt.step();
+    }
+    // The pool: the unit that runs, the prefetched one, a reduction or two in flight.
+    EXPECT_LE(fsdp.memory().gather_bytes, 4 * m.largest_unit * sizeof(float) + 4 * 64);
+  });
+}
+
+// Evaluation under NoGradGuard gathers and frees the same way, and gives
+// the same output on every rank as the whole model.
+TEST(FsdpEval, ForwardWithoutGradientsMatchesTheWholeModel) {
+  FNet ref;
+  const auto want = ref->forward(inputs(0, 5));
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    torch::NoGradGuard no_grad;
+    for (int i = 0; i < 2; ++i) {
+      fsdp.pre_forward();
+      EXPECT_TRUE(torch::allclose(net->forward(inputs(0, 5)), want)) << "rank " << pg.rank();
+    }
+  });
+}
+
+// The saved state of a world-4 run after 5 steps (model and optimizer
+// shards of every rank) and rank 0's full state after 10.
+struct SavedRun {
+  std::vector<std::vector<cohort::NamedTensor>> model, optim;
+  std::map<std::string, torch::Tensor> want;
+};
+SavedRun save_mid_run(int world) {
+  SavedRun r;
+  r.model.resize(world);
+  r.optim.resize(world);
+  run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    fsdp_steps(fsdp, opt, net, {}, 0, 5);
+    r.model[pg.rank()] = fsdp.state_shard();
+    r.optim[pg.rank()] = fsdp.optimizer_state_shard(opt);
+    fsdp_steps(fsdp, opt, net, {}, 5, 10);
+    const auto full = by_name(fsdp.full_state());
+    if (pg.rank() == 0) r.want = full;
+  });
+  return r;
+}
+
+// Saved at world 4, resumed at 4, 3, 2 and 1: the same parameters as the
+// run that never stopped (each world a different chunking and padding).
+TEST(FsdpCheckpoint, ShardsSavedAtWorld4ResumeAtAnyWorld) {
+  const SavedRun saved = save_mid_run(4);
+  for (int world : {4, 3, 2, 1}) {
+    std::vector<std::map<std::string, torch::Tensor>> got(world);
+    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      FNet net;
+      net->to(torch::kDouble);
+      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+      torch::optim::AdamW opt(fsdp.parameters(), adamw());
+      fsdp.load_state_shards([&](int k) { return saved.model.at(k); });
+      fsdp.load_optimizer_state_shards(opt, [&](int k) { return saved.optim.at(k); });
+      fsdp_steps(fsdp, opt, net, {}, 5, 10);
+      got[pg.rank()] = by_name(fsdp.full_state());
+    });
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], saved.want), 1e-12) << "world " << world << " rank " << r;
+  }
+}
+
+// full_state() is the unwrapped model's module_state(); it loads into an
+// FSDP at another world size, and into the plain model.
+TEST(FsdpCheckpoint, FullStateIsThePlainModelsState) {
+  FNet plain;
+  plain->to(torch::kDouble);
+  std::vector<cohort::NamedTensor> full;
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    fsdp_steps(fsdp, opt, net, {}, 0, 3);
+    auto state = fsdp.full_state();
+    if (pg.rank() == 0) full = state;
+  });
+  cohort::torch::load_module_state(*plain, full);  // the names and shapes of the plain model
+  EXPECT_EQ(rel_error(by_name(cohort::torch::module_state(*plain)), by_name(full)), 0.0);
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    fsdp.load_full_state(full);
+    EXPECT_EQ(rel_error(by_name(fsdp.full_state()), by_name(full)), 0.0) << "rank " << pg.rank();
+  });
+}
+
+template <class F>
+void expect_invalid(F&& call, const std::string& words) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one naming: " << words;
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+}
+
+// A layout that is not this model's is refused, and nothing changes.
+TEST(FsdpCheckpoint, AShardLayoutThatDoesNotFitIsRefusedAndChangesNothing) {
+  const SavedRun saved = save_mid_run(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    ddp_test::Net other;  // no units, other sizes
+    other->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(other.ptr(), borrowed(pg));
+    const auto before = by_name(fsdp.full_state());
+    expect_invalid([&] { fsdp.load_state_shards([&](int k) { return saved.model.at(k); }); }, "FSDP units");
+    EXPECT_EQ(rel_error(by_name(fsdp.full_state()), before), 0.0);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel mine(net.ptr(), borrowed(pg));
+    torch::optim::SGD sgd(mine.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    expect_invalid([&] { mine.load_optimizer_state_shards(sgd, [&](int k) { return saved.optim.at(k); }); },
+                   "holds AdamW state, this optimizer is SGD");
+    expect_invalid([&] { mine.load_optimizer_state_shards(sgd, [&](int k) { return saved.model.at(k); }); },
+                   "no \"fsdp.optimizer\"");
+    auto truncated = saved.model;
+    for (auto& rank_files : truncated) {
+      rank_files.front().bytes.resize(rank_files.front().bytes.size() / 2);
+      rank_files.front().shape = {static_cast<int64_t>(rank_files.front().bytes.size() / sizeof(double))};
+    }
+    expect_invalid([&] { mine.load_state_shards([&](int k) { return truncated.at(k); }); }, "the layout says");
+    expect_invalid([&] { mine.load_state_shards([&](int) { return std::vector<cohort::NamedTensor>{}; }); },
+                   "fsdp.layout");
+    torch::optim::AdamW foreign(net->parameters(), adamw());
+    expect_invalid([&] { (void)mine.optimizer_state_shard(foreign); }, "not over this FSDP's parameters()");
+    expect_invalid([&] { mine.load_full_state(cohort::torch::module_state(*ddp_test::Net())); }, "no tensor for parameter");
+    expect_invalid([&] { (void)cohort::torch::module_state(*net); }, "HINT: save fsdp.full_state()");
+  });
+}
+
+// A module over a weight it is given (to tie one tensor into two modules).
+struct HasWImpl : torch::nn::Module {
+  explicit HasWImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(HasW);
+
+// Tied weights across two units: named, with both units.
+TEST(FsdpErrors, AParameterSharedBetweenUnitsIsNamed) {
+  struct Tied : torch::nn::Module {
+    Tied() {
+      const auto w = torch::randn({4, 4}).requires_grad_(true);
+      a = register_module("a", std::make_shared<FsdpUnit<HasW>>(HasW(w)));
+      b = register_module("b", std::make_shared<FsdpUnit<HasW>>(HasW(w)));
+    }
+    std::shared_ptr<FsdpUnit<HasW>> a, b;
+  };
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    auto m = std::make_shared<Tied>();
+    expect_invalid([&] { FullyShardedDataParallel fsdp(m, borrowed(pg)); },
+                   "parameter 'b.weight' of unit 'b' is the same tensor as 'a.weight' of unit 'a'");
+  });
+}
+
+TEST(FsdpErrors, BadInputIsNamed) {
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    FNet net;
+    expect_invalid([&] { FullyShardedDataParallel f(nullptr, borrowed(pg)); }, "module is null");
+    expect_invalid([&] { FullyShardedDataParallel f(net.ptr(), nullptr); }, "process group is null");
+    expect_invalid([&] { FullyShardedDataParallel f(net.ptr(), borrowed(pg), {.prefetch = -1}); }, "prefetch must be");
+    auto whole = std::make_shared<FsdpUnit<Linear>>(Linear(2, 2));
+    expect_invalid([&] { FullyShardedDataParallel f(whole, borrowed(pg)); }, "the model itself is an FsdpUnit");
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    expect_invalid([&] { FullyShardedDataParallel again(net.ptr(), borrowed(pg)); }, "already belongs");
+    expect_invalid([&] { net->forward(inputs(0, 2)); }, "before pre_forward()");
+    expect_invalid([&] { fsdp.clip_grad_norm(0); }, "max_norm must be");
+  });
+}
+
+// A model that differs across ranks is named before anything moves.
+TEST(FsdpErrors, DifferentModelsOrWrappingsAreNamed) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    std::shared_ptr<torch::nn::Module> m;
+    if (pg.rank() == 0) m = FNet().ptr();
+    else {
+      struct Unwrapped : torch::nn::Module {  // the same parameters, "in" not a unit
+        Unwrapped() {
+          register_module("in", Linear(8, 7));
+          register_module("block", Block());
+          register_module("mid", std::make_shared<FsdpUnit<Linear>>(Linear(8, 8)));
+          register_module("head", Linear(8, 4));
+        }
+      };
+      m = std::make_shared<Unwrapped>();
+    }
+    expect_invalid([&] { FullyShardedDataParallel f(m, borrowed(pg)); }, "FSDP unit");
+  });
+}
+
+}  // namespace
