@@ -53,20 +53,28 @@
 namespace cohort::torch {
 
 class FullyShardedDataParallel;
+struct FsdpPreShard;
 
 // What an FsdpUnit tells the FSDP over it (nothing when there is none).
 class COHORT_API FsdpUnitBase : public ::torch::nn::Module {
  public:
+  ~FsdpUnitBase() override;
   // Before the wrapped forward: the unit's parameters are gathered.
   void enter();
   // After it: they are freed; with autograd on, `out` comes back wrapped so
   // that its backward gathers them again first.
   ::torch::Tensor leave(::torch::Tensor out);
 
+ protected:
+  // The end of a unit's construction: under an FsdpShardedInit, the unit is
+  // sharded here (its parameters no longer held whole).
+  void built();
+
  private:
   friend class FullyShardedDataParallel;
   FullyShardedDataParallel* fsdp_ = nullptr;
   size_t unit_ = 0;
+  std::shared_ptr<FsdpPreShard> pre_;  // sharded at construction (FsdpShardedInit)
 };
 
 // Module M (a ModuleHolder such as torch::nn::Linear or a TORCH_MODULE type)
@@ -81,6 +89,7 @@ class FsdpUnit : public FsdpUnitBase {
     for (auto& p : inner_->named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value(), p.value().requires_grad());
     for (auto& b : inner_->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
     for (auto& c : inner_->named_children()) register_module(c.key(), c.value());
+    built();
   }
   template <class... Args>
   auto forward(Args&&... args) {
@@ -95,6 +104,31 @@ class FsdpUnit : public FsdpUnitBase {
 
  private:
   M inner_;
+};
+
+// Sharded construction, for a model too large to be whole on one rank:
+// every FsdpUnit built on this thread while one lives is sharded as soon as
+// it is built (rank 0's values broadcast, this rank's chunk kept, the rest
+// freed), so no rank ever holds more than one unit whole. Collective: every
+// rank of `group` builds the same model inside one. The FSDP built over the
+// model afterwards, on the same group, takes these shards as they are.
+//
+//   std::shared_ptr<Net> model;
+//   { cohort::torch::FsdpShardedInit sharded(pg); model = std::make_shared<Net>(); }
+//   cohort::torch::FullyShardedDataParallel fsdp(model, pg);
+class COHORT_API FsdpShardedInit {
+ public:
+  explicit FsdpShardedInit(std::shared_ptr<ProcessGroup> group);
+  ~FsdpShardedInit();
+  FsdpShardedInit(const FsdpShardedInit&) = delete;
+  FsdpShardedInit& operator=(const FsdpShardedInit&) = delete;
+  // The one alive on this thread (innermost), or nullptr.
+  static FsdpShardedInit* current();
+  ProcessGroup& group() { return *group_; }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  FsdpShardedInit* previous_;
 };
 
 struct COHORT_API FsdpOptions {
@@ -193,6 +227,7 @@ class COHORT_API FullyShardedDataParallel {
 
  private:
   friend class FsdpUnitBase;
+  void check_pre_sharded();
   void shard_units();
   std::shared_ptr<::torch::nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;

@@ -122,7 +122,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     return static_cast<int>(slots.size()) - 1;
   }
 
-  void point_storage(Unit& u, void* data, size_t bytes) {
+  static void point_storage(Unit& u, void* data, size_t bytes) {
     c10::StorageImpl* impl = u.storage.unsafeGetStorageImpl();
     impl->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
     impl->set_nbytes(bytes);
@@ -293,6 +293,90 @@ class GradReady final : public ::torch::autograd::FunctionPostHook {
 
 }  // namespace
 
+// ---- Sharded construction ----
+
+// A unit sharded when it was built (FsdpShardedInit), waiting for its FSDP.
+struct FsdpPreShard {
+  int world = 1, rank = 0;
+  std::vector<const void*> impls;  // its trainable parameters (TensorImpl), in order
+  c10::Storage storage;            // what they view (freed)
+  ::torch::Tensor chunk;           // this rank's chunk of rank 0's values
+  size_t used = 0, count = 0;
+};
+
+namespace {
+thread_local FsdpShardedInit* g_sharded_init = nullptr;
+
+void free_storage(c10::Storage& storage) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  impl->set_nbytes(0);
+}
+}  // namespace
+
+FsdpShardedInit::FsdpShardedInit(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)), previous_(g_sharded_init) {
+  if (!group_) throw InvalidArgument("FsdpShardedInit: the process group is null (call cohort::init_process_group())");
+  if (group_->cuda_device() >= 0)
+    throw InvalidArgument(fmt::format("FsdpShardedInit: the {} backend moves GPU memory; FSDP runs on a host group "
+                                      "(native or mpi) for now",
+                                      group_->backend_name()));
+  g_sharded_init = this;
+}
+FsdpShardedInit::~FsdpShardedInit() { g_sharded_init = previous_; }
+FsdpShardedInit* FsdpShardedInit::current() { return g_sharded_init; }
+
+FsdpUnitBase::~FsdpUnitBase() = default;
+
+void FsdpUnitBase::built() {
+  FsdpShardedInit* init = FsdpShardedInit::current();
+  if (!init) return;
+  ProcessGroup& g = init->group();
+  // Parameters of units nested in this one are theirs (and sharded already).
+  std::set<const void*> nested;
+  for (const auto& m : modules(/*include_self=*/false))
+    if (auto* u = dynamic_cast<FsdpUnitBase*>(m.get()); u && u->pre_) nested.insert(u->pre_->impls.begin(), u->pre_->impls.end());
+  auto pre = std::make_shared<FsdpPreShard>();
+  pre->world = g.size();
+  pre->rank = g.rank();
+  std::vector<::torch::Tensor> params;
+  for (const auto& item : named_parameters(true)) {
+    const ::torch::Tensor& p = item.value();
+    const void* impl = p.unsafeGetTensorImpl();
+    if (!p.requires_grad() || nested.contains(impl) ||
+        std::find(pre->impls.begin(), pre->impls.end(), impl) != pre->impls.end())
+      continue;
+    if (!params.empty() && p.scalar_type() != params.front().scalar_type())
+      throw InvalidArgument(fmt::format("FsdpShardedInit: parameter '{}' is {} but the unit's first is {}; a unit is "
+                                        "one flat tensor of one dtype",
+                                        item.key(), c10::toString(p.scalar_type()),
+                                        c10::toString(params.front().scalar_type())));
+    if (!p.device().is_cpu())
+      throw InvalidArgument(fmt::format("FsdpShardedInit: parameter '{}' is on {}; FSDP runs on CPU modules for now",
+                                        item.key(), p.device().str()));
+    params.push_back(p);
+    pre->impls.push_back(impl);
+    pre->used += static_cast<size_t>(p.numel());
+  }
+  if (params.empty()) return;
+  const size_t n = static_cast<size_t>(pre->world);
+  pre->count = (pre->used + n - 1) / n * n;
+  const size_t chunk = pre->count / n;
+  ::torch::NoGradGuard no_grad;
+  ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(pre->count)}, params.front().options().requires_grad(false));
+  int64_t at = 0;
+  for (auto& p : params) {
+    auto view = flat.narrow(0, at, p.numel()).view(p.sizes());
+    view.copy_(p);
+    p.set_data(view);  // frees the parameter's own memory
+    at += p.numel();
+  }
+  g.broadcast(Buffer{flat.data_ptr(), pre->count, to_dtype(flat.scalar_type())})->wait();  // rank 0's values
+  pre->chunk = flat.narrow(0, static_cast<int64_t>(static_cast<size_t>(pre->rank) * chunk), static_cast<int64_t>(chunk)).clone();
+  pre->storage = flat.storage();
+  free_storage(pre->storage);
+  pre_ = std::move(pre);
+}
+
 // ---- FsdpUnitBase ----
 
 void FsdpUnitBase::enter() {
@@ -433,11 +517,38 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::
   check_same_parameters(*group_, st.names, st.params, "parameter");
   check_same_parameters(*group_, frozen_names, frozen, "frozen parameter");
   check_same_parameters(*group_, buffer_names, st.buffers, "buffer");
-  all_tensors = st.params;
+  check_pre_sharded();
+  for (size_t i = 0; i < st.params.size(); ++i)  // units sharded at construction hold rank 0's values already
+    if (!st.unit_modules[st.unit_of[i]] || !st.unit_modules[st.unit_of[i]]->pre_) all_tensors.push_back(st.params[i]);
   all_tensors.insert(all_tensors.end(), frozen.begin(), frozen.end());
   all_tensors.insert(all_tensors.end(), st.buffers.begin(), st.buffers.end());
   broadcast_tensors(*group_, all_tensors, 0);
   shard_units();
+}
+
+// A unit sharded at construction (FsdpShardedInit) must be the unit this
+// FSDP found, for this group.
+void FullyShardedDataParallel::check_pre_sharded() {
+  State& st = *state_;
+  for (size_t i = 1; i < st.units.size(); ++i) {
+    const auto& pre = st.unit_modules[i]->pre_;
+    if (!pre) continue;
+    const Unit& u = st.units[i];
+    if (pre->world != st.n || pre->rank != st.rank)
+      throw InvalidArgument(fmt::format("FullyShardedDataParallel: unit '{}' was sharded at construction as rank {} "
+                                        "of {}, but this group makes it rank {} of {}. HINT: build the model under "
+                                        "FsdpShardedInit with the group FSDP gets",
+                                        u.name, pre->rank, pre->world, st.rank, st.n));
+    bool same = pre->impls.size() == u.params.size();
+    for (size_t j = 0; same && j < u.params.size(); ++j)
+      same = pre->impls[j] == st.params[u.params[j]].unsafeGetTensorImpl();
+    if (!same)
+      throw InvalidArgument(fmt::format("FullyShardedDataParallel: unit '{}' was sharded at construction with {} "
+                                        "parameters, but holds {} now (a unit nested in it built outside "
+                                        "FsdpShardedInit, or parameters replaced since). HINT: build the whole model "
+                                        "inside one FsdpShardedInit and change it only after FSDP wraps it",
+                                        u.name, pre->impls.size(), u.params.size()));
+  }
 }
 
 // Every unit flattened, this rank's chunk kept, the rest freed.
@@ -462,17 +573,24 @@ void FullyShardedDataParallel::shard_units() {
     u.shard = st.shards.get() + at[i];
     u.grad_shard = st.grad_shards.get() + at[i];
     const auto opt = ::torch::TensorOptions().dtype(u.type);
-    ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(u.count)}, opt);
-    for (size_t j = 0; j < u.params.size(); ++j) {
-      ::torch::Tensor& p = st.params[u.params[j]];
-      auto view = flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel()).view(p.sizes());
-      view.copy_(p);
-      p.set_data(view);  // the parameter now views the unit's storage
+    FsdpUnitBase* module = st.unit_modules[i];
+    if (module && module->pre_) {  // sharded at construction: its chunk is ready
+      std::memcpy(u.shard, module->pre_->chunk.data_ptr(), u.chunk_bytes());
+      u.storage = module->pre_->storage;
+      module->pre_.reset();
+    } else {
+      ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(u.count)}, opt);
+      for (size_t j = 0; j < u.params.size(); ++j) {
+        ::torch::Tensor& p = st.params[u.params[j]];
+        auto view = flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel()).view(p.sizes());
+        view.copy_(p);
+        p.set_data(view);  // the parameter now views the unit's storage
+      }
+      std::memcpy(u.shard, static_cast<std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
+                  u.chunk_bytes());
+      u.storage = flat.storage();
     }
-    std::memcpy(u.shard, static_cast<std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
-                u.chunk_bytes());
-    u.storage = flat.storage();
-    st.point_storage(u, nullptr, 0);  // the whole unit freed; this rank's chunk lives on in the shard
+    State::point_storage(u, nullptr, 0);  // the whole unit freed; this rank's chunk lives on in the shard
     auto keep = st.shards;
     u.shard_param = ::torch::from_blob(u.shard, {static_cast<int64_t>(u.chunk)}, [keep](void*) {}, opt);
     u.shard_param.requires_grad_(true);

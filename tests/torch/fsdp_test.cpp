@@ -25,11 +25,25 @@ using torch::nn::Linear;
 
 constexpr int64_t kGlobal = 24;  // divides by 1, 2, 3 and 4
 
+// Linear(in, out) with deterministic weights: sin(0.37 k) / 2 for the k-th
+// element in the model's parameter order (no shared random generator between
+// thread-ranks). Set as each layer is built, so that a unit is complete when
+// its FsdpUnit is (FsdpShardedInit shards it there).
+Linear det_linear(int64_t in, int64_t out, int& k) {
+  Linear l(in, out);
+  torch::NoGradGuard g;
+  for (auto& p : l->parameters()) {
+    auto flat = p.view({-1});
+    for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * (k++)) * 0.5;
+  }
+  return l;
+}
+
 // A block with a unit inside it (nested units).
 struct BlockImpl : torch::nn::Module {
-  BlockImpl() {
-    inner = register_module("inner", std::make_shared<FsdpUnit<Linear>>(Linear(7, 7)));
-    out = register_module("out", Linear(7, 8));
+  explicit BlockImpl(int& k) {
+    inner = register_module("inner", std::make_shared<FsdpUnit<Linear>>(det_linear(7, 7, k)));
+    out = register_module("out", det_linear(7, 8, k));
   }
   torch::Tensor forward(torch::Tensor x) { return out->forward(torch::tanh(inner->forward(x))); }
   std::shared_ptr<FsdpUnit<Linear>> inner;
@@ -41,16 +55,11 @@ TORCH_MODULE(Block);
 // inner unit nested), a second plain unit; the head stays in the root unit.
 struct FNetImpl : torch::nn::Module {
   FNetImpl() {
-    in = register_module("in", std::make_shared<FsdpUnit<Linear>>(Linear(8, 7)));
-    block = register_module("block", std::make_shared<FsdpUnit<Block>>(Block()));
-    mid = register_module("mid", std::make_shared<FsdpUnit<Linear>>(Linear(8, 8)));
-    head = register_module("head", Linear(8, 4));
-    torch::NoGradGuard g;
     int k = 0;
-    for (auto& p : parameters()) {
-      auto flat = p.view({-1});
-      for (int64_t i = 0; i < flat.numel(); ++i) flat[i] = std::sin(0.37 * (k++)) * 0.5;
-    }
+    in = register_module("in", std::make_shared<FsdpUnit<Linear>>(det_linear(8, 7, k)));
+    block = register_module("block", std::make_shared<FsdpUnit<Block>>(Block(k)));
+    mid = register_module("mid", std::make_shared<FsdpUnit<Linear>>(det_linear(8, 8, k)));
+    head = register_module("head", det_linear(8, 4, k));
   }
   torch::Tensor forward(torch::Tensor x) {
     x = torch::tanh(in->forward(x));
@@ -149,6 +158,16 @@ std::vector<std::map<std::string, torch::Tensor>> train_fsdp(int world, const Tr
   return out;
 }
 
+template <class F>
+void expect_invalid(F&& call, const std::string& words) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one naming: " << words;
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+}
+
 class Fsdp : public ::testing::TestWithParam<int> {};
 
 // The bar: AdamW over 100 steps, 1e-6 relative (float64: the
@@ -222,6 +241,47 @@ TEST(FsdpMemory, ShardsAreOneNthAndUnitsAreFreedAfterUse) {
     }
     // The pool: the unit that runs, the prefetched one, a reduction or two in flight.
     EXPECT_LE(fsdp.memory().gather_bytes, 4 * m.largest_unit * sizeof(float) + 4 * 64);
+  });
+}
+
+// Built under FsdpShardedInit, each unit is sharded as soon as it exists
+// (rank 0's values: rank 1 starts from others), and trains as the whole model.
+TEST(FsdpShardedInit, UnitsAreShardedAsTheyAreBuiltAndTrainTheSame) {
+  const auto want = reference(torch::kFloat, 10);
+  std::vector<std::map<std::string, torch::Tensor>> got(3);
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    std::shared_ptr<FNetImpl> net;
+    {
+      cohort::torch::FsdpShardedInit sharded(borrowed(pg));
+      net = std::make_shared<FNetImpl>();
+      if (pg.rank() == 1) {  // only the root unit's values still live here, and they are broadcast by FSDP
+        torch::NoGradGuard g;
+        net->head->weight.fill_(7.0);
+      }
+    }
+    for (const auto& p : net->named_parameters())
+      if (p.key().rfind("head.", 0) != 0) EXPECT_EQ(p.value().storage().nbytes(), 0u) << p.key() << " is whole";
+    FullyShardedDataParallel fsdp(net, borrowed(pg));
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    FNet holder(net);
+    fsdp_steps(fsdp, opt, holder, {.type = torch::kFloat}, 0, 10);
+    got[pg.rank()] = by_name(fsdp.full_state());
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_LT(rel_error(got[r], want), 1e-4) << "rank " << r;
+  // An FSDP on a group of another size than the one the units were sharded for is refused.
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    std::shared_ptr<FNetImpl> net;
+    {
+      cohort::torch::FsdpShardedInit sharded(borrowed(pg));
+      net = std::make_shared<FNetImpl>();
+    }
+    std::vector<std::shared_ptr<cohort::ProcessGroup>> mine;
+    for (int r = 0; r < 2; ++r) {
+      auto g = pg.new_group({r});
+      if (g) mine.push_back(g);
+    }
+    expect_invalid([&] { FullyShardedDataParallel f(net, mine.front()); }, "was sharded at construction as rank");
   });
 }
 
@@ -317,16 +377,6 @@ TEST(FsdpCheckpoint, FullStateIsThePlainModelsState) {
   });
 }
 
-template <class F>
-void expect_invalid(F&& call, const std::string& words) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one naming: " << words;
-  } catch (const cohort::InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-  }
-}
-
 // A layout that is not this model's is refused, and nothing changes.
 TEST(FsdpCheckpoint, AShardLayoutThatDoesNotFitIsRefusedAndChangesNothing) {
   const SavedRun saved = save_mid_run(2);
@@ -410,7 +460,8 @@ TEST(FsdpErrors, DifferentModelsOrWrappingsAreNamed) {
       struct Unwrapped : torch::nn::Module {  // the same parameters, "in" not a unit
         Unwrapped() {
           register_module("in", Linear(8, 7));
-          register_module("block", Block());
+          int k = 0;
+          register_module("block", Block(k));
           register_module("mid", std::make_shared<FsdpUnit<Linear>>(Linear(8, 8)));
           register_module("head", Linear(8, 4));
         }
