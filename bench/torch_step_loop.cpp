@@ -1,4 +1,5 @@
-// A plain LibTorch training loop (no cohort inside): the example's CNN on
+// A plain LibTorch training loop (no cohort in it: the example model's
+// FsdpUnit wrappers do nothing without an FSDP): the example's CNN on
 // random data, batch 64, SGD with momentum, one intra-op thread. It prints
 // the time and the page faults per step, so that bench/malloc_tuning.sh can
 // show what `cohort run`'s malloc thresholds (COHORT_MALLOC_TUNING, docs/

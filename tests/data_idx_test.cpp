@@ -283,8 +283,8 @@ TEST(RealFashionMnist, SplitsHaveTheirKnownShapes) {
     for (int64_t c : per_class) EXPECT_EQ(c, n / 10);  // Fashion-MNIST is balanced
     if (train) {  // the default mean / stddev are the train split's: it normalises to about 0 / 1
       double sum = 0, sq = 0;
-      for (float v : ds.images()) sum += v, sq += double(v) * v;
-      const double mean = sum / ds.images().size(), var = sq / ds.images().size() - mean * mean;
+      for (uint8_t p : ds.pixels()) sum += ds.normalised(p), sq += double(ds.normalised(p)) * ds.normalised(p);
+      const double mean = sum / ds.pixels().size(), var = sq / ds.pixels().size() - mean * mean;
       EXPECT_NEAR(mean, 0.0, 0.01);
       EXPECT_NEAR(std::sqrt(var), 1.0, 0.01);
     }

@@ -114,6 +114,14 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
   differs("train_samples", "{} training samples", "--train-limit", kOrder);
   differs("model", "--model {}", "--model", "its weights do not fit this model");
   differs("optimizer", "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
+  // FSDP's checkpoints hold the model in shards: they resume under --shard fsdp
+  // only (at any world size), and it resumes only them.
+  if ((shard_of(saved) == "fsdp") != (shard_of(now) == "fsdp"))
+    throw cohort::InvalidArgument(fmt::format(
+        "cannot resume from {}: it was written with --shard {}, this run has --shard {}; a --shard fsdp checkpoint "
+        "holds the model in per-rank shards that only --shard fsdp reads (at any world size). HINT: resume with "
+        "--shard {}, or start a new run with another --checkpoint-dir",
+        ck.path, shard_of(saved), shard_of(now), shard_of(saved)));
   // Sharded (zero1, zero2: the same layout) or whole: either loads into the other (restore).
   if (lead && (shard_of(saved) != "none") != (shard_of(now) != "none"))
     std::printf("resume: the checkpoint was written with --shard %s, this run has --shard %s: its optimizer state is %s\n",
@@ -134,24 +142,45 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
                     show(saved[key]).c_str(), show(now.at(key)).c_str(), goes_on_with);
 }
 
-// Rank `rank`'s part of a sharded checkpoint's optimizer state (that file alone is read).
-std::vector<cohort::NamedTensor> optimizer_part(const std::string& path, int rank) {
-  const std::string name = fmt::format("optimizer.rank{}", rank);
-  auto ck = cohort::load_checkpoint(path, {.only_files = {name}});
-  return std::move(ck.files.at(name));
+// Part `name` of rank `rank` of a sharded checkpoint (that file alone is read).
+std::vector<cohort::NamedTensor> part_of(const std::string& path, const char* name, int rank) {
+  const std::string file = fmt::format("{}.rank{}", name, rank);
+  auto ck = cohort::load_checkpoint(path, {.only_files = {file}});
+  return std::move(ck.files.at(file));
+}
+
+// --shard fsdp: the model's and the optimizer's shards, resharded from the
+// world that wrote them to this one; each rank reads only the files that
+// hold its part. Collective: when any rank fails, every rank throws.
+void restore_fsdp(cohort::torch::FullyShardedDataParallel& fsdp, torch::optim::Optimizer& optimizer,
+                  cohort::ProcessGroup& pg, const std::string& path) {
+  std::string error;
+  try {
+    fsdp.load_state_shards([&](int rank) { return part_of(path, "model", rank); });
+    fsdp.load_optimizer_state_shards(optimizer, [&](int rank) { return part_of(path, "optimizer", rank); });
+  } catch (const cohort::Error& e) {
+    error = e.what();
+  }
+  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
+    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of {}", path)
+                                                : fmt::format("resume: {}", error));
 }
 
 // Loads the checkpoint's state into the model, optimizer and scaler, sets the
 // schedule's offset, restores the CPU RNG, and returns where the run continues.
-Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, const cohort::ProcessGroup& pg,
+Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, cohort::ProcessGroup& pg,
                  int64_t per_rank_samples, Model& model, torch::optim::Optimizer& optimizer,
-                 cohort::torch::GradScaler& scaler, LrSchedule& schedule) {
+                 cohort::torch::GradScaler& scaler, LrSchedule& schedule,
+                 cohort::torch::FullyShardedDataParallel* fsdp) {
   const int world = pg.size();
   const bool lead = pg.rank() == 0;
-  cohort::torch::load_module_state(*model.module, ck.files.at("model"));
+  if (fsdp) restore_fsdp(*fsdp, optimizer, pg, ck.path);
+  else cohort::torch::load_module_state(*model.module, ck.files.at("model"));
   // Sharded optimizer state (--shard) is loaded once the ZeroOptimizer exists (restore_sharded_optimizer).
   const bool sharded = shard_of(nlohmann::json::parse(ck.manifest.config, nullptr, false)) != "none";
-  if (cfg.shard == "none" && sharded) {
+  if (fsdp) {
+    // loaded above
+  } else if (cfg.shard == "none" && sharded) {
     // Written with --shard: every rank's part, gathered into this optimizer's per-parameter state.
     cohort::torch::load_optimizer_state(
         optimizer, cohort::torch::zero_state_to_full(*model.module, [&](int rank) {
@@ -221,7 +250,8 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
 
 Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,
                 int64_t per_rank_samples, Model& model, torch::optim::Optimizer& optimizer,
-                cohort::torch::GradScaler& scaler, LrSchedule& schedule) {
+                cohort::torch::GradScaler& scaler, LrSchedule& schedule,
+                cohort::torch::FullyShardedDataParallel* fsdp) {
   const bool lead = pg.rank() == 0;
   const bool resume = wants_resume(cfg, restart_count(), lead);
   if (!resume && !cfg.ckpt_dir.empty() && lead) note_earlier_checkpoints(cfg.ckpt_dir);
@@ -235,27 +265,32 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   // Rank 0 verifies every file of the checkpoint it chooses (a damaged
   // optimizer part makes it fall back to an older one); the others then
   // read what they need.
-  const cohort::LoadOptions choose{.required_files = {"model"}};
-  const cohort::LoadOptions lopts = cfg.shard == "none"
-                                        ? choose
-                                        : cohort::LoadOptions{.required_files = {"model"}, .only_files = {"model"}};
+  // --shard fsdp writes no whole model: its checkpoints hold model.rank<r>
+  // and optimizer.rank<r> for every rank r (restore_fsdp reads them).
+  const bool fsdp_run = cfg.shard == "fsdp";
+  const cohort::LoadOptions choose{.required_files = {fsdp_run ? "model.rank0" : "model"}};
+  const cohort::LoadOptions lopts =
+      cfg.shard == "none" ? choose
+                          : cohort::LoadOptions{.required_files = choose.required_files, .only_files = choose.required_files};
   std::string chosen;
   if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, choose, cfg.resume, config.at("run").get<std::string>());
   chosen = cohort::torch::broadcast_string(pg, chosen, 0);
   if (chosen.empty()) {
-    if (lead) std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
+    if (lead)
+      std::printf("resume: no valid checkpoint in %s%s, starting from scratch\n", cfg.ckpt_dir.c_str(),
+                  fsdp_run ? " written with --shard fsdp" : "");
     return {};
   }
   const auto ck = cohort::load_checkpoint(chosen, lopts);
   check_resumable(ck, config, lead);
-  return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule);
+  return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule, fsdp);
 }
 
 void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, cohort::ProcessGroup& pg, const Progress& at) {
   std::string error;
   try {
     if (at.sharded_state) {
-      zero.load_state_shards([&](int rank) { return optimizer_part(at.resumed_from, rank); });
+      zero.load_state_shards([&](int rank) { return part_of(at.resumed_from, "optimizer", rank); });
     } else {
       auto ck = cohort::load_checkpoint(at.resumed_from, {.only_files = {"optimizer"}});
       zero.load_full_state(ck.files.at("optimizer"));
@@ -296,8 +331,8 @@ cohort::Manifest manifest_of(cohort::ProcessGroup& pg, const TrainConfig& cfg, c
 
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
                       torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
-                      const cohort::torch::GradScaler& scaler, const LrSchedule& schedule,
-                      const nlohmann::json& config) {
+                      cohort::torch::FullyShardedDataParallel* fsdp, const cohort::torch::GradScaler& scaler,
+                      const LrSchedule& schedule, const nlohmann::json& config) {
   if (cfg.ckpt_dir.empty()) return;
   // Every rank's last step is complete and its gradient collectives did not
   // fail before rank 0 writes (with DDP's stream-ordered wait a failure
@@ -306,10 +341,15 @@ void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Pr
   const bool lead = pg.rank() == 0;
   const auto started = Clock::now();
   std::string path;
-  if (zero) {
-    std::map<std::string, std::vector<cohort::NamedTensor>> files{
-        {fmt::format("optimizer.rank{}", pg.rank()), zero->state_shard()}};
-    if (lead) files["model"] = cohort::torch::module_state(*model.module);
+  if (zero || fsdp) {
+    std::map<std::string, std::vector<cohort::NamedTensor>> files;
+    if (fsdp) {  // no rank holds the whole model: each writes its shard of it
+      files[fmt::format("model.rank{}", pg.rank())] = fsdp->state_shard();
+      files[fmt::format("optimizer.rank{}", pg.rank())] = fsdp->optimizer_state_shard(optimizer);
+    } else {
+      files[fmt::format("optimizer.rank{}", pg.rank())] = zero->state_shard();
+      if (lead) files["model"] = cohort::torch::module_state(*model.module);
+    }
     path = cohort::save_checkpoint_sharded(pg, cfg.ckpt_dir, at.step, files,
                                            lead ? manifest_of(pg, cfg, at, scaler, schedule, config) : cohort::Manifest{},
                                            {.keep_last = cfg.keep});

@@ -139,10 +139,32 @@ torch::Tensor zero_step(Trainer& t, const torch::Tensor& x, const torch::Tensor&
   return loss;
 }
 
+// train_step under --shard fsdp: FSDP clears and clips the gradient shards;
+// model.forward gathers the root unit first (make_fsdp), each layer is
+// gathered as it runs, backward reduce-scatters each layer's gradient into
+// this rank's shard; the optimizer steps the shards.
+torch::Tensor fsdp_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr) {
+  const TrainConfig& cfg = t.cfg;
+  t.optimizer.optimizer->param_groups()[0].options().set_lr(lr);
+  t.fsdp->zero_grad();
+  std::optional<cohort::timeline::Span> forward_span(std::in_place, "forward");  // with the units' allgathers
+  const torch::Tensor loss = forward_loss(t.model, x, y, cfg, t.device.type());
+  forward_span.reset();
+  {
+    cohort::timeline::Span span("backward");  // the units' allgathers and reduce-scatters, overlapped
+    loss.backward();
+  }
+  if (cfg.clip_grad_norm > 0) t.fsdp->clip_grad_norm(cfg.clip_grad_norm);  // the global norm
+  cohort::timeline::Span span("optimizer step");
+  t.optimizer.step();
+  return loss;
+}
+
 }  // namespace
 
 torch::Tensor train_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr) {
   if (t.zero) return zero_step(t, x, y, lr);
+  if (t.fsdp) return fsdp_step(t, x, y, lr);
   const TrainConfig& cfg = t.cfg;
   torch::optim::Optimizer& opt = *t.optimizer.optimizer;
   opt.param_groups()[0].options().set_lr(lr);

@@ -59,7 +59,10 @@ const CLI::Validator kMegabytes = number_check(false, 1 << 20);  // a bucket of 
 int main(int argc, char** argv) {
   TrainConfig cfg;
   CLI::App app{"Fashion-MNIST training with cohort's DistributedDataParallel; run it under `cohort run`"};
-  app.add_option("--model", cfg.model, "cnn (225 k parameters) or mlp (10 M, communication-bound)")->check(CLI::IsMember({"cnn", "mlp"}));
+  app.add_option("--model", cfg.model,
+                 "cnn (225 k parameters), mlp (10 M, communication-bound) or big-mlp (203 M: for --shard fsdp, "
+                 "docs/fsdp.md)")
+      ->check(CLI::IsMember({"cnn", "mlp", "big-mlp"}));
   app.add_option("--epochs", cfg.epochs, "epochs to train")
       ->check(kPositive);
   app.add_option("--train-limit", cfg.train_limit, "train on the first N images only (0: all; short runs in tests)")
@@ -117,8 +120,10 @@ int main(int argc, char** argv) {
       ->excludes(bf16);
   app.add_option("--shard", cfg.shard,
                  "none: DistributedDataParallel; zero1 or zero2: ZeroOptimizer, each rank keeping 1/N of the "
-                 "optimizer state (zero2: gradients reduce-scattered during backward); docs/zero.md")
-      ->check(CLI::IsMember({"none", "zero1", "zero2"}));
+                 "optimizer state (zero2: gradients reduce-scattered during backward; docs/zero.md); fsdp: "
+                 "FullyShardedDataParallel, 1/N of parameters, gradients and optimizer state, each layer whole only "
+                 "while it computes (docs/fsdp.md)")
+      ->check(CLI::IsMember({"none", "zero1", "zero2", "fsdp"}));
   app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
   app.add_flag("--reduce-at-world-size-1", cfg.reduce_at_world_size_1,
                "run DDP's gradient reduction even with one rank (by default a lone rank skips it), as PyTorch does");

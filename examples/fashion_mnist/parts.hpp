@@ -22,6 +22,7 @@
 #include "cohort/data.hpp"
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "cohort/torch_fsdp.hpp"
 #include "cohort/torch_zero.hpp"
 #include "train.hpp"
 
@@ -50,11 +51,14 @@ torch::Device pick_device(const std::string& want, const cohort::ProcessGroup& p
 // the file, what is wrong with it, and --data-dir.
 cohort::data::FashionMnist load_fashion_mnist(const std::string& dir, bool train);
 // --model's network, initialised from LibTorch's generator (seed it first),
-// moved to `device`.
-Model make_model(const std::string& name, const torch::Device& device);
-// --optimizer over `module`'s parameters at learning rate `lr`. The module
-// must be on its device already: the optimizer keeps the tensors it is given.
-Optimizer make_optimizer(const TrainConfig& cfg, torch::nn::Module& module, double lr);
+// moved to `device`. With `shard_group` (--shard fsdp) it is built under
+// FsdpShardedInit: each layer sharded over that group as soon as it exists,
+// so the whole model is never in one rank's memory (collective).
+Model make_model(const std::string& name, const torch::Device& device,
+                 const std::shared_ptr<cohort::ProcessGroup>& shard_group = nullptr);
+// --optimizer over `params` (the model's, on its device already; under
+// --shard fsdp the FSDP's shards) at learning rate `lr`.
+Optimizer make_optimizer(const TrainConfig& cfg, const std::vector<torch::Tensor>& params, double lr);
 // DistributedDataParallel over the model as the flags ask, or nullptr with
 // --no-ddp (which refuses more than one rank). Collective: its constructor
 // broadcasts rank 0's weights, so build it after a resume has loaded them.
@@ -69,6 +73,14 @@ std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConf
 // flags it cannot run with, naming them.
 std::unique_ptr<cohort::torch::ZeroOptimizer> make_zero(const TrainConfig& cfg, const Model& model,
                                                         const std::shared_ptr<cohort::ProcessGroup>& pg, double lr);
+
+// --shard fsdp: FullyShardedDataParallel over the model built by
+// make_model(..., pg), or nullptr otherwise. From then on model.forward
+// calls its pre_forward() first (training and evaluation). Collective;
+// throws InvalidArgument for the flags it cannot run with, naming them.
+std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainConfig& cfg, Model& model,
+                                                                   const std::shared_ptr<cohort::ProcessGroup>& pg,
+                                                                   const torch::Device& device);
 
 // ---- checkpointing.cpp ----
 
@@ -108,18 +120,23 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
 // --checkpoint-dir must be visible to every rank); rank 0 prints what it
 // chose and skipped. Throws InvalidArgument when the checkpoint does not fit
 // this run (`config`, from run_config()). `per_rank_samples` is the sampler's size.
+// Under --shard fsdp (`fsdp` set) the model's and optimizer's shards load
+// into it, resharded from the world that wrote them.
 Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,
                 int64_t per_rank_samples, Model& model, torch::optim::Optimizer& optimizer,
-                cohort::torch::GradScaler& scaler, LrSchedule& schedule);
+                cohort::torch::GradScaler& scaler, LrSchedule& schedule,
+                cohort::torch::FullyShardedDataParallel* fsdp = nullptr);
 // Saves a checkpoint of `at` into --checkpoint-dir (nothing without one),
 // keeping the newest --keep. Collective: every rank calls it; barriers
 // before and after. Without --shard rank 0 writes it all; with --shard
 // (`zero` set) every rank writes its part of the optimizer state beside rank
 // 0's model (save_checkpoint_sharded). Rank 0 prints.
+// Under --shard fsdp (`fsdp` set) every rank writes "model.rank<r>" and
+// "optimizer.rank<r>" and no rank the whole model.
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
                       torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
-                      const cohort::torch::GradScaler& scaler, const LrSchedule& schedule,
-                      const nlohmann::json& config);
+                      cohort::torch::FullyShardedDataParallel* fsdp, const cohort::torch::GradScaler& scaler,
+                      const LrSchedule& schedule, const nlohmann::json& config);
 // --shard after a resume: the optimizer state of the checkpoint `at` resumed
 // from, into this rank's shard: resharded from the world that wrote it to
 // this one when it is sharded (each rank reads only the files that hold its
@@ -139,6 +156,7 @@ struct Trainer {
   cohort::torch::GradScaler& scaler;           // enabled with --fp16-autocast only
   cohort::torch::DistributedDataParallel* ddp;  // nullptr with --no-ddp or --shard
   cohort::torch::ZeroOptimizer* zero;           // --shard zero1|zero2, else nullptr
+  cohort::torch::FullyShardedDataParallel* fsdp;  // --shard fsdp, else nullptr
   std::vector<torch::Tensor> params;            // the model's parameters, for clipping and counting
 };
 

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 #include "model.hpp"
 #include "parts.hpp"
@@ -61,20 +62,26 @@ cohort::data::FashionMnist load_fashion_mnist(const std::string& dir, bool train
   }
 }
 
-Model make_model(const std::string& name, const torch::Device& device) {
+Model make_model(const std::string& name, const torch::Device& device,
+                 const std::shared_ptr<cohort::ProcessGroup>& shard_group) {
+  std::optional<cohort::torch::FsdpShardedInit> sharded;
+  if (shard_group) sharded.emplace(shard_group);
   Model model;
-  if (name == "mlp") {
+  if (name == "big-mlp") {
+    BigMlp m;
+    model = {m.ptr(), [m](torch::Tensor x) mutable { return m->forward(x); }};
+  } else if (name == "mlp") {
     Mlp m;
     model = {m.ptr(), [m](torch::Tensor x) mutable { return m->forward(x); }};
   } else {
     Cnn m;
     model = {m.ptr(), [m](torch::Tensor x) mutable { return m->forward(x); }};
   }
-  model.module->to(device);
+  if (!shard_group) model.module->to(device);  // (FSDP runs on the CPU: make_fsdp refuses another device)
   return model;
 }
 
-Optimizer make_optimizer(const TrainConfig& cfg, torch::nn::Module& module, double lr) {
+Optimizer make_optimizer(const TrainConfig& cfg, const std::vector<torch::Tensor>& params, double lr) {
   Optimizer made;
   auto use = [&](auto owned, auto fused_step) {
     made.step = [o = owned.get(), fused_step, fused = cfg.optimizer_step == "fused"] {
@@ -86,19 +93,39 @@ Optimizer make_optimizer(const TrainConfig& cfg, torch::nn::Module& module, doub
     made.optimizer = std::move(owned);
   };
   if (cfg.optimizer == "adamw")
-    use(std::make_unique<torch::optim::AdamW>(module.parameters(),
+    use(std::make_unique<torch::optim::AdamW>(params,
                                               torch::optim::AdamWOptions(lr).weight_decay(cfg.weight_decay)),
         cohort::torch::adamw_step);
   else
     use(std::make_unique<torch::optim::SGD>(
-            module.parameters(), torch::optim::SGDOptions(lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay)),
+            params, torch::optim::SGDOptions(lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay)),
         cohort::torch::sgd_step);
   return made;
 }
 
+std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainConfig& cfg, Model& model,
+                                                                   const std::shared_ptr<cohort::ProcessGroup>& pg,
+                                                                   const torch::Device& device) {
+  if (cfg.shard != "fsdp") return nullptr;
+  const auto refuse = [&](const char* flag, const char* why) {
+    throw cohort::InvalidArgument(fmt::format("--shard fsdp does not run with {}: {}", flag, why));
+  };
+  if (cfg.no_ddp) refuse("--no-ddp", "FSDP is data parallel; drop one of them");
+  if (cfg.no_allreduce) refuse("--no-allreduce", "each rank steps only its shard, so the gradients must be reduced");
+  if (cfg.comm_hook != "allreduce") refuse("--comm-hook", "FSDP reduce-scatters at full precision");
+  if (cfg.fp16_autocast) refuse("--fp16-autocast", "FSDP runs on the CPU for now; use --bf16-autocast");
+  if (!device.is_cpu()) refuse("--device cuda", "FSDP runs on the CPU for now (docs/fsdp.md)");
+  auto fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model.module, pg);
+  model.forward = [f = fsdp.get(), forward = std::move(model.forward)](torch::Tensor x) {
+    f->pre_forward();  // gathers the root unit (the last layer), broadcasts buffers
+    return forward(std::move(x));
+  };
+  return fsdp;
+}
+
 std::unique_ptr<cohort::torch::ZeroOptimizer> make_zero(const TrainConfig& cfg, const Model& model,
                                                         const std::shared_ptr<cohort::ProcessGroup>& pg, double lr) {
-  if (cfg.shard == "none") return nullptr;
+  if (cfg.shard != "zero1" && cfg.shard != "zero2") return nullptr;
   const auto refuse = [&](const char* flag, const char* why) {
     throw cohort::InvalidArgument(fmt::format("--shard {} does not run with {}: {}", cfg.shard, flag, why));
   };

@@ -60,15 +60,23 @@ void print_throughput(const TrainConfig& cfg, cohort::ProcessGroup& pg, const st
 }
 
 // The largest per-rank peak resident memory, and the optimizer state one rank
-// holds (under --shard its shard, with what the ZeroOptimizer keeps).
+// holds (under --shard its shard, with what the ZeroOptimizer or FSDP keeps).
 // Collective; rank 0 prints.
 void print_memory(const TrainConfig& cfg, cohort::ProcessGroup& pg, torch::optim::Optimizer& optimizer,
-                  cohort::torch::ZeroOptimizer* zero) {
+                  cohort::torch::ZeroOptimizer* zero, cohort::torch::FullyShardedDataParallel* fsdp) {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   const double peak_mb = cohort::torch::allreduce_scalar(pg, usage.ru_maxrss / 1024.0, cohort::ReduceOp::Max);
   if (pg.rank() != 0) return;
   constexpr double kMiB = 1 << 20;
+  if (fsdp) {
+    const auto m = fsdp->memory();
+    std::printf("RESULT memory model=%s shard=fsdp world=%d peak_rss_mb=%.1f optimizer_state_mb=%.2f params=%zu "
+                "shard_elements=%zu units=%zu param_shard_mb=%.2f grad_shard_mb=%.2f gather_mb=%.2f\n",
+                cfg.model.c_str(), pg.size(), peak_mb, cohort::torch::optimizer_state_bytes(optimizer) / kMiB, m.params,
+                m.shard, m.units, m.shard_bytes / kMiB, m.grad_shard_bytes / kMiB, m.gather_bytes / kMiB);
+    return;
+  }
   if (!zero) {
     std::printf("RESULT memory model=%s shard=none world=%d peak_rss_mb=%.1f optimizer_state_mb=%.2f\n", cfg.model.c_str(),
                 pg.size(), peak_mb, cohort::torch::optimizer_state_bytes(optimizer) / kMiB);
@@ -113,9 +121,12 @@ int train(const TrainConfig& cfg) {
   cohort::data::FashionMnist train_set = load_fashion_mnist(cfg.data_dir, true);
   cohort::data::FashionMnist test_set = load_fashion_mnist(cfg.data_dir, false);
 
-  Model model = make_model(cfg.model, device);
+  // --shard fsdp: each layer sharded as it is built, then FSDP over them
+  // (before the optimizer: it steps the shards).
+  Model model = make_model(cfg.model, device, cfg.shard == "fsdp" ? pg : nullptr);
+  const auto fsdp = make_fsdp(cfg, model, pg, device);
   const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
-  Optimizer optimizer = make_optimizer(cfg, *model.module, peak_lr);
+  Optimizer optimizer = make_optimizer(cfg, fsdp ? fsdp->parameters() : model.module->parameters(), peak_lr);
   // fp16 autocast: the loss is scaled before backward so small gradients do
   // not underflow in fp16; the scaler skips a step whose gradients overflowed.
   // Its scale and growth tracker are saved with the schedule (exact resume).
@@ -125,14 +136,14 @@ int train(const TrainConfig& cfg) {
   LrSchedule schedule{.peak = peak_lr, .warmup = cfg.warmup_steps, .total = batches(sampler.size(), cfg.batch_size) * cfg.epochs};
 
   const nlohmann::json config = run_config(cfg, device, train_n, world, job_run_id());
-  Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule);
+  Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule, fsdp.get());
   const auto zero = make_zero(cfg, model, pg, peak_lr);  // --shard: in place of DDP (and of `optimizer`'s step)
   if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, *pg, at);
   const auto ddp = make_ddp(cfg, model, pg, device);
   Trainer t{.cfg = cfg, .pg = *pg, .device = device, .model = model, .optimizer = optimizer, .scaler = scaler,
-            .ddp = ddp.get(), .zero = zero.get(), .params = model.module->parameters()};
+            .ddp = ddp.get(), .zero = zero.get(), .fsdp = fsdp.get(), .params = model.module->parameters()};
   const auto save = [&](const Progress& p) {
-    write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, zero.get(), scaler, schedule, config);
+    write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, zero.get(), fsdp.get(), scaler, schedule, config);
   };
 
   // Step breakdown (compute / exposed communication / data wait) and the timeline's "train" track.
@@ -151,7 +162,7 @@ int train(const TrainConfig& cfg) {
     save(at);
   }
   print_throughput(cfg, *pg, t.params, at.step, timed);
-  print_memory(cfg, *pg, *optimizer.optimizer, zero.get());
+  print_memory(cfg, *pg, *optimizer.optimizer, zero.get(), fsdp.get());
   metrics.finish();
   if (lead) std::fputs(metrics.report().c_str(), stdout);
   if (lead) print_final_accuracy(cfg, world, at.step, last);

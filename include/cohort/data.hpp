@@ -9,6 +9,7 @@
 // Torch-free: batches are plain vectors with shapes; the LibTorch adapter wraps them.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -180,13 +181,18 @@ class COHORT_API FashionMnist : public Dataset {
   std::vector<int64_t> sample_shape() const override { return {1, rows_, cols_}; }
   void get(int64_t index, float* x_out, int64_t* y_out) const override;
 
-  const std::vector<float>& images() const { return images_; }  // size() * rows * cols, normalised
+  // The raw pixels, size() * rows * cols: 1 byte each in memory (get()
+  // normalises the sample it copies), a quarter of what floats would take on
+  // every rank.
+  const std::vector<uint8_t>& pixels() const { return pixels_; }
+  float normalised(uint8_t pixel) const { return normalised_[pixel]; }
   const std::vector<int64_t>& labels() const { return labels_; }
   static bool available(const std::string& dir = FashionMnistOptions{}.dir);  // all four files present
 
  private:
   int64_t rows_ = 0, cols_ = 0;
-  std::vector<float> images_;
+  std::vector<uint8_t> pixels_;
+  std::array<float, 256> normalised_{};
   std::vector<int64_t> labels_;
 };
 

@@ -68,10 +68,8 @@ FashionMnist::FashionMnist(const FashionMnistOptions& o) {
   rows_ = images.dims[1];
   cols_ = images.dims[2];
 
-  std::array<float, 256> normalised{};
-  for (int p = 0; p < 256; ++p) normalised[p] = (static_cast<float>(p) / 255.0f - o.mean) / o.stddev;
-  images_.resize(images.data.size());
-  std::transform(images.data.begin(), images.data.end(), images_.begin(), [&](uint8_t p) { return normalised[p]; });
+  for (int p = 0; p < 256; ++p) normalised_[p] = (static_cast<float>(p) / 255.0f - o.mean) / o.stddev;
+  pixels_ = std::move(images.data);
 
   labels_.resize(labels.data.size());
   for (size_t i = 0; i < labels.data.size(); ++i) {
@@ -86,7 +84,8 @@ void FashionMnist::get(int64_t index, float* x_out, int64_t* y_out) const {
   if (index < 0 || index >= size())
     throw InvalidArgument(fmt::format("FashionMnist::get: index {} is out of range for {} samples", index, size()));
   const int64_t pixels = rows_ * cols_;
-  std::memcpy(x_out, images_.data() + index * pixels, static_cast<size_t>(pixels) * sizeof(float));
+  const uint8_t* from = pixels_.data() + index * pixels;
+  for (int64_t i = 0; i < pixels; ++i) x_out[i] = normalised_[from[i]];
   *y_out = labels_[static_cast<size_t>(index)];
 }
 

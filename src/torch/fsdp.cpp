@@ -5,8 +5,7 @@
 // Per unit u (an FsdpUnit module, or the root: the parameters outside any):
 //   - its trainable parameters, flattened in registration order and padded
 //     to a multiple of N elements: `count`; rank r keeps chunk r (count / N)
-//     in the shard buffer (shared memory on one host, so that the allgather
-//     takes the single-copy path: peers read the chunk where it lies);
+//     in the shard buffer (private memory: see shard_units);
 //   - one c10::StorageImpl that every parameter of the unit views. Gathered,
 //     its data pointer is a slot of the gather pool, filled by the allgather;
 //     freed, it points at nothing (nbytes 0). Autograd's saved tensors view
@@ -564,7 +563,12 @@ void FullyShardedDataParallel::shard_units() {
     shard_total += round64(u.chunk_bytes());
     st.slot_bytes = std::max(st.slot_bytes, round64(u.bytes()));
   }
-  st.shards = group_->allocate_buffer(std::max<size_t>(shard_total, 64));
+  // Private memory, not a shared buffer: a single-copy allgather would map
+  // every peer's shards into each rank (their pages counted in its resident
+  // set, the whole model's worth by the end of a step); the ring moves a
+  // chunk through the transport's slots instead. The gather slots, which
+  // peers read only a chunk of in the reduce-scatter, stay shared.
+  st.shards = std::make_shared<std::byte[]>(std::max<size_t>(shard_total, 64));
   st.grad_shards = std::make_unique<std::byte[]>(std::max<size_t>(shard_total, 64));  // zeroed
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i) {
