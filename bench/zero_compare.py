@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Sharded optimizers: cohort's ZeroOptimizer (ZeRO-1, ZeRO-2) and DDP against
-PyTorch 2.13's ZeroRedundancyOptimizer and DDP (gloo), on the Fashion-MNIST
-example, AdamW, at world 2, interleaved REPS times (median). Per run: images/s,
-the largest per-rank peak RSS, and rank 0's optimizer state. One intra-op
-thread per rank on both sides. Invoked by bench/zero_compare.sh; the table goes
-to docs/performance.md (bench/write_performance.py renders it from --csv).
+"""Sharded data parallelism: cohort's ZeroOptimizer (ZeRO-1, ZeRO-2),
+FullyShardedDataParallel and DDP against PyTorch 2.13's ZeroRedundancyOptimizer,
+FSDP2 (fully_shard on a CPU mesh) and DDP (gloo), on the Fashion-MNIST example,
+AdamW, interleaved REPS times (median). Per run: images/s, the largest
+per-rank peak RSS, and rank 0's optimizer state. One intra-op thread per rank
+on both sides. Invoked by bench/zero_compare.sh; the tables go to
+docs/performance.md (bench/write_performance.py renders them from --csv).
 
     bench/zero_compare.sh [--reps 3] [--model mlp] [--steps 120] [--csv docs/perf/zero-np2.csv]
+    bench/zero_compare.sh --world 4 --model big-mlp --steps 5 --timing-skip 2 --reps 1 \
+        --configs ddp,fsdp --csv docs/perf/fsdp-np4.csv      # FSDP's memory against DDP's
 """
 import argparse
 import os
@@ -22,9 +25,12 @@ import perf_csv  # noqa: E402
 
 CSV_HEADER = "measured_utc,bench,model,world,who,config,rep,imgs_per_s,peak_rss_mb,optimizer_state_mb"
 # (who, config) in the order of the table's rows; ratios compare each cohort row with the peer row named.
-ROWS = [("cohort", "ddp"), ("cohort", "zero1"), ("cohort", "zero2"), ("pytorch2.13", "ddp"), ("pytorch2.13", "zero")]
+ROWS = [("cohort", "ddp"), ("cohort", "zero1"), ("cohort", "zero2"), ("cohort", "fsdp"), ("pytorch2.13", "ddp"),
+        ("pytorch2.13", "zero"), ("pytorch2.13", "fsdp")]
 RATIOS = [(("cohort", "zero1"), ("pytorch2.13", "zero")), (("cohort", "zero2"), ("pytorch2.13", "zero")),
-          (("cohort", "ddp"), ("pytorch2.13", "ddp"))]
+          (("cohort", "fsdp"), ("pytorch2.13", "fsdp")), (("cohort", "ddp"), ("pytorch2.13", "ddp")),
+          (("cohort", "fsdp"), ("cohort", "ddp")), (("pytorch2.13", "fsdp"), ("pytorch2.13", "ddp"))]
+PEER_FLAG = {"ddp": [], "zero": ["--zero"], "fsdp": ["--fsdp"]}
 
 
 def figures(text):
@@ -45,18 +51,18 @@ def launch(cmd):
     return got
 
 
-def ours(build, model, world, steps, config):
+def ours(build, model, world, steps, skip, config):
     cmd = [f"{build}/cohort", "run", "--nproc-per-node", str(world), f"{build}/fashion_mnist", "--model", model,
            "--max-steps", str(steps), "--augment", "none", "--epochs", "1", "--optimizer", "adamw",
-           "--warmup-steps", "0"]
+           "--warmup-steps", "0", "--warmup-timing-steps", str(skip)]
     return launch(cmd + ([] if config == "ddp" else ["--shard", config]))
 
 
-def peer(python, model, world, steps, config):
+def peer(python, model, world, steps, skip, config):
     cmd = [python, "-m", "torch.distributed.run", "--redirects", "9:0", "--tee", "9:0", "--standalone",
            "--nproc_per_node", str(world), f"{HERE}/peers/torch_ddp_fmnist.py", "--model", model, "--max-steps",
-           str(steps), "--optimizer", "adamw"]
-    return launch(cmd + (["--zero"] if config == "zero" else []))
+           str(steps), "--optimizer", "adamw", "--warmup-steps", str(skip)]
+    return launch(cmd + PEER_FLAG[config])
 
 
 def write_csv(path, model, world, results):
@@ -81,7 +87,7 @@ def table(results, model, world, reps):
         return statistics.median(vals) if vals else None
 
     f = lambda v, fmt="{:.0f}": "-" if v is None else fmt.format(v)  # noqa: E731
-    out = [f"| who | optimizer | images/s | peak RSS per rank (MB) | optimizer state per rank (MB) |", "|---|---|---|---|---|"]
+    out = [f"| who | sharding | images/s | peak RSS per rank (MB) | optimizer state per rank (MB) |", "|---|---|---|---|---|"]
     for key in ROWS:
         if key in results:
             out.append(f"| {key[0]} | {key[1]} | {f(med(key, 0))} | {f(med(key, 1))} | {f(med(key, 2), '{:.1f}')} |")
@@ -102,8 +108,11 @@ def table(results, model, world, reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
+    ap.add_argument("--model", default="mlp", choices=["mlp", "cnn", "big-mlp"])
     ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--timing-skip", type=int, default=20, help="first steps left out of images/s (both sides)")
+    ap.add_argument("--configs", default="ddp,zero1,zero2,zero,fsdp",
+                    help="which rows to run (cohort's ddp, zero1, zero2, fsdp; PyTorch's ddp, zero, fsdp)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--build", default=ddp_scaling.BUILD)
     ap.add_argument("--csv", metavar="FILE", help="also write every run's figures here (docs/perf/zero-np2.csv)")
@@ -111,10 +120,13 @@ def main():
     py = subprocess.run([f"{ddp_scaling.ROOT}/scripts/install-pytorch-peer.sh", "2.13.0"],
                         stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
     results = {}
+    wanted = set(args.configs.split(","))
     for rep in range(args.reps):
         for who, config in ROWS:
-            got = (ours(args.build, args.model, args.world, args.steps, config) if who == "cohort"
-                   else peer(py, args.model, args.world, args.steps, config))
+            if config not in wanted:
+                continue
+            got = (ours(args.build, args.model, args.world, args.steps, args.timing_skip, config) if who == "cohort"
+                   else peer(py, args.model, args.world, args.steps, args.timing_skip, config))
             print(f"# rep {rep + 1}/{args.reps} {who} {config}: {got}", file=sys.stderr, flush=True)
             results.setdefault((who, config), []).append(got)
     print(table(results, args.model, args.world, args.reps))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sharded optimizers: cohort's ZeroOptimizer and DDP vs PyTorch 2.13's
-# ZeroRedundancyOptimizer and DDP (gloo) on Fashion-MNIST, AdamW, world 2.
+# Sharded data parallelism: cohort's ZeroOptimizer, FSDP and DDP vs PyTorch
+# 2.13's ZeroRedundancyOptimizer, FSDP2 and DDP (gloo) on Fashion-MNIST, AdamW.
 #   bench/zero_compare.sh [--reps 3] [--model mlp] [--steps 120] [--csv docs/perf/zero-np2.csv]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

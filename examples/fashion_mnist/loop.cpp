@@ -76,7 +76,7 @@ torch::Tensor forward_loss(Model& model, const torch::Tensor& x, const torch::Te
     cohort::torch::Autocast autocast(cfg.fp16_autocast ? torch::kHalf : torch::kBFloat16, true, device);
     return torch::cross_entropy_loss(model.forward(x).to(torch::kFloat), y);
   }
-  return torch::cross_entropy_loss(model.forward(x), y);
+  return torch::cross_entropy_loss(model.forward(x).to(torch::kFloat), y);  // (bf16 under --param-dtype bf16)
 }
 
 std::string eta(double s) { return fmt::format("{}:{:02d}", static_cast<int>(s) / 60, static_cast<int>(s) % 60); }

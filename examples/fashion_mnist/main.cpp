@@ -124,6 +124,10 @@ int main(int argc, char** argv) {
                  "FullyShardedDataParallel, 1/N of parameters, gradients and optimizer state, each layer whole only "
                  "while it computes (docs/fsdp.md)")
       ->check(CLI::IsMember({"none", "zero1", "zero2", "fsdp"}));
+  app.add_option("--param-dtype", cfg.param_dtype,
+                 "with --shard fsdp: fp32, or bf16 (mixed precision: layers gathered and computing in bf16, fp32 "
+                 "master shards, gradients reduced in fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
   app.add_flag("--reduce-at-world-size-1", cfg.reduce_at_world_size_1,
                "run DDP's gradient reduction even with one rank (by default a lone rank skips it), as PyTorch does");

@@ -106,7 +106,12 @@ Optimizer make_optimizer(const TrainConfig& cfg, const std::vector<torch::Tensor
 std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainConfig& cfg, Model& model,
                                                                    const std::shared_ptr<cohort::ProcessGroup>& pg,
                                                                    const torch::Device& device) {
-  if (cfg.shard != "fsdp") return nullptr;
+  if (cfg.shard != "fsdp") {
+    if (cfg.param_dtype != "fp32")
+      throw cohort::InvalidArgument("--param-dtype is for --shard fsdp; HINT: for bf16 compute without FSDP use "
+                                    "--bf16-autocast");
+    return nullptr;
+  }
   const auto refuse = [&](const char* flag, const char* why) {
     throw cohort::InvalidArgument(fmt::format("--shard fsdp does not run with {}: {}", flag, why));
   };
@@ -115,7 +120,12 @@ std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainCo
   if (cfg.comm_hook != "allreduce") refuse("--comm-hook", "FSDP reduce-scatters at full precision");
   if (cfg.fp16_autocast) refuse("--fp16-autocast", "FSDP runs on the CPU for now; use --bf16-autocast");
   if (!device.is_cpu()) refuse("--device cuda", "FSDP runs on the CPU for now (docs/fsdp.md)");
-  auto fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model.module, pg);
+  if (cfg.param_dtype == "bf16" && cfg.bf16_autocast)
+    refuse("--bf16-autocast and --param-dtype bf16", "pick one: autocast casts per operation, --param-dtype bf16 "
+                                                      "gathers the layers in bf16 already");
+  cohort::torch::FsdpOptions opts;
+  if (cfg.param_dtype == "bf16") opts.param_dtype = torch::kBFloat16;
+  auto fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model.module, pg, opts);
   model.forward = [f = fsdp.get(), forward = std::move(model.forward)](torch::Tensor x) {
     f->pre_forward();  // gathers the root unit (the last layer), broadcasts buffers
     return forward(std::move(x));

@@ -41,6 +41,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -64,6 +65,13 @@ class COHORT_API FsdpUnitBase : public ::torch::nn::Module {
   // After it: they are freed; with autograd on, `out` comes back wrapped so
   // that its backward gathers them again first.
   ::torch::Tensor leave(::torch::Tensor out);
+  // A floating tensor input in FsdpOptions::param_dtype when one is set;
+  // anything else as it is.
+  ::torch::Tensor cast_input(::torch::Tensor t) const;
+  template <class A>
+  A&& cast_input(A&& a) const {
+    return std::forward<A>(a);
+  }
 
  protected:
   // The end of a unit's construction: under an FsdpShardedInit, the unit is
@@ -98,7 +106,7 @@ class FsdpUnit : public FsdpUnitBase {
                   "FsdpUnit<M>: M::forward must return one torch::Tensor (backward gathers the unit again when "
                   "the gradient reaches it); wrap a module that does, or return a tuple from outside the unit");
     enter();
-    return leave(inner_->forward(std::forward<Args>(args)...));
+    return leave(inner_->forward(cast_input(std::forward<Args>(args))...));
   }
   M& inner() { return inner_; }
 
@@ -138,6 +146,13 @@ struct COHORT_API FsdpOptions {
   // when it starts.
   int prefetch = 1;
   bool broadcast_buffers = true;  // rank 0's buffers in pre_forward(), as DDP's
+  // Mixed precision: the units are gathered and compute in this dtype (bf16,
+  // say: half the bytes to move, bf16 matmuls), while the shards the
+  // optimizer steps stay in the parameters' own dtype (fp32 master weights).
+  // Gradients are reduce-scattered in the master dtype. A unit's floating
+  // tensor inputs are cast to it; cast the model's input yourself when the
+  // root unit computes first. Unset: no casting.
+  std::optional<::torch::ScalarType> param_dtype;
 };
 
 // What this rank holds, in elements and bytes.

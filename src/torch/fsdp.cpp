@@ -50,8 +50,10 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     std::vector<size_t> params;   // indices into State::params
     std::vector<size_t> offsets;  // each one's first element in the flat unit
     size_t used = 0, count = 0, chunk = 0;
-    ::torch::ScalarType type = ::torch::kFloat;
+    ::torch::ScalarType type = ::torch::kFloat;     // the shard's (master) dtype: the parameters' own
     DType dtype = DType::F32;
+    ::torch::ScalarType compute = ::torch::kFloat;  // the gathered parameters' (FsdpOptions::param_dtype)
+    DType compute_dtype = DType::F32;
     std::byte* shard = nullptr;       // chunk `rank` of the flat parameters
     std::byte* grad_shard = nullptr;  // the averaged gradient of that chunk, accumulated
     c10::Storage storage;             // what the parameters view
@@ -61,6 +63,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     bool reduced = false;             // reduce-scattered (or, under no_sync, released) in this backward
     ::torch::Tensor shard_param;      // a 1-D view of `shard` whose .grad views `grad_shard`
     size_t bytes() const { return count * dtype_size(dtype); }
+    size_t compute_bytes() const { return count * dtype_size(compute_dtype); }
     size_t chunk_bytes() const { return chunk * dtype_size(dtype); }
   };
   struct Pending {  // a reduce_scatter in flight
@@ -128,13 +131,24 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   }
 
   // Starts gathering unit u (nothing when it is gathered or on its way).
+  // Mixed precision: this rank's chunk cast into its place in the slot, then
+  // an in-place allgather in the compute dtype.
   void gather(size_t i) {
     Unit& u = units[i];
     if (u.slot >= 0 || u.count == 0) return;
     u.slot = acquire();
     std::byte* full = slots[static_cast<size_t>(u.slot)].get();
-    point_storage(u, full, u.bytes());
-    u.gathering = group->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{full, u.count, u.dtype});
+    point_storage(u, full, u.compute_bytes());
+    if (u.compute == u.type) {
+      u.gathering = group->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{full, u.count, u.dtype});
+      return;
+    }
+    std::byte* mine = full + static_cast<size_t>(rank) * u.chunk * dtype_size(u.compute_dtype);
+    const auto n_ = static_cast<int64_t>(u.chunk);
+    ::torch::NoGradGuard no_grad;
+    ::torch::from_blob(mine, {n_}, ::torch::TensorOptions().dtype(u.compute))
+        .copy_(::torch::from_blob(u.shard, {n_}, ::torch::TensorOptions().dtype(u.type)));
+    u.gathering = group->allgather(Buffer{mine, u.chunk, u.compute_dtype}, Buffer{full, u.count, u.compute_dtype});
   }
   // Unit u gathered and complete.
   void materialize(size_t i) {
@@ -222,11 +236,16 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       std::byte* to = full + u.offsets[j] * es;
       const auto& g = p.grad();
       if (g.defined()) {
-        if (g.is_sparse() || g.scalar_type() != u.type)
+        if (g.is_sparse() || g.scalar_type() != u.compute)
           throw InvalidArgument(fmt::format("FullyShardedDataParallel: the gradient of '{}' is not a dense {} tensor",
-                                            names[u.params[j]], c10::toString(u.type)));
-        const ::torch::Tensor c = g.contiguous();
-        std::memcpy(to, c.data_ptr(), static_cast<size_t>(p.numel()) * es);
+                                            names[u.params[j]], c10::toString(u.compute)));
+        if (u.compute == u.type) {
+          const ::torch::Tensor c = g.contiguous();
+          std::memcpy(to, c.data_ptr(), static_cast<size_t>(p.numel()) * es);
+        } else {  // reduced in the master dtype
+          ::torch::NoGradGuard no_grad;
+          ::torch::from_blob(to, p.sizes(), ::torch::TensorOptions().dtype(u.type)).copy_(g);
+        }
       } else {
         std::memset(to, 0, static_cast<size_t>(p.numel()) * es);
       }
@@ -382,6 +401,13 @@ void FsdpUnitBase::enter() {
   if (fsdp_) fsdp_->state_->enter(unit_);
 }
 
+::torch::Tensor FsdpUnitBase::cast_input(::torch::Tensor t) const {
+  if (!fsdp_ || !t.defined() || !fsdp_->opts_.param_dtype || !t.is_floating_point() ||
+      t.scalar_type() == *fsdp_->opts_.param_dtype)
+    return t;
+  return t.to(*fsdp_->opts_.param_dtype);
+}
+
 ::torch::Tensor FsdpUnitBase::leave(::torch::Tensor out) {
   if (!fsdp_) return out;
   auto& st = fsdp_->state_;
@@ -491,6 +517,12 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::
                                         c10::toString(unit.type), st.names[unit.params.front()]));
     unit.type = p.scalar_type();
     unit.dtype = to_dtype(p.scalar_type());
+    unit.compute = opts_.param_dtype.value_or(unit.type);
+    unit.compute_dtype = to_dtype(unit.compute);
+    if (opts_.param_dtype && !(c10::isFloatingType(unit.type) && c10::isFloatingType(unit.compute)))
+      throw InvalidArgument(fmt::format("{}: param_dtype {} for parameter '{}' of {}: mixed precision casts floating "
+                                        "parameters to a floating dtype",
+                                        kWho, c10::toString(unit.compute), item.key(), c10::toString(unit.type)));
     unit.params.push_back(st.params.size());
     unit.offsets.push_back(unit.used);
     unit.used += static_cast<size_t>(p.numel());
@@ -582,6 +614,14 @@ void FullyShardedDataParallel::shard_units() {
       std::memcpy(u.shard, module->pre_->chunk.data_ptr(), u.chunk_bytes());
       u.storage = module->pre_->storage;
       module->pre_.reset();
+      if (u.compute != u.type) {  // the parameters view a storage of the compute dtype instead
+        ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, ::torch::TensorOptions().dtype(u.compute));
+        for (size_t j = 0; j < u.params.size(); ++j) {
+          ::torch::Tensor& p = st.params[u.params[j]];
+          p.set_data(flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel()).view(p.sizes()));
+        }
+        u.storage = flat.storage();
+      }
     } else {
       ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(u.count)}, opt);
       for (size_t j = 0; j < u.params.size(); ++j) {
@@ -592,6 +632,13 @@ void FullyShardedDataParallel::shard_units() {
       }
       std::memcpy(u.shard, static_cast<std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
                   u.chunk_bytes());
+      if (u.compute != u.type) {  // mixed precision: the parameters view a compute-dtype storage
+        flat = flat.to(u.compute);
+        for (size_t j = 0; j < u.params.size(); ++j) {
+          ::torch::Tensor& p = st.params[u.params[j]];
+          p.set_data(flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel()).view(p.sizes()));
+        }
+      }
       u.storage = flat.storage();
     }
     State::point_storage(u, nullptr, 0);  // the whole unit freed; this rank's chunk lives on in the shard
@@ -788,10 +835,16 @@ std::vector<NamedTensor> FullyShardedDataParallel::full_state() {
   st.check_usable();
   std::map<size_t, NamedTensor> trained;  // by parameter index
   for (size_t i = 0; i < st.units.size(); ++i) {
-    const bool was_gathered = st.units[i].slot >= 0;
-    st.materialize(i);
-    for (size_t p : st.units[i].params) trained.emplace(p, to_named(st.names[p], st.params[p]));
-    if (!was_gathered) st.release(i);
+    const Unit& u = st.units[i];
+    if (u.count == 0) continue;
+    // The shards themselves (the master dtype under mixed precision), one unit at a time.
+    ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, ::torch::TensorOptions().dtype(u.type));
+    st.wait(group_->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{flat.data_ptr(), u.count, u.dtype}));
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      const size_t p = u.params[j];
+      trained.emplace(p, to_named(st.names[p], flat.narrow(0, static_cast<int64_t>(u.offsets[j]), st.params[p].numel())
+                                                   .view(st.params[p].sizes())));
+    }
   }
   std::vector<NamedTensor> out;
   for (const auto& item : module_->named_parameters(true)) {

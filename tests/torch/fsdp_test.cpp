@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 
+#include "cohort/torch.hpp"
 #include "cohort/torch_fsdp.hpp"
 #include "cohort/torch_train.hpp"
 #include "test_util.hpp"
@@ -121,16 +122,20 @@ struct Train {
   int prefetch = 1;
 };
 
-// Steps [from, to) of the schedule on an existing FSDP.
-void fsdp_steps(FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt, FNet& net, const Train& t, int from, int to) {
+// Steps [from, to) of the schedule on an existing FSDP; returns each step's
+// loss on the global batch (the mean of the ranks' losses).
+std::vector<double> fsdp_steps(FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt, FNet& net, const Train& t,
+                               int from, int to) {
   const int world = fsdp.group().size(), rank = fsdp.group().rank();
   const int64_t local = kGlobal / world;
+  std::vector<double> losses;
   for (int s = from; s < to; ++s) {
     fsdp.zero_grad();
     for (int m = 0; m < t.micro; ++m) {
       const int64_t at = (s * t.micro + m) * kGlobal + rank * local;
       fsdp.pre_forward();
       auto loss = torch::mse_loss(net->forward(inputs(at, local).to(t.type)), targets(at, local).to(t.type));
+      if (m == 0) losses.push_back(cohort::torch::allreduce_scalar(fsdp.group(), loss.item<double>()) / world);
       if (t.no_sync && m + 1 < t.micro) {
         auto guard = fsdp.no_sync();
         loss.backward();
@@ -142,6 +147,7 @@ void fsdp_steps(FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt, FNet& 
     if (t.fused) cohort::torch::adamw_step(opt);
     else opt.step();
   }
+  return losses;
 }
 
 std::vector<std::map<std::string, torch::Tensor>> train_fsdp(int world, const Train& t) {
@@ -261,7 +267,9 @@ TEST(FsdpShardedInit, UnitsAreShardedAsTheyAreBuiltAndTrainTheSame) {
       }
     }
     for (const auto& p : net->named_parameters())
-      if (p.key().rfind("head.", 0) != 0) EXPECT_EQ(p.value().storage().nbytes(), 0u) << p.key() << " is whole";
+      if (p.key().rfind("head.", 0) != 0) {
+        EXPECT_EQ(p.value().storage().nbytes(), 0u) << p.key() << " is whole";
+      }
     FullyShardedDataParallel fsdp(net, borrowed(pg));
     torch::optim::AdamW opt(fsdp.parameters(), adamw());
     FNet holder(net);
@@ -283,6 +291,41 @@ TEST(FsdpShardedInit, UnitsAreShardedAsTheyAreBuiltAndTrainTheSame) {
     }
     expect_invalid([&] { FullyShardedDataParallel f(net, mine.front()); }, "was sharded at construction as rank");
   });
+}
+
+// Mixed precision: units gathered and computing in bf16, the shards (master
+// weights), their gradients and the optimizer state in float32. Close to the
+// float32 run (bf16 keeps 8 bits of mantissa), and the state is float32.
+TEST(FsdpMixedPrecision, Bf16ComputeOnFloat32MasterShards) {
+  const auto want = reference(torch::kFloat, 20);
+  std::vector<std::map<std::string, torch::Tensor>> got(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg), {.param_dtype = torch::kBFloat16});
+    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat) << "master shards";
+    for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16) << "compute copies";
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    const int64_t local = kGlobal / 2;
+    for (int s = 0; s < 20; ++s) {
+      fsdp.zero_grad();
+      fsdp.pre_forward();
+      const int64_t at = s * kGlobal + pg.rank() * local;
+      auto x = inputs(at, local).to(torch::kBFloat16);  // the root computes last here; units cast their inputs
+      torch::mse_loss(net->forward(x).to(torch::kFloat), targets(at, local)).backward();
+      for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+      cohort::torch::adamw_step(opt);
+    }
+    got[pg.rank()] = by_name(fsdp.full_state());
+    for (const auto& [name, t] : got[pg.rank()]) EXPECT_EQ(t.scalar_type(), torch::kFloat) << name;
+  });
+  for (int r = 0; r < 2; ++r) {
+    double worst = 0;
+    for (const auto& [name, w] : want) worst = std::max(worst, (got[r].at(name) - w).abs().max().item<double>());
+    EXPECT_LT(worst, 2e-2) << "rank " << r;  // lr 1e-2 x 20 steps moves weights by ~0.2; bf16 rounding stays well below
+    EXPECT_GT(worst, 0.0) << "bf16 compute should differ from float32 somewhere";
+  }
+  EXPECT_EQ(rel_error(got[0], got[1]), 0.0) << "every rank holds the same parameters";
 }
 
 // Evaluation under NoGradGuard gathers and frees the same way, and gives
@@ -307,6 +350,7 @@ TEST(FsdpEval, ForwardWithoutGradientsMatchesTheWholeModel) {
 struct SavedRun {
   std::vector<std::vector<cohort::NamedTensor>> model, optim;
   std::map<std::string, torch::Tensor> want;
+  std::vector<double> losses;  // steps 5 to 9 on the global batch
 };
 SavedRun save_mid_run(int world) {
   SavedRun r;
@@ -321,19 +365,25 @@ SavedRun save_mid_run(int world) {
     fsdp_steps(fsdp, opt, net, {}, 0, 5);
     r.model[pg.rank()] = fsdp.state_shard();
     r.optim[pg.rank()] = fsdp.optimizer_state_shard(opt);
-    fsdp_steps(fsdp, opt, net, {}, 5, 10);
+    const auto losses = fsdp_steps(fsdp, opt, net, {}, 5, 10);
     const auto full = by_name(fsdp.full_state());
-    if (pg.rank() == 0) r.want = full;
+    if (pg.rank() == 0) {
+      r.want = full;
+      r.losses = losses;
+    }
   });
   return r;
 }
 
-// Saved at world 4, resumed at 4, 3, 2 and 1: the same parameters as the
-// run that never stopped (each world a different chunking and padding).
+// Saved at world 4, resumed at 4, 3, 2 and 1: the same losses and
+// parameters as the run that never stopped (each world a different chunking
+// and padding; the global batch is the same).
 TEST(FsdpCheckpoint, ShardsSavedAtWorld4ResumeAtAnyWorld) {
   const SavedRun saved = save_mid_run(4);
+  ASSERT_EQ(saved.losses.size(), 5u);
   for (int world : {4, 3, 2, 1}) {
     std::vector<std::map<std::string, torch::Tensor>> got(world);
+    std::vector<double> losses;
     run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
       torch::set_num_threads(1);
       FNet net;
@@ -342,9 +392,13 @@ TEST(FsdpCheckpoint, ShardsSavedAtWorld4ResumeAtAnyWorld) {
       torch::optim::AdamW opt(fsdp.parameters(), adamw());
       fsdp.load_state_shards([&](int k) { return saved.model.at(k); });
       fsdp.load_optimizer_state_shards(opt, [&](int k) { return saved.optim.at(k); });
-      fsdp_steps(fsdp, opt, net, {}, 5, 10);
+      const auto l = fsdp_steps(fsdp, opt, net, {}, 5, 10);
       got[pg.rank()] = by_name(fsdp.full_state());
+      if (pg.rank() == 0) losses = l;
     });
+    ASSERT_EQ(losses.size(), 5u);
+    for (size_t s = 0; s < 5; ++s)
+      EXPECT_NEAR(losses[s], saved.losses[s], 1e-6 * std::abs(saved.losses[s])) << "world " << world << " step " << s + 5;
     for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], saved.want), 1e-12) << "world " << world << " rank " << r;
   }
 }

@@ -129,6 +129,46 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   fs::remove_all(base);
 }
 
+// --shard fsdp: every rank saves its shard of the model and of the AdamW
+// state (no rank holds the whole model); a rank killed mid-run, then
+// --resume, gives the uninterrupted run's losses; the same checkpoint
+// reshards to one rank; a run without --shard fsdp refuses it by name.
+TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  const std::vector<std::string> fsdp{"--optimizer", "adamw", "--shard", "fsdp"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), fsdp.begin(), fsdp.end());
+    return extra;
+  };
+  auto full = lt::run(job(base + "/a", fsdp, 50), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 50u) << full.out;
+  EXPECT_NE(full.out.find("RESULT memory model=cnn shard=fsdp world=2"), std::string::npos) << full.out;
+  for (const char* file : {"model.rank0", "model.rank1", "optimizer.rank0", "optimizer.rank1"})
+    EXPECT_TRUE(fs::exists(base + "/a/step_000000040/" + file + ".safetensors")) << file;
+  EXPECT_FALSE(fs::exists(base + "/a/step_000000040/model.safetensors")) << "no rank writes the whole model";
+
+  auto killed = lt::run(job(base + "/b", with({"--fault-kill-rank", "1", "--fault-at-step", "27"}), 50), env, 600);
+  EXPECT_NE(killed.status, 0);
+  auto resumed = lt::run(job(base + "/b", with({"--resume"}), 50), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+
+  std::vector<std::string> one = job(base + "/b", with({"--resume"}), 54);
+  one[3] = "1";  // --nproc-per-node 1: the two ranks' shards resharded into one
+  auto alone = lt::run(one, env, 600);
+  ASSERT_EQ(alone.status, 0) << alone.err;
+  EXPECT_NE(alone.out.find("written by 2 ranks, this run has 1"), std::string::npos) << alone.out;
+  EXPECT_EQ(losses(alone.out).begin()->first, 41) << "from the step-40 checkpoint: " << alone.out;
+  fs::remove_all(base);
+}
+
 TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed");
   std::string base = lt::temp_dir();
