@@ -9,7 +9,7 @@ docs/performance.md (bench/write_performance.py renders them from --csv).
 
     bench/zero_compare.sh [--reps 3] [--model mlp] [--steps 120] [--csv docs/perf/zero-np2.csv]
     bench/zero_compare.sh --world 4 --model big-mlp --steps 5 --timing-skip 2 --reps 1 \
-        --configs ddp,fsdp --csv docs/perf/fsdp-np4.csv      # FSDP's memory against DDP's
+        --configs cohort:ddp,fsdp --csv docs/perf/fsdp-np4.csv   # FSDP memory against DDP
 """
 import argparse
 import os
@@ -112,7 +112,8 @@ def main():
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--timing-skip", type=int, default=20, help="first steps left out of images/s (both sides)")
     ap.add_argument("--configs", default="ddp,zero1,zero2,zero,fsdp",
-                    help="which rows to run (cohort's ddp, zero1, zero2, fsdp; PyTorch's ddp, zero, fsdp)")
+                    help="which rows to run: cohort's ddp, zero1, zero2, fsdp and PyTorch's ddp, zero, fsdp; "
+                         "a name alone runs both sides' row, cohort:ddp or pytorch2.13:fsdp one")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--build", default=ddp_scaling.BUILD)
     ap.add_argument("--csv", metavar="FILE", help="also write every run's figures here (docs/perf/zero-np2.csv)")
@@ -123,7 +124,7 @@ def main():
     wanted = set(args.configs.split(","))
     for rep in range(args.reps):
         for who, config in ROWS:
-            if config not in wanted:
+            if config not in wanted and f"{who}:{config}" not in wanted:
                 continue
             got = (ours(args.build, args.model, args.world, args.steps, args.timing_skip, config) if who == "cohort"
                    else peer(py, args.model, args.world, args.steps, args.timing_skip, config))
