@@ -63,8 +63,11 @@ TORCH_MODULE(Mlp);
 struct BigMlpImpl : torch::nn::Module {
   static constexpr int kHidden = 48;
   BigMlpImpl() : in(register_module("in", unit(torch::nn::Linear(784, 2048)))) {
-    for (int i = 0; i < kHidden; ++i)
-      hidden.push_back(register_module("h" + std::to_string(i), unit(torch::nn::Linear(2048, 2048))));
+    for (int i = 0; i < kHidden; ++i) {
+      std::string name = "h";  // (not "h" + to_string: GCC 12 warns, wrongly, of an overlapping memcpy)
+      name += std::to_string(i);
+      hidden.push_back(register_module(name, unit(torch::nn::Linear(2048, 2048))));
+    }
     out = register_module("out", torch::nn::Linear(2048, 10));
   }
   torch::Tensor forward(torch::Tensor x) {

@@ -66,6 +66,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     size_t compute_bytes() const { return count * dtype_size(compute_dtype); }
     size_t chunk_bytes() const { return chunk * dtype_size(dtype); }
   };
+  static constexpr size_t kMaxReductions = 2;
   struct Pending {  // a reduce_scatter in flight
     size_t unit;
     int slot;
@@ -228,6 +229,9 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       return;
     }
     reap(false);
+    // At most kMaxReductions in flight (each holds a slot of the pool): a
+    // slow transport must not grow the pool to the whole model.
+    while (pending.size() >= kMaxReductions) reap_one();
     const int s = acquire();
     std::byte* full = slots[static_cast<size_t>(s)].get();
     const size_t es = dtype_size(u.dtype);
@@ -261,16 +265,32 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
 
   // Completed reductions into the gradient shards (all of them: wait).
   void reap(bool all) {
-    while (!pending.empty() && (all || pending.front().work->is_completed())) {
-      Pending& r = pending.front();
-      wait(r.work);
-      Unit& u = units[r.unit];
-      ::torch::NoGradGuard no_grad;
-      const auto opt = ::torch::TensorOptions().dtype(u.type);
-      const auto n_ = static_cast<int64_t>(u.chunk);
-      ::torch::from_blob(u.grad_shard, {n_}, opt).add_(::torch::from_blob(r.into.get(), {n_}, opt));
-      busy[static_cast<size_t>(r.slot)] = false;
-      pending.pop_front();
+    while (!pending.empty() && (all || pending.front().work->is_completed())) reap_one();
+  }
+  // The oldest reduction (waited for) added into its gradient shard.
+  void reap_one() {
+    Pending& r = pending.front();
+    wait(r.work);
+    Unit& u = units[r.unit];
+    ::torch::NoGradGuard no_grad;
+    const auto opt = ::torch::TensorOptions().dtype(u.type);
+    const auto n_ = static_cast<int64_t>(u.chunk);
+    ::torch::from_blob(u.grad_shard, {n_}, opt).add_(::torch::from_blob(r.into.get(), {n_}, opt));
+    busy[static_cast<size_t>(r.slot)] = false;
+    pending.pop_front();
+  }
+
+  // A backward that failed before its end (an exception in a hook or a
+  // collective): what it started is finished, nothing of it kept beyond the
+  // gradients it already reduced (zero_grad() clears those).
+  void recover_from_failed_backward() {
+    if (!callback_queued) return;
+    callback_queued = false;
+    reap(true);
+    for (size_t i = 0; i < units.size(); ++i) {
+      release(i);
+      units[i].ready = 0;
+      units[i].reduced = false;
     }
   }
 
@@ -680,16 +700,7 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 void FullyShardedDataParallel::pre_forward() {
   State& st = *state_;
   st.check_usable();
-  if (st.callback_queued) {
-    // The last backward failed before its end: what it started is finished
-    // here, nothing of it kept (the gradients it reduced are dropped).
-    st.callback_queued = false;
-    st.reap(true);
-    for (auto& u : st.units) {
-      u.ready = 0;
-      u.reduced = false;
-    }
-  }
+  st.recover_from_failed_backward();
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
   if (!st.order.empty()) st.last_order = std::move(st.order);
   st.order.clear();
@@ -708,9 +719,7 @@ std::vector<::torch::Tensor> FullyShardedDataParallel::parameters() const {
 void FullyShardedDataParallel::zero_grad() {
   State& st = *state_;
   st.check_usable();
-  if (st.callback_queued || !st.pending.empty())
-    throw InvalidArgument("FullyShardedDataParallel::zero_grad: a backward is still running; call it before the "
-                          "forward of the next step");
+  st.recover_from_failed_backward();
   for (const auto& u : st.units)
     if (u.chunk > 0) std::memset(u.grad_shard, 0, u.chunk_bytes());
   for (auto& p : st.params) p.mutable_grad().reset();  // what no_sync accumulated

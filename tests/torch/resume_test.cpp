@@ -34,6 +34,26 @@ std::vector<std::string> job(const std::string& ckpt, std::vector<std::string> e
   return a;
 }
 
+// `flags` at 2 ranks for 50 steps into `dir`, rank 1 killed after step 27;
+// then --resume: from the step-20 checkpoint, the losses of `want` (the run
+// that was not killed) to 1e-6.
+void expect_resumes_after_a_kill(const std::string& dir, std::vector<std::string> flags,
+                                 const std::map<int, double>& want) {
+  const std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), flags.begin(), flags.end());
+    return extra;
+  };
+  auto killed = lt::run(job(dir, with({"--fault-kill-rank", "1", "--fault-at-step", "27"}), 50), env, 600);
+  EXPECT_NE(killed.status, 0);
+  auto resumed = lt::run(job(dir, with({"--resume"}), 50), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+}
+
 TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
@@ -97,18 +117,7 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   auto want = losses(full.out);
   ASSERT_EQ(want.size(), 50u) << full.out;
   ASSERT_TRUE(fs::exists(base + "/a/step_000000040/optimizer.rank1.safetensors"));
-  auto with = [&](std::vector<std::string> extra) {
-    extra.insert(extra.begin(), sharded.begin(), sharded.end());
-    return extra;
-  };
-  auto killed = lt::run(job(base + "/b", with({"--fault-kill-rank", "1", "--fault-at-step", "27"}), 50), env, 600);
-  EXPECT_NE(killed.status, 0);
-  auto resumed = lt::run(job(base + "/b", with({"--resume"}), 50), env, 600);
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  auto got = losses(resumed.out);
-  ASSERT_FALSE(got.empty());
-  EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
-  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+  expect_resumes_after_a_kill(base + "/b", sharded, want);
 
   std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "zero1", "--resume"}, 54);
   one[3] = "1";  // --nproc-per-node 1: the two ranks' state resharded into one
@@ -132,16 +141,12 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
 // --shard fsdp: every rank saves its shard of the model and of the AdamW
 // state (no rank holds the whole model); a rank killed mid-run, then
 // --resume, gives the uninterrupted run's losses; the same checkpoint
-// reshards to one rank; a run without --shard fsdp refuses it by name.
+// reshards to one rank.
 TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   const std::vector<std::string> fsdp{"--optimizer", "adamw", "--shard", "fsdp"};
-  auto with = [&](std::vector<std::string> extra) {
-    extra.insert(extra.begin(), fsdp.begin(), fsdp.end());
-    return extra;
-  };
   auto full = lt::run(job(base + "/a", fsdp, 50), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
   auto want = losses(full.out);
@@ -151,16 +156,9 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
     EXPECT_TRUE(fs::exists(base + "/a/step_000000040/" + file + ".safetensors")) << file;
   EXPECT_FALSE(fs::exists(base + "/a/step_000000040/model.safetensors")) << "no rank writes the whole model";
 
-  auto killed = lt::run(job(base + "/b", with({"--fault-kill-rank", "1", "--fault-at-step", "27"}), 50), env, 600);
-  EXPECT_NE(killed.status, 0);
-  auto resumed = lt::run(job(base + "/b", with({"--resume"}), 50), env, 600);
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  auto got = losses(resumed.out);
-  ASSERT_FALSE(got.empty());
-  EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
-  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+  expect_resumes_after_a_kill(base + "/b", fsdp, want);
 
-  std::vector<std::string> one = job(base + "/b", with({"--resume"}), 54);
+  std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 54);
   one[3] = "1";  // --nproc-per-node 1: the two ranks' shards resharded into one
   auto alone = lt::run(one, env, 600);
   ASSERT_EQ(alone.status, 0) << alone.err;
