@@ -109,6 +109,11 @@ class FsdpUnit : public FsdpUnitBase {
     return leave(inner_->forward(cast_input(std::forward<Args>(args))...));
   }
   M& inner() { return inner_; }
+  // train()/eval() reach M too: it is not a registered child (its children are).
+  void train(bool on = true) override {
+    ::torch::nn::Module::train(on);
+    inner_->train(on);
+  }
 
  private:
   M inner_;
@@ -222,13 +227,15 @@ class COHORT_API FullyShardedDataParallel {
   // unit's elements without and with padding): one file of a sharded
   // checkpoint. load_state_shards() reads it back at any world size.
   std::vector<NamedTensor> state_shard() const;
-  // `read(k)` returns the saving run's rank k's state_shard(); called for the
-  // ranks whose chunks overlap this rank's. Not collective. InvalidArgument,
-  // changing nothing, when the layout does not fit this model.
+  // `read(k)` returns the saving run's rank k's state_shard(); called for
+  // rank 0 (the layout) and the ranks whose chunks overlap this rank's. Not
+  // collective. InvalidArgument, changing nothing, when the layout does not
+  // fit this model.
   void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
-  // The same for an optimizer over parameters(): its state cut by unit
-  // ("fsdp.unit<u>.<field>", with "fsdp.layout" and "fsdp.steps"), and back
-  // at any world size.
+  // The same for an optimizer over parameters() (SGD, Adam or AdamW; others
+  // are refused): its state cut by unit ("fsdp.unit<u>.<field>", with
+  // "fsdp.layout" and "fsdp.optimizer": its kind and step), and back at any
+  // world size.
   std::vector<NamedTensor> optimizer_state_shard(::torch::optim::Optimizer& optimizer) const;
   void load_optimizer_state_shards(::torch::optim::Optimizer& optimizer,
                                    const std::function<std::vector<NamedTensor>(int rank)>& read);

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -91,6 +92,11 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   std::unique_ptr<std::byte[]> grad_shards;
   std::vector<std::shared_ptr<std::byte[]>> slots;  // the gather pool, each `slot_bytes`
   std::vector<bool> busy;
+  // The root unit, gathered for a whole step, has a buffer of its own size
+  // rather than a slot of the largest unit's.
+  static constexpr int kRootSlot = std::numeric_limits<int>::max();
+  std::shared_ptr<std::byte[]> root_buffer;
+  size_t root_bytes = 0;
   size_t slot_bytes = 0;
   std::deque<Pending> pending;
   std::vector<size_t> order, last_order;  // units as forward entered them: this iteration, the last
@@ -137,8 +143,8 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   void gather(size_t i) {
     Unit& u = units[i];
     if (u.slot >= 0 || u.count == 0) return;
-    u.slot = acquire();
-    std::byte* full = slots[static_cast<size_t>(u.slot)].get();
+    u.slot = i == 0 ? kRootSlot : acquire();
+    std::byte* full = i == 0 ? root_buffer.get() : slots[static_cast<size_t>(u.slot)].get();
     point_storage(u, full, u.compute_bytes());
     if (u.compute == u.type) {
       u.gathering = group->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{full, u.count, u.dtype});
@@ -168,7 +174,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       wait(w);
     }
     point_storage(u, nullptr, 0);
-    busy[static_cast<size_t>(u.slot)] = false;
+    if (u.slot != kRootSlot) busy[static_cast<size_t>(u.slot)] = false;
     u.slot = -1;
   }
 
@@ -208,12 +214,14 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   // Backward reached unit i's output: its parameters are needed again.
   void pre_backward(size_t i, const std::shared_ptr<State>& self) {
     check_usable();
+    check_open("backward reached a unit");
     queue_end_of_backward(self);
     materialize(i);
     prefetch_before(i);
   }
 
   void grad_ready(size_t p, const std::shared_ptr<State>& self) {
+    check_open("a gradient was accumulated");
     queue_end_of_backward(self);
     Unit& u = units[unit_of[p]];
     if (++u.ready == u.params.size() && !u.reduced) reduce(unit_of[p]);
@@ -225,8 +233,16 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     Unit& u = units[i];
     u.reduced = true;
     if (no_sync > 0 || u.count == 0) {  // .grad keeps the whole gradient for the next synced backward
-      release(i);
+      if (i > 0) release(i);  // (the root stays until the next pre_forward(): end_backward)
       return;
+    }
+    for (size_t p : u.params) {  // checked before anything is taken
+      const auto& g = params[p].grad();
+      if (g.defined() && (g.is_sparse() || g.scalar_type() != u.compute || g.sizes() != params[p].sizes()))
+        throw InvalidArgument(fmt::format("FullyShardedDataParallel: the gradient of '{}' is a {} {} tensor of shape "
+                                          "{}; FSDP reduces dense {} gradients of the parameter's shape",
+                                          names[p], g.is_sparse() ? "sparse" : "dense", c10::toString(g.scalar_type()),
+                                          c10::str(g.sizes()), c10::toString(u.compute)));
     }
     reap(false);
     // At most kMaxReductions in flight (each holds a slot of the pool): a
@@ -240,9 +256,6 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       std::byte* to = full + u.offsets[j] * es;
       const auto& g = p.grad();
       if (g.defined()) {
-        if (g.is_sparse() || g.scalar_type() != u.compute)
-          throw InvalidArgument(fmt::format("FullyShardedDataParallel: the gradient of '{}' is not a dense {} tensor",
-                                            names[u.params[j]], c10::toString(u.compute)));
         if (u.compute == u.type) {
           const ::torch::Tensor c = g.contiguous();
           std::memcpy(to, c.data_ptr(), static_cast<size_t>(p.numel()) * es);
@@ -256,7 +269,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       p.mutable_grad().reset();
     }
     std::memset(full + u.used * es, 0, (u.count - u.used) * es);
-    release(i);
+    if (i > 0) release(i);
     Pending r{.unit = i, .slot = s, .work = {}, .into = std::make_unique<std::byte[]>(u.chunk_bytes())};
     r.work = group->reduce_scatter(Buffer{full, u.count, u.dtype}, Buffer{r.into.get(), u.chunk, u.dtype},
                                    {.op = ReduceOp::Avg});
@@ -272,6 +285,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     Pending& r = pending.front();
     wait(r.work);
     Unit& u = units[r.unit];
+    attach_shard_grad(u);  // (cleared first if the optimizer set it to none)
     ::torch::NoGradGuard no_grad;
     const auto opt = ::torch::TensorOptions().dtype(u.type);
     const auto n_ = static_cast<int64_t>(u.chunk);
@@ -292,24 +306,53 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       units[i].ready = 0;
       units[i].reduced = false;
     }
+    for (auto& p : params) p.mutable_grad().reset();  // what the failed backward left unreduced
   }
 
   // End of backward (autograd's callback): every unit not yet reduced is
   // (zeros for its missing gradients: the same collectives on every rank),
   // the reductions are added into the shards, every unit freed.
+  // The root unit stays gathered until the next pre_forward(): a second
+  // backward over this graph (retain_graph) then reaches a unit's hook and is
+  // refused by name, instead of reading a freed root first.
   void end_backward() {
-    callback_queued = false;
     for (size_t i = 0; i < units.size(); ++i)
       if (!units[i].reduced) reduce(i);
     reap(true);
     for (size_t i = 0; i < units.size(); ++i) {
-      release(i);
+      if (i > 0) release(i);
       units[i].ready = 0;
       units[i].reduced = false;
     }
+    attach_shard_grads();
     last_order = std::move(order);
     order.clear();
     open = false;
+    callback_queued = false;
+  }
+
+  // Every shard's .grad is the view of its gradient shard again. An
+  // optimizer's zero_grad() sets .grad to none (LibTorch's default): that
+  // clears the shard, as fsdp.zero_grad() does.
+  void attach_shard_grads() {
+    for (auto& u : units)
+      if (u.chunk > 0) attach_shard_grad(u);
+  }
+  static void attach_shard_grad(Unit& u) {
+    auto& g = u.shard_param.mutable_grad();
+    if (g.defined() && g.data_ptr() == static_cast<void*>(u.grad_shard)) return;
+    if (!g.defined()) std::memset(u.grad_shard, 0, u.chunk_bytes());
+    g = ::torch::from_blob(u.grad_shard, {static_cast<int64_t>(u.chunk)}, ::torch::TensorOptions().dtype(u.type));
+  }
+
+  // A hook of a backward that runs after this iteration's backward ended.
+  void check_open(const char* what) const {
+    if (!open)
+      throw InvalidArgument(fmt::format(
+          "FullyShardedDataParallel: {} after the backward of this forward had ended; FSDP reduced and freed the "
+          "units then, so a second backward over one graph (retain_graph, autograd::grad then backward) is not "
+          "supported. HINT: run the forward again (after pre_forward()) for each backward",
+          what));
   }
 };
 
@@ -581,6 +624,15 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::
 // FSDP found, for this group.
 void FullyShardedDataParallel::check_pre_sharded() {
   State& st = *state_;
+  for (size_t p = 0; p < st.params.size(); ++p) {
+    const FsdpUnitBase* m = st.unit_modules[st.unit_of[p]];
+    if ((m == nullptr || !m->pre_) && st.params[p].numel() > 0 && st.params[p].storage().nbytes() == 0)
+      throw InvalidArgument(fmt::format("FullyShardedDataParallel: parameter '{}' has no data: it was sharded by an "
+                                        "earlier FSDP (destroyed since) or an FsdpShardedInit of another model. "
+                                        "HINT: save full_state() before dropping an FSDP and load it into a fresh "
+                                        "model",
+                                        st.names[p]));
+  }
   for (size_t i = 1; i < st.units.size(); ++i) {
     const auto& pre = st.unit_modules[i]->pre_;
     if (!pre) continue;
@@ -613,7 +665,7 @@ void FullyShardedDataParallel::shard_units() {
     u.chunk = u.count / n;
     at.push_back(shard_total);
     shard_total += round64(u.chunk_bytes());
-    st.slot_bytes = std::max(st.slot_bytes, round64(u.bytes()));
+    st.slot_bytes = std::max({st.slot_bytes, round64(u.bytes()), round64(u.compute_bytes())});
   }
   // Private memory, not a shared buffer: a single-copy allgather would map
   // every peer's shards into each rank (their pages counted in its resident
@@ -621,6 +673,10 @@ void FullyShardedDataParallel::shard_units() {
   // chunk through the transport's slots instead. The gather slots, which
   // peers read only a chunk of in the reduce-scatter, stay shared.
   st.shards = std::make_shared<std::byte[]>(std::max<size_t>(shard_total, 64));
+  if (st.units[0].count > 0) {
+    st.root_bytes = std::max(round64(st.units[0].bytes()), round64(st.units[0].compute_bytes()));
+    st.root_buffer = group_->allocate_buffer(st.root_bytes);
+  }
   st.grad_shards = std::make_unique<std::byte[]>(std::max<size_t>(shard_total, 64));  // zeroed
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i) {
@@ -720,8 +776,11 @@ void FullyShardedDataParallel::zero_grad() {
   State& st = *state_;
   st.check_usable();
   st.recover_from_failed_backward();
-  for (const auto& u : st.units)
-    if (u.chunk > 0) std::memset(u.grad_shard, 0, u.chunk_bytes());
+  for (auto& u : st.units)
+    if (u.chunk > 0) {
+      std::memset(u.grad_shard, 0, u.chunk_bytes());
+      State::attach_shard_grad(u);
+    }
   for (auto& p : st.params) p.mutable_grad().reset();  // what no_sync accumulated
 }
 
@@ -764,7 +823,7 @@ FsdpMemory FullyShardedDataParallel::memory() const {
     m.shard_bytes += u.chunk_bytes();
   }
   m.grad_shard_bytes = m.shard_bytes;
-  m.gather_bytes = st.slots.size() * st.slot_bytes;
+  m.gather_bytes = st.slots.size() * st.slot_bytes + st.root_bytes;
   return m;
 }
 
@@ -805,8 +864,8 @@ struct FsdpLayout {
     for (size_t u = 0; u < static_cast<size_t>(v[1]); ++u) {
       const size_t used = static_cast<size_t>(v[2 + 2 * u]), count = static_cast<size_t>(v[3 + 2 * u]);
       if (count % static_cast<size_t>(l.world) != 0 || used > count)
-        throw InvalidArgument(fmt::format("{}: \"fsdp.layout\" unit {} has {} elements of {} padded, not a multiple "
-                                          "of the world size {}",
+        throw InvalidArgument(fmt::format("{}: \"fsdp.layout\" is damaged: unit {} has {} elements padded to {}, which "
+                                          "must be at least as many and a multiple of the world size {}",
                                           who, u, used, count, l.world));
       l.units.emplace_back(used, count);
     }
@@ -945,6 +1004,10 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
   shard::ShardFiles files(read);
   const FsdpLayout lay = FsdpLayout::decode(files.get(0), kWho);
   lay.check_fits(st.units, kWho);
+  if (files.get(0).contains("fsdp.optimizer"))
+    throw InvalidArgument(fmt::format("{}: these files hold optimizer state (optimizer_state_shard()); HINT: load them "
+                                      "with load_optimizer_state_shards(), and the model's (state_shard()) with this",
+                                      kWho));
   std::vector<::torch::Tensor> staged(st.units.size());
   for (size_t i = 0; i < st.units.size(); ++i) {
     const Unit& u = st.units[i];
@@ -961,8 +1024,14 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
 
 namespace {
 
-// The optimizer must be over parameters(), in order, in one group.
+// The optimizer must be over parameters(), in order, in one group, and one
+// whose state is known (kind_of would take any other for SGD).
 void check_optimizer_is_ours(::torch::optim::Optimizer& o, const std::vector<::torch::Tensor>& shards, const char* who) {
+  if (!dynamic_cast<::torch::optim::SGD*>(&o) && !dynamic_cast<::torch::optim::Adam*>(&o) &&
+      !dynamic_cast<::torch::optim::AdamW*>(&o))
+    throw InvalidArgument(fmt::format("{}: the optimizer is none of SGD, Adam and AdamW, whose state FSDP knows how "
+                                      "to cut into shards",
+                                      who));
   const auto& groups = o.param_groups();
   bool ours = groups.size() == 1 && groups[0].params().size() == shards.size();
   for (size_t i = 0; ours && i < shards.size(); ++i)

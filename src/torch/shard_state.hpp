@@ -87,9 +87,9 @@ class ShardFiles {
     const auto& theirs = get(rank);
     const auto found = theirs.find(name);
     if (found == theirs.end())
-      throw InvalidArgument(fmt::format("{}: rank {}'s shard lacks \"{}\", which rank 0's has: the checkpoint is "
-                                        "incomplete or mixed from two runs",
-                                        who, rank, name));
+      throw InvalidArgument(fmt::format("{}: rank {}'s shard lacks \"{}\"{}: the checkpoint is incomplete, mixed "
+                                        "from two runs, or holds other state than this call loads",
+                                        who, rank, name, rank == 0 ? "" : ", which rank 0's has"));
     ::torch::Tensor t = from_named(*found->second);
     if (t.numel() != count || t.scalar_type() != type)
       throw InvalidArgument(fmt::format("{}: \"{}\" of rank {} has {} elements of {}; the layout says {} of {}", who,

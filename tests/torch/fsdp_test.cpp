@@ -119,6 +119,7 @@ struct Train {
   bool no_sync = false;  // every micro-batch but the last under no_sync()
   double clip = 0;
   bool fused = false;    // cohort::torch::adamw_step instead of opt.step()
+  bool optimizer_zero_grad = false;  // LibTorch's opt.zero_grad() (.grad set to none) instead of fsdp.zero_grad()
   int prefetch = 1;
 };
 
@@ -130,7 +131,8 @@ std::vector<double> fsdp_steps(FullyShardedDataParallel& fsdp, torch::optim::Ada
   const int64_t local = kGlobal / world;
   std::vector<double> losses;
   for (int s = from; s < to; ++s) {
-    fsdp.zero_grad();
+    if (t.optimizer_zero_grad) opt.zero_grad();
+    else fsdp.zero_grad();
     for (int m = 0; m < t.micro; ++m) {
       const int64_t at = (s * t.micro + m) * kGlobal + rank * local;
       fsdp.pre_forward();
@@ -211,6 +213,15 @@ TEST_P(Fsdp, ClipsByTheGlobalNormWithAnyPrefetch) {
   }
 }
 
+// LibTorch's own zero_grad() on the optimizer sets the shards' .grad to none;
+// the next reduction clears and re-attaches them: the same training.
+TEST_P(Fsdp, TheOptimizersZeroGradWorksAsFsdpsOwn) {
+  const int world = GetParam();
+  const auto want = reference(torch::kDouble, 10);
+  const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 10, .optimizer_zero_grad = true});
+  for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r;
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, Fsdp, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "np" + std::to_string(info.param); });
 
@@ -241,12 +252,15 @@ TEST(FsdpMemory, ShardsAreOneNthAndUnitsAreFreedAfterUse) {
       auto y = net->forward(inputs(pg.rank() * 6, 6));
       EXPECT_TRUE(freed("in.") && freed("mid.") && freed("block.")) << "units freed after their forward";
       torch::mse_loss(y, targets(pg.rank() * 6, 6)).backward();
-      EXPECT_TRUE(freed("in.") && freed("mid.") && freed("block.") && freed("head.")) << "all freed after backward";
+      EXPECT_TRUE(freed("in.") && freed("mid.") && freed("block.")) << "every unit freed after backward";
+      EXPECT_FALSE(freed("head.")) << "the root unit stays until the next pre_forward()";
       for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << "whole gradients dropped";
       opt.step();
     }
-    // The pool: the unit that runs, the prefetched one, a reduction or two in flight.
-    EXPECT_LE(fsdp.memory().gather_bytes, 4 * m.largest_unit * sizeof(float) + 4 * 64);
+    // The pool: the unit that runs, the prefetched one, two reductions in
+    // flight at most; and the root unit's own buffer.
+    const size_t root = (8 * 4 + 4 + 3) / 4 * 4;
+    EXPECT_LE(fsdp.memory().gather_bytes, 4 * m.largest_unit * sizeof(float) + root * sizeof(float) + 5 * 64);
   });
 }
 
@@ -487,6 +501,30 @@ TEST(FsdpErrors, AParameterSharedBetweenUnitsIsNamed) {
     auto m = std::make_shared<Tied>();
     expect_invalid([&] { FullyShardedDataParallel fsdp(m, borrowed(pg)); },
                    "parameter 'b.weight' of unit 'b' is the same tensor as 'a.weight' of unit 'a'");
+  });
+}
+
+// A second backward over one graph, an FSDP over a model whose shards an
+// earlier FSDP took, an optimizer whose state FSDP cannot cut: each named.
+TEST(FsdpErrors, UnsupportedUseIsRefusedByName) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    {
+      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+      fsdp.pre_forward();
+      auto loss = torch::mse_loss(net->forward(inputs(pg.rank() * 4, 4)), targets(pg.rank() * 4, 4));
+      loss.backward({}, /*retain_graph=*/true);
+      expect_invalid([&] { loss.backward(); }, "a second backward over one graph");
+      torch::optim::RMSprop rms(fsdp.parameters(), torch::optim::RMSpropOptions(0.01));
+      expect_invalid([&] { (void)fsdp.optimizer_state_shard(rms); }, "none of SGD, Adam and AdamW");
+      // train()/eval() reach the wrapped module
+      net->eval();
+      EXPECT_FALSE(net->in->inner()->is_training());
+      net->train();
+      EXPECT_TRUE(net->in->inner()->is_training());
+    }
+    expect_invalid([&] { FullyShardedDataParallel again(net.ptr(), borrowed(pg)); }, "has no data");
   });
 }
 
