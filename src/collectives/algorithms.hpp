@@ -27,6 +27,22 @@ void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, D
 // when it returns false, all of them are in the buffer.
 bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
                            int avg_div = 0, bool shared_only = false, std::span<const InputPiece> pieces = {});
+// The ring's two halves, for algorithms built from them: after the first,
+// chunk ring_owned_chunk(rank, n) of `count` (cut by chunk_off / chunk_len) of
+// recv holds the reduction over all ranks (divided by avg_div when it is not
+// 0); the second sends every rank's owned chunk to every rank.
+void ring_reduce_scatter_phase(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
+                               int avg_div = 0);
+void ring_allgather_phase(Comm& c, uint8_t* recv, size_t count, DType t);
+inline int ring_owned_chunk(int rank, int n) { return (rank + 1) % n; }
+// Node-aware: the ring's reduce-scatter among the ranks of this host (`local`,
+// shared memory), an allreduce of this rank's chunk among the ranks with the
+// same local index on every host (`cross`: recursive doubling up to
+// cross_rd_max bytes, the ring above), then the ring's allgather on the host.
+// Only 1/L of the buffer crosses between hosts per rank (L ranks per host),
+// where a flat ring sends 2 (n-1)/n of it over each link it crosses.
+void allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
+                            ReduceOp op, int avg_div, size_t cross_rd_max);
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
 
 // broadcast

@@ -23,7 +23,8 @@
 
 namespace cohort::collectives {
 
-void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div) {
+void ring_reduce_scatter_phase(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op,
+                               int avg_div) {
   const int n = c.size(), rank = c.rank();
   const size_t es = dtype_size(t);
   if (n == 1) {
@@ -34,7 +35,6 @@ void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, D
   auto mod = [n](int x) { return ((x % n) + n) % n; };
   auto off = [&](int chunk) { return chunk_off(count, n, chunk) * es; };
   auto len = [&](int chunk) { return chunk_len(count, n, chunk) * es; };
-
   for (int s = 0; s < n - 1; ++s) {
     int send_chunk = mod(rank - s), recv_chunk = mod(rank - s - 1);
     const uint8_t* src = (s == 0 ? send : recv) + off(send_chunk);
@@ -42,11 +42,26 @@ void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, D
     c.sendrecv(right, src, len(send_chunk), left,
                Sink::reduce_into(recv + off(recv_chunk), send + off(recv_chunk), t, op, div), len(recv_chunk));
   }
+}
+
+void ring_allgather_phase(Comm& c, uint8_t* recv, size_t count, DType t) {
+  const int n = c.size(), rank = c.rank();
+  if (n == 1) return;
+  const size_t es = dtype_size(t);
+  const int right = (rank + 1) % n, left = (rank - 1 + n) % n;
+  auto mod = [n](int x) { return ((x % n) + n) % n; };
+  auto off = [&](int chunk) { return chunk_off(count, n, chunk) * es; };
+  auto len = [&](int chunk) { return chunk_len(count, n, chunk) * es; };
   for (int s = 0; s < n - 1; ++s) {
     int send_chunk = mod(rank + 1 - s), recv_chunk = mod(rank - s);
     c.sendrecv(right, recv + off(send_chunk), len(send_chunk), left, Sink::copy_to(recv + off(recv_chunk)),
                len(recv_chunk));
   }
+}
+
+void allreduce_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op, int avg_div) {
+  ring_reduce_scatter_phase(c, send, recv, count, t, op, avg_div);
+  ring_allgather_phase(c, recv, count, t);
 }
 
 }  // namespace cohort::collectives

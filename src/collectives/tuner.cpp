@@ -13,7 +13,7 @@ namespace {
 
 const core::Knob kAlgo{"COHORT_ALGO", "",
                        "force algorithms: one name for every collective that has it (ring, recursive_doubling, binomial, "
-                       "pipeline, direct, single_copy), or a list like allreduce=ring,broadcast=binomial"};
+                       "pipeline, direct, single_copy, hierarchical), or a list like allreduce=ring,broadcast=binomial"};
 const core::Knob kSingleCopyBytes{
     "COHORT_SINGLE_COPY_BYTES", "1M",
     "allreduces of at least this many bytes use single copy (process_vm_readv/writev between ranks of one host, "
@@ -25,11 +25,18 @@ const core::Knob kSingleCopySharedBytes{
     "many bytes up (in all), use single copy when every rank's buffers are shared buffers "
     "(ProcessGroup::allocate_buffer, as DDP's buckets), the ring otherwise; 0: never",
     core::KnobKind::Bytes};
+const core::Knob kHierarchical{
+    "COHORT_HIERARCHICAL", "1",
+    "on groups spread over 2 or more hosts with as many ranks (at least 2) on each, allreduces above 64 KiB run "
+    "node-aware: reduce-scatter on each host, allreduce across hosts among the ranks with one local rank, "
+    "allgather on each host (docs/algorithms.md); 0: the flat ring",
+    core::KnobKind::Bool};
 
 // Which algorithms can run which collective.
 bool supports(Coll c, Algo a) {
   switch (c) {
-    case Coll::Allreduce: return a == Algo::Ring || a == Algo::RecursiveDoubling || a == Algo::SingleCopy;
+    case Coll::Allreduce:
+      return a == Algo::Ring || a == Algo::RecursiveDoubling || a == Algo::SingleCopy || a == Algo::Hierarchical;
     case Coll::Broadcast: return a == Algo::Binomial || a == Algo::Pipeline;
     case Coll::Reduce: return a == Algo::Binomial;
     case Coll::Allgather: return a == Algo::Ring || a == Algo::Direct || a == Algo::SingleCopy;
@@ -54,6 +61,7 @@ std::optional<Algo> parse_algo(const std::string& s) {
   if (s == "linear") return Algo::Linear;
   if (s == "dissemination") return Algo::Dissemination;
   if (s == "single_copy") return Algo::SingleCopy;
+  if (s == "hierarchical" || s == "hier") return Algo::Hierarchical;
   return std::nullopt;
 }
 
@@ -87,6 +95,7 @@ const char* algo_name(Algo a) {
     case Algo::Linear: return "linear";
     case Algo::Dissemination: return "dissemination";
     case Algo::SingleCopy: return "single_copy";
+    case Algo::Hierarchical: return "hierarchical";
   }
   return "?";
 }
@@ -105,6 +114,8 @@ Algo choose(const TunerInput& in, const Thresholds& t) {
           (in.bytes >= t.allreduce_single_copy_min ||
            (t.allreduce_single_copy_shared_min > 0 && in.bytes >= t.allreduce_single_copy_shared_min)))
         return Algo::SingleCopy;  // below allreduce_single_copy_min only with shared buffers: the ring otherwise
+      if (t.hierarchical && in.hosts > 1 && in.ranks_per_host > 1 && in.bytes > t.allreduce_rd_max_tcp)
+        return Algo::Hierarchical;
       return in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp) ? Algo::RecursiveDoubling
                                                                                           : Algo::Ring;
     case Coll::Broadcast:
@@ -144,7 +155,7 @@ std::optional<Algo> override_from_env(Coll c, const std::string& spec) {
     auto a = parse_algo(name);
     if (!a)
       throw InvalidArgument(fmt::format("COHORT_ALGO: unknown algorithm '{}'; use ring, recursive_doubling, binomial, "
-                                        "pipeline, direct or single_copy",
+                                        "pipeline, direct, single_copy or hierarchical",
                                         name));
     if (!coll.empty()) {
       if (coll != coll_name(c)) continue;
@@ -166,10 +177,12 @@ Thresholds thresholds_from_env() {
   Thresholds t;
   t.allreduce_single_copy_min = kSingleCopyBytes.bytes();
   t.allreduce_single_copy_shared_min = kSingleCopySharedBytes.bytes();
+  t.hierarchical = kHierarchical.boolean();
   return t;
 }
 
-std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy) {
+std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy, int hosts,
+                                int ranks_per_host) {
   const size_t rd = all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp;
   const std::string above =
       single_copy && t.allreduce_single_copy_min > 0
@@ -192,6 +205,9 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
       nranks <= 8 ? fmt::format("direct up to {} per rank, ring above", kib(t.allgather_direct_max))
                   : std::string("ring (more than 8 ranks)"),
       gs_single_copy, gs_single_copy);
+  if (t.hierarchical && hosts > 1 && ranks_per_host > 1)
+    s += fmt::format("; {} hosts of {} ranks: allreduce hierarchical above {}", hosts, ranks_per_host,
+                     kib(t.allreduce_rd_max_tcp));
   const std::string spec = kAlgo.str();
   if (!spec.empty()) s += fmt::format("; overridden by COHORT_ALGO={}", spec);
   return s;

@@ -13,7 +13,7 @@ namespace cohort::collectives {
 enum class Coll { Allreduce, Broadcast, Reduce, Allgather, ReduceScatter, Gather, Scatter, Alltoall, Barrier, Send, Recv, P2PBatch };
 const char* coll_name(Coll c);
 
-enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination, SingleCopy };
+enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination, SingleCopy, Hierarchical };
 const char* algo_name(Algo a);
 
 struct TunerInput {
@@ -22,6 +22,10 @@ struct TunerInput {
   int nranks;
   bool all_shm;    // every peer is on this host over shared memory
   bool single_copy = false;  // ... and ranks may access each other's memory (ShmTransport::single_copy)
+  // The host layout (host_layout.hpp): distinct hosts, and the ranks on each
+  // when every host has as many (over shared memory among themselves), else 0.
+  int hosts = 1;
+  int ranks_per_host = 0;
 };
 
 struct Thresholds {
@@ -34,6 +38,9 @@ struct Thresholds {
   // buffers are shared buffers (ProcessGroup::allocate_buffer; the ranks find
   // out when they swap addresses), else the ring (0: never).
   size_t allreduce_single_copy_shared_min = 256 << 10;
+  // On several hosts with 2 or more ranks each: the node-aware allreduce
+  // above allreduce_rd_max_tcp (0: never).
+  bool hierarchical = true;
 };
 
 // The defaults with COHORT_SINGLE_COPY_BYTES and COHORT_SINGLE_COPY_SHARED_BYTES applied (read at every call: a
@@ -51,7 +58,8 @@ std::optional<Algo> override_from_env(Coll c, const std::string& spec);
 // The thresholds as the INFO log prints them at group set-up, with what the
 // tuner will pick for a group of `nranks` and any COHORT_ALGO override:
 // "tuner: allreduce recursive_doubling up to 16 KiB (this group: all shm), ring above; ...".
-std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy = false);
+std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy = false,
+                                int hosts = 1, int ranks_per_host = 0);
 
 // The algorithm COHORT_ALGO (read once per process) names for this
 // collective, if any; otherwise the group calls choose().

@@ -26,10 +26,17 @@ const core::Knob kSharedBuffers{"COHORT_SHARED_BUFFERS", "1",
                                 "directly; 0: ordinary memory (those allreduces then copy through process_vm_readv)",
                                 core::KnobKind::Bool};
 
+const core::Knob kHostId{"COHORT_HOST_ID", "",
+                         "this process's host identity instead of hostname, boot id and network namespace: ranks with "
+                         "different ids never use shared memory between them and count as separate hosts for the "
+                         "node-aware collectives (as NCCL_HOSTID; for tests and for containers that must not share "
+                         "memory)"};
+
 // Ranks with the same identity share /dev/shm and a network stack: same
 // hostname, same boot, same network namespace (so that tests with one
 // "host" per namespace really use TCP between them).
 std::string host_identity() {
+  if (!kHostId.str().empty()) return "id|" + kHostId.str();
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   std::string boot;
@@ -122,11 +129,24 @@ void NativeGroup::connect() {
   engine_ = std::make_unique<transport::Engine>(waiter);
   std::vector<transport::Connection*> raw(n, nullptr);
   for (int r = 0; r < n; ++r) raw[r] = conns_[r].get();
-  comm_ = std::make_unique<collectives::Comm>(me, n, std::move(raw), engine_.get());
+  comm_ = std::make_unique<collectives::Comm>(me, n, raw, engine_.get());
+  layout_ = collectives::host_layout(hosts, me);
+  hier_why_ = collectives::hierarchical_unavailable(layout_);
+  if (hier_why_.empty()) {
+    auto view = [&](const std::vector<int>& ranks, int my_index) {
+      std::vector<transport::Connection*> sub;
+      for (int r : ranks) sub.push_back(raw[r]);
+      return std::make_unique<collectives::Comm>(my_index, static_cast<int>(ranks.size()), std::move(sub),
+                                                 engine_.get());
+    };
+    local_comm_ = view(layout_.local, layout_.local_index);
+    cross_comm_ = view(layout_.cross, layout_.host_index);
+  }
   COHORT_INFO(kInit, "group {}: rank {}/{} connected: {}", setup_.group_id, me, n, fmt::join(peer_counts, ", "));
   if (core::log_enabled(core::LogLevel::Info, core::kInit)) log_peers(hosts);
   COHORT_INFO(kTuning, "group {}: {}", setup_.group_id,
-              collectives::describe_thresholds(thresholds_, n, all_shm_, single_copy_));
+              collectives::describe_thresholds(thresholds_, n, all_shm_, single_copy_, layout_.hosts,
+                                               hier_why_.empty() ? layout_.ranks_per_host : 0));
 }
 
 // One INFO line per peer: the transport chosen for it and why, so that "why is

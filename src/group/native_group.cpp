@@ -185,6 +185,34 @@ void NativeGroup::execute(OpDesc& d) {
   }
 }
 
+// The tuner's choice for d, or COHORT_ALGO's; refuses a forced single copy
+// the group cannot run.
+collectives::Algo NativeGroup::pick_algorithm(const OpDesc& d) {
+  namespace c = collectives;
+  const int n = setup_.size;
+  size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
+                           ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
+                           : d.bytes();
+  const std::optional<Algo> forced = c::forced_algo(d.coll);
+  const c::TunerInput in{d.coll, tuner_bytes, n, all_shm_, single_copy_, layout_.hosts,
+                         hier_why_.empty() ? layout_.ranks_per_host : 0};
+  Algo a = forced ? *forced : c::choose(in, thresholds_);
+  if (a == Algo::Hierarchical && !hier_why_.empty()) {
+    // COHORT_ALGO is one setting for every group of the process, and
+    // sub-groups often lie on one host: they run the flat choice instead.
+    if (!hier_warned_ && n > 1)
+      COHORT_WARN(kTuning, "group {}: COHORT_ALGO asks for hierarchical, but {} (it needs 2 or more hosts with as "
+                  "many ranks, at least 2, on each): this group runs the flat algorithms", setup_.group_id, hier_why_);
+    hier_warned_ = true;
+    a = c::choose(in, thresholds_);
+  }
+  if (a == Algo::SingleCopy && !single_copy_ && n > 1)
+    throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "
+                                      "COHORT_ALGO or name another algorithm for {}",
+                                      single_copy_why_, c::coll_name(d.coll)));
+  return a;
+}
+
 void NativeGroup::run_algorithm(OpDesc& d) {
   namespace c = collectives;
   auto timeout = d.timeout.count() > 0 ? d.timeout : setup_.timeout;
@@ -202,15 +230,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   }
 
   comm.begin(transport::MsgKey{d.seq, d.fingerprint(), 0, d.call_count()}, deadline);
-  size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
-                           ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
-                           : d.bytes();
-  const std::optional<Algo> forced = c::forced_algo(d.coll);
-  const Algo a = forced ? *forced : c::choose(c::TunerInput{d.coll, tuner_bytes, n, all_shm_, single_copy_}, thresholds_);
-  if (a == Algo::SingleCopy && !single_copy_ && n > 1)
-    throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "
-                                      "COHORT_ALGO or name another algorithm for {}",
-                                      single_copy_why_, c::coll_name(d.coll)));
+  const Algo a = pick_algorithm(d);
   d.algo = c::algo_name(a);
   // In place, or one buffer inside the other: the algorithms below read their
   // input while they write their output, so they get a copy of the input
@@ -240,7 +260,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
   // reduce_scatter and allgather: single copy only on shared buffers, unless forced.
   const bool shared_only =
-      a == Algo::SingleCopy && !forced &&
+      a == Algo::SingleCopy && !c::forced_algo(d.coll) &&
       (d.coll != Coll::Allreduce || d.bytes() < thresholds_.allreduce_single_copy_min);
   COHORT_TRACE(kColl, "{} {} bytes algo {}{}", d.describe(), d.bytes(), c::algo_name(a),
                shared_only ? " if every rank's buffers are shared, else ring" : "");
@@ -251,6 +271,11 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       if (a != Algo::SingleCopy) core::copy_pieces(d.recv, d.pieces);
       if (a == Algo::Ring) {
         c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
+      } else if (a == Algo::Hierarchical && n > 1) {
+        local_comm_->begin(comm.key(), deadline);
+        cross_comm_->begin(comm.key(), deadline);
+        c::allreduce_hierarchical(*local_comm_, *cross_comm_, sp, rp, d.send.count, t, op,
+                                  d.op == ReduceOp::Avg ? n : 0, thresholds_.allreduce_rd_max_tcp);
       } else if (a == Algo::SingleCopy) {
         if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only,
                                       d.pieces)) {

@@ -21,6 +21,8 @@
 
 #include "cohort/process_group.hpp"
 #include "collectives/comm.hpp"
+#include "collectives/host_layout.hpp"
+#include "collectives/tuner.hpp"
 #include "group/flight_recorder.hpp"
 #include "group/op.hpp"
 #include "group/work.hpp"
@@ -84,6 +86,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   // Runs d with mu_ held by lk on entry and exit (released while it runs); completes w.
   void run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w);
   void run_algorithm(OpDesc& d);
+  collectives::Algo pick_algorithm(const OpDesc& d);
   void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();
   [[noreturn]] void fail(const OpDesc& d, std::exception_ptr cause);
@@ -100,6 +103,13 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   std::vector<std::unique_ptr<transport::Connection>> conns_;
   std::unique_ptr<transport::Engine> engine_;
   std::unique_ptr<collectives::Comm> comm_;
+  // The host layout, and when the node-aware algorithms can run on it
+  // (hier_why_ empty), views of comm_ over this host's ranks and over the
+  // ranks with this rank's local index on every host.
+  collectives::HostLayout layout_;
+  std::string hier_why_ = "every rank of the group is on one host";
+  std::unique_ptr<collectives::Comm> local_comm_, cross_comm_;
+  bool hier_warned_ = false;  // COHORT_ALGO forced hierarchical where it cannot run: said once
   bool all_shm_ = true;
   bool single_copy_ = false;            // all_shm_ and the shm transport allows single copy
   std::string single_copy_why_;         // why not, when it does not
