@@ -47,7 +47,8 @@ def median_of(results, name, size, idx):
 # Which columns are compared with which, in this order, when both were run.
 PAIRS = [("cohort shm", "mpi shm"), ("cohort shm shared", "mpi shm"), ("cohort tcp", "mpi tcp"),
          ("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp"), ("cohort mpi", "mpi shm serialized"),
-         ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm")]
+         ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm"),
+         ("cohort hierarchical", "cohort flat ring"), ("cohort hierarchical", "gloo tcp")]
 
 
 def table(results, coll, np, reps, with_gloo=True):

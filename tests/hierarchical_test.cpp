@@ -73,11 +73,26 @@ TEST(Tuner, HierarchicalAboveTheTcpLatencyThresholdOnSeveralHosts) {
   Thresholds off;
   off.hierarchical = false;
   EXPECT_EQ(choose(in, off), Algo::Ring);
-  in.coll = Coll::Broadcast;  // allreduce only, so far
-  EXPECT_EQ(choose(in), Algo::Pipeline);
+  EXPECT_EQ(choose(TunerInput{Coll::Allreduce, 64 << 20, 4, true, true, 1, 4}), Algo::SingleCopy);  // one host
+}
+
+TEST(Tuner, HierarchicalWhereTheFlatChoiceIsARingOrChain) {
+  auto pick = [](Coll c, size_t bytes, int hosts, int per_host) {
+    return choose(TunerInput{c, bytes, hosts * per_host, false, false, hosts, per_host});
+  };
+  EXPECT_EQ(pick(Coll::ReduceScatter, 64, 2, 2), Algo::Hierarchical);  // fewer steps at any size
+  EXPECT_EQ(pick(Coll::ReduceScatter, 64 << 20, 2, 1), Algo::Ring);
+  EXPECT_EQ(pick(Coll::Allgather, 32 << 10, 2, 2), Algo::Direct);  // one step: latency
+  EXPECT_EQ(pick(Coll::Allgather, (32 << 10) + 8, 2, 2), Algo::Hierarchical);
+  EXPECT_EQ(pick(Coll::Allgather, 8, 8, 2), Algo::Hierarchical);  // 16 ranks: no direct
+  EXPECT_EQ(pick(Coll::Broadcast, 256 << 10, 2, 4), Algo::Binomial);
+  EXPECT_EQ(pick(Coll::Broadcast, (256 << 10) + 4, 2, 4), Algo::Hierarchical);
+  EXPECT_EQ(choose(TunerInput{Coll::Broadcast, 64 << 20, 5, false, false, 3, 0}), Algo::Pipeline);  // uneven hosts
+  EXPECT_EQ(pick(Coll::Reduce, 64 << 20, 2, 2), Algo::Binomial);
   EXPECT_EQ(override_from_env(Coll::Allreduce, "allreduce=hierarchical"), Algo::Hierarchical);
-  EXPECT_EQ(override_from_env(Coll::Allreduce, "hier"), Algo::Hierarchical);
-  EXPECT_THROW(override_from_env(Coll::Broadcast, "broadcast=hierarchical"), InvalidArgument);
+  EXPECT_EQ(override_from_env(Coll::Broadcast, "hier"), Algo::Hierarchical);
+  EXPECT_EQ(override_from_env(Coll::Reduce, "hierarchical"), std::nullopt);  // a bare name applies where it can
+  EXPECT_THROW(override_from_env(Coll::Reduce, "reduce=hierarchical"), InvalidArgument);
 }
 
 // `cohort run --nproc-per-node nproc` of the suite worker; host_of is a shell
@@ -90,8 +105,8 @@ lt::Result run_suite(int nproc, const std::string& host_of, std::map<std::string
   return lt::run({"run", "--nproc-per-node", std::to_string(nproc), "/bin/sh", "-c", cmd}, env, 420);
 }
 
-TEST(HierarchicalSuite, TwoHostsOfTwoEveryCollectiveWithAllreduceForced) {
-  auto r = run_suite(4, "LOCAL_RANK / 2", {{"COHORT_ALGO", "allreduce=hierarchical"}});
+TEST(HierarchicalSuite, TwoHostsOfTwoEveryCollectiveForcedAtEverySize) {
+  auto r = run_suite(4, "LOCAL_RANK / 2", {{"COHORT_ALGO", "hierarchical"}});
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   // The sub-group of ranks 0 and 2 has one rank per host: it says so and runs flat.
   EXPECT_TRUE(contains(r.err, "COHORT_ALGO asks for hierarchical, but there is one rank per host")) << r.err;
@@ -99,23 +114,26 @@ TEST(HierarchicalSuite, TwoHostsOfTwoEveryCollectiveWithAllreduceForced) {
 
 TEST(HierarchicalSuite, InterleavedHostsAndThreeHostsOfTwoAndTwoHostsOfThree) {
   for (auto [nproc, host_of] : {std::pair{4, "LOCAL_RANK % 2"}, {6, "LOCAL_RANK / 2"}, {6, "LOCAL_RANK % 2"}}) {
-    auto r = run_suite(nproc, host_of, {{"COHORT_ALGO", "allreduce=hierarchical"}},
-                       {"--gtest_filter=Suite.Allreduce*"});
+    auto r = run_suite(nproc, host_of, {{"COHORT_ALGO", "hierarchical"}},
+                       {"--gtest_filter=Suite.Allreduce*:Suite.AllgatherReduceScatter:Suite.BroadcastReduceEveryRoot"});
     EXPECT_EQ(r.status, 0) << nproc << " ranks, host " << host_of << "\n" << r.out << r.err;
   }
 }
 
-TEST(HierarchicalSuite, TheTunerPicksItForLargeAllreducesOnly) {
+TEST(HierarchicalSuite, TheTunerPicksItWhereTheFlatChoiceIsARingOrChain) {
   auto r = run_suite(4, "LOCAL_RANK / 2", {{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}},
-                     {"--gtest_filter=Suite.AllreduceLargeF32:Suite.AllreduceEveryDtypeAndOp"});
+                     {"--gtest_filter=Suite.AllreduceLargeF32:Suite.AllreduceEveryDtypeAndOp:"
+                      "Suite.AllgatherReduceScatter:Suite.BroadcastReduceEveryRoot"});
   EXPECT_EQ(r.status, 0) << r.out << r.err;
-  EXPECT_TRUE(contains(r.err, "algo hierarchical")) << r.err;
-  EXPECT_TRUE(contains(r.err, "algo recursive_doubling")) << r.err;
-  EXPECT_FALSE(std::regex_search(r.err, std::regex("allreduce .* algo ring"))) << r.err;
+  for (const char* coll : {"allreduce", "allgather", "reduce_scatter", "broadcast"})
+    EXPECT_TRUE(std::regex_search(r.err, std::regex(std::string(coll) + " #[0-9]+ .* algo hierarchical")))
+        << coll << "\n" << r.err.substr(0, 4000);
+  EXPECT_TRUE(contains(r.err, "algo recursive_doubling")) << r.err.substr(0, 4000);
+  EXPECT_FALSE(std::regex_search(r.err, std::regex(" algo (ring|pipeline)"))) << r.err.substr(0, 4000);
 }
 
 TEST(HierarchicalSuite, UnevenHostsRunFlatAndSaySo) {
-  auto r = run_suite(3, "LOCAL_RANK / 2", {{"COHORT_ALGO", "allreduce=hierarchical"}},
+  auto r = run_suite(3, "LOCAL_RANK / 2", {{"COHORT_ALGO", "hierarchical"}},
                      {"--gtest_filter=Suite.Allreduce*"});
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_TRUE(contains(r.err, "the 2 hosts do not have the same number of ranks")) << r.err;
@@ -170,7 +188,7 @@ class HierarchicalNetns : public ::testing::Test {
 };
 
 TEST_F(HierarchicalNetns, SuitePassesAcrossTwoMachinesOfTwoRanks) {
-  std::string f = run_both(lt::prog("coll_suite_worker"), {"COHORT_ALGO=allreduce=hierarchical"}, 29611);
+  std::string f = run_both(lt::prog("coll_suite_worker"), {"COHORT_ALGO=hierarchical"}, 29611);
   EXPECT_EQ(f, "");
 }
 

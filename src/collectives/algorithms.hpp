@@ -7,6 +7,7 @@
 #pragma once
 
 #include <span>
+#include <vector>
 
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +44,21 @@ inline int ring_owned_chunk(int rank, int n) { return (rank + 1) % n; }
 // where a flat ring sends 2 (n-1)/n of it over each link it crosses.
 void allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
                             ReduceOp op, int avg_div, size_t cross_rd_max);
+// The same structure for the other collectives (allreduce_hierarchical.cpp
+// says why), on views local and cross as above; members[h][j] is the group
+// rank at local index j of host h (HostLayout::members). Each sends its data
+// across hosts once, among the ranks of one local index:
+//   allgather: allgather across hosts, then allgather of the H-block bundles on the host;
+//   reduce_scatter: reduce-scatter on the host (of H-block bundles), then across hosts;
+//   broadcast: the root's local index broadcasts across hosts, then every host broadcasts inside
+//   (binomial up to binomial_max bytes, the pipelined chain above).
+using Members = std::vector<std::vector<int>>;
+void allgather_hierarchical(Comm& local, Comm& cross, const Members& members, const uint8_t* send, uint8_t* recv,
+                            size_t bytes_per_rank);
+void reduce_scatter_hierarchical(Comm& local, Comm& cross, const Members& members, const uint8_t* send, uint8_t* recv,
+                                 size_t count_per_rank, DType t, ReduceOp op, int avg_div);
+void broadcast_hierarchical(Comm& local, Comm& cross, const Members& members, uint8_t* buf, size_t bytes, int root,
+                            size_t binomial_max, size_t segment);
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);
 
 // broadcast

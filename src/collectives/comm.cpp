@@ -32,9 +32,10 @@ void Comm::run(std::vector<SendOp>& sends, std::vector<RecvOp>& recvs) {
   engine_->run(sends, recvs, deadline_);
 }
 
-uint8_t* Comm::scratch(size_t bytes) {
-  if (scratch_.size() < bytes) scratch_.resize(bytes);
-  return scratch_.data();
+uint8_t* Comm::scratch(size_t bytes, int slot) {
+  auto& s = scratch_[slot];
+  if (s.size() < bytes) s.resize(bytes);
+  return s.data();
 }
 
 }  // namespace cohort::collectives

@@ -55,8 +55,10 @@ class Comm {
     return conns_[peer]->map_remote(ref, remote, bytes, why);
   }
 
-  // A scratch buffer of at least `bytes`, reused across operations (not zeroed).
-  uint8_t* scratch(size_t bytes);
+  // A scratch buffer of at least `bytes`, reused across operations (not
+  // zeroed). The algorithms use slot 0; an algorithm built from others (the
+  // node-aware ones) keeps its own data in slot 1.
+  uint8_t* scratch(size_t bytes, int slot = 0);
 
  private:
   int rank_, size_;
@@ -64,7 +66,7 @@ class Comm {
   transport::Engine* engine_;
   transport::MsgKey key_{};
   core::Deadline deadline_ = core::Deadline::never();
-  std::vector<uint8_t> scratch_;
+  std::vector<uint8_t> scratch_[2];
 };
 
 // Splits `count` elements into `parts` nearly equal chunks (the first count % parts

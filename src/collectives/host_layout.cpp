@@ -25,8 +25,10 @@ HostLayout host_layout(const std::vector<std::string>& host_of, int me) {
   const size_t per = members.front().size();
   const bool uniform = std::all_of(members.begin(), members.end(), [&](const auto& m) { return m.size() == per; });
   l.ranks_per_host = uniform ? static_cast<int>(per) : 0;
-  if (uniform)
+  if (uniform) {
     for (const auto& m : members) l.cross.push_back(m[l.local_index]);
+    l.members = members;
+  }
   return l;
 }
 

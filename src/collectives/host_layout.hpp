@@ -14,6 +14,8 @@ struct HostLayout {
   std::vector<int> local;   // group ranks on this rank's host, in rank order
   std::vector<int> cross;   // on every host, its rank at this rank's local index (hosts ordered by lowest rank);
                             // empty unless ranks_per_host > 0
+  std::vector<std::vector<int>> members;  // members[h][j]: the rank at local index j of host h (when
+                                          // ranks_per_host > 0)
   int local_index = 0;      // this rank's index in local
   int host_index = 0;       // this rank's host among the hosts, ordered by lowest rank
 };

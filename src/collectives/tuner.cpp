@@ -27,9 +27,9 @@ const core::Knob kSingleCopySharedBytes{
     core::KnobKind::Bytes};
 const core::Knob kHierarchical{
     "COHORT_HIERARCHICAL", "1",
-    "on groups spread over 2 or more hosts with as many ranks (at least 2) on each, allreduces above 64 KiB run "
-    "node-aware: reduce-scatter on each host, allreduce across hosts among the ranks with one local rank, "
-    "allgather on each host (docs/algorithms.md); 0: the flat ring",
+    "on groups spread over 2 or more hosts with as many ranks (at least 2) on each, allreduces above 64 KiB, "
+    "reduce_scatters, allgathers and broadcasts that would run a ring or chain run node-aware: each block crosses "
+    "between hosts once, among the ranks of one local rank (docs/algorithms.md); 0: the flat algorithms",
     core::KnobKind::Bool};
 
 // Which algorithms can run which collective.
@@ -37,10 +37,11 @@ bool supports(Coll c, Algo a) {
   switch (c) {
     case Coll::Allreduce:
       return a == Algo::Ring || a == Algo::RecursiveDoubling || a == Algo::SingleCopy || a == Algo::Hierarchical;
-    case Coll::Broadcast: return a == Algo::Binomial || a == Algo::Pipeline;
+    case Coll::Broadcast: return a == Algo::Binomial || a == Algo::Pipeline || a == Algo::Hierarchical;
     case Coll::Reduce: return a == Algo::Binomial;
-    case Coll::Allgather: return a == Algo::Ring || a == Algo::Direct || a == Algo::SingleCopy;
-    case Coll::ReduceScatter: return a == Algo::Ring || a == Algo::SingleCopy;
+    case Coll::Allgather:
+      return a == Algo::Ring || a == Algo::Direct || a == Algo::SingleCopy || a == Algo::Hierarchical;
+    case Coll::ReduceScatter: return a == Algo::Ring || a == Algo::SingleCopy || a == Algo::Hierarchical;
     case Coll::Gather:
     case Coll::Scatter: return a == Algo::Linear;
     case Coll::Alltoall: return a == Algo::Direct;
@@ -108,27 +109,32 @@ bool single_copy_shared(const TunerInput& in, size_t total, const Thresholds& t)
 }  // namespace
 
 Algo choose(const TunerInput& in, const Thresholds& t) {
+  // Several hosts with as many ranks on each: the node-aware algorithms where
+  // the flat choice would be a ring or chain (they send each block across
+  // hosts once, in (H-1) + (L-1) steps instead of n-1).
+  const bool hier = t.hierarchical && in.hosts > 1 && in.ranks_per_host > 1;
   switch (in.coll) {
     case Coll::Allreduce:
       if (in.single_copy && t.allreduce_single_copy_min > 0 &&
           (in.bytes >= t.allreduce_single_copy_min ||
            (t.allreduce_single_copy_shared_min > 0 && in.bytes >= t.allreduce_single_copy_shared_min)))
         return Algo::SingleCopy;  // below allreduce_single_copy_min only with shared buffers: the ring otherwise
-      if (t.hierarchical && in.hosts > 1 && in.ranks_per_host > 1 && in.bytes > t.allreduce_rd_max_tcp)
-        return Algo::Hierarchical;
-      return in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp) ? Algo::RecursiveDoubling
-                                                                                          : Algo::Ring;
+      if (in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp)) return Algo::RecursiveDoubling;
+      return hier ? Algo::Hierarchical : Algo::Ring;
     case Coll::Broadcast:
-      return in.nranks <= 2 || in.bytes <= t.broadcast_binomial_max ? Algo::Binomial : Algo::Pipeline;
+      if (in.nranks <= 2 || in.bytes <= t.broadcast_binomial_max) return Algo::Binomial;
+      return hier ? Algo::Hierarchical : Algo::Pipeline;
     case Coll::Reduce: return Algo::Binomial;
     // Single copy for these only on shared buffers (the group then passes
     // shared_only: the ring on ordinary memory, where it measured faster),
     // from the shared-buffer threshold of allreduce, on the whole buffer.
     case Coll::Allgather:  // in.bytes is one rank's block
       if (single_copy_shared(in, in.bytes * static_cast<size_t>(in.nranks), t)) return Algo::SingleCopy;
-      return in.nranks <= 8 && in.bytes <= t.allgather_direct_max ? Algo::Direct : Algo::Ring;
+      if (in.nranks <= 8 && in.bytes <= t.allgather_direct_max) return Algo::Direct;
+      return hier ? Algo::Hierarchical : Algo::Ring;
     case Coll::ReduceScatter:  // in.bytes is the whole input
-      return single_copy_shared(in, in.bytes, t) ? Algo::SingleCopy : Algo::Ring;
+      if (single_copy_shared(in, in.bytes, t)) return Algo::SingleCopy;
+      return hier ? Algo::Hierarchical : Algo::Ring;
     case Coll::Gather:
     case Coll::Scatter: return Algo::Linear;
     case Coll::Alltoall: return Algo::Direct;
@@ -206,8 +212,9 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
                   : std::string("ring (more than 8 ranks)"),
       gs_single_copy, gs_single_copy);
   if (t.hierarchical && hosts > 1 && ranks_per_host > 1)
-    s += fmt::format("; {} hosts of {} ranks: allreduce hierarchical above {}", hosts, ranks_per_host,
-                     kib(t.allreduce_rd_max_tcp));
+    s += fmt::format("; {} hosts of {} ranks: hierarchical where the flat choice is a ring or chain (allreduce "
+                     "above {}, reduce_scatter, allgather above the direct sizes, broadcast above {})",
+                     hosts, ranks_per_host, kib(t.allreduce_rd_max_tcp), kib(t.broadcast_binomial_max));
   const std::string spec = kAlgo.str();
   if (!spec.empty()) s += fmt::format("; overridden by COHORT_ALGO={}", spec);
   return s;

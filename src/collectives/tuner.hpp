@@ -38,8 +38,8 @@ struct Thresholds {
   // buffers are shared buffers (ProcessGroup::allocate_buffer; the ranks find
   // out when they swap addresses), else the ring (0: never).
   size_t allreduce_single_copy_shared_min = 256 << 10;
-  // On several hosts with 2 or more ranks each: the node-aware allreduce
-  // above allreduce_rd_max_tcp (0: never).
+  // On several hosts with 2 or more ranks each: the node-aware algorithms
+  // where the flat choice would be a ring or chain (false: never).
   bool hierarchical = true;
 };
 

@@ -213,6 +213,11 @@ collectives::Algo NativeGroup::pick_algorithm(const OpDesc& d) {
   return a;
 }
 
+void NativeGroup::begin_views(const collectives::Comm& comm, core::Deadline deadline) {
+  local_comm_->begin(comm.key(), deadline);
+  cross_comm_->begin(comm.key(), deadline);
+}
+
 void NativeGroup::run_algorithm(OpDesc& d) {
   namespace c = collectives;
   auto timeout = d.timeout.count() > 0 ? d.timeout : setup_.timeout;
@@ -272,8 +277,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       if (a == Algo::Ring) {
         c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
       } else if (a == Algo::Hierarchical && n > 1) {
-        local_comm_->begin(comm.key(), deadline);
-        cross_comm_->begin(comm.key(), deadline);
+        begin_views(comm, deadline);
         c::allreduce_hierarchical(*local_comm_, *cross_comm_, sp, rp, d.send.count, t, op,
                                   d.op == ReduceOp::Avg ? n : 0, thresholds_.allreduce_rd_max_tcp);
       } else if (a == Algo::SingleCopy) {
@@ -290,7 +294,11 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       return;
     case Coll::Broadcast:
       if (n == 1) return;
-      if (a == Algo::Pipeline) c::broadcast_pipeline(comm, rp, d.recv.bytes(), d.root, pipeline_segment_);
+      if (a == Algo::Hierarchical) {
+        begin_views(comm, deadline);
+        c::broadcast_hierarchical(*local_comm_, *cross_comm_, layout_.members, rp, d.recv.bytes(), d.root,
+                                  thresholds_.broadcast_binomial_max, pipeline_segment_);
+      } else if (a == Algo::Pipeline) c::broadcast_pipeline(comm, rp, d.recv.bytes(), d.root, pipeline_segment_);
       else c::broadcast_binomial(comm, rp, d.recv.bytes(), d.root);
       return;
     case Coll::Reduce:
@@ -298,7 +306,10 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       if (d.op == ReduceOp::Avg && setup_.rank == d.root) core::scale_avg(rp, d.recv.count, t, n);
       return;
     case Coll::Allgather:
-      if (a == Algo::Direct) {
+      if (a == Algo::Hierarchical && n > 1) {
+        begin_views(comm, deadline);
+        c::allgather_hierarchical(*local_comm_, *cross_comm_, layout_.members, sp, rp, d.send.bytes());
+      } else if (a == Algo::Direct) {
         c::allgather_direct(comm, sp, rp, d.send.bytes());
       } else if (a != Algo::SingleCopy || !c::allgather_single_copy(comm, sp, rp, d.send.bytes(), shared_only)) {
         if (a == Algo::SingleCopy) d.algo = c::algo_name(Algo::Ring);  // not every rank's input is shared
@@ -306,7 +317,11 @@ void NativeGroup::run_algorithm(OpDesc& d) {
       }
       return;
     case Coll::ReduceScatter:
-      if (a != Algo::SingleCopy ||
+      if (a == Algo::Hierarchical && n > 1) {
+        begin_views(comm, deadline);
+        c::reduce_scatter_hierarchical(*local_comm_, *cross_comm_, layout_.members, sp, rp, d.recv.count, t, op,
+                                       d.op == ReduceOp::Avg ? n : 0);
+      } else if (a != Algo::SingleCopy ||
           !c::reduce_scatter_single_copy(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only)) {
         if (a == Algo::SingleCopy) d.algo = c::algo_name(Algo::Ring);  // not every rank's input is shared
         c::reduce_scatter_ring(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0);

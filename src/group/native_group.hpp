@@ -87,6 +87,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   void run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w);
   void run_algorithm(OpDesc& d);
   collectives::Algo pick_algorithm(const OpDesc& d);
+  void begin_views(const collectives::Comm& comm, core::Deadline deadline);  // local_comm_, cross_comm_ as comm
   void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();
   [[noreturn]] void fail(const OpDesc& d, std::exception_ptr cause);
