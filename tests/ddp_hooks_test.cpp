@@ -1,6 +1,7 @@
 // Comm hooks: fp16 / bf16 compression, a custom hook, hook errors. Ranks as
 // threads over shm and tcp, world sizes 1..4, closed-form expected values.
 #include <atomic>
+#include <cmath>
 
 #include "ddp_test_util.hpp"
 
@@ -127,6 +128,117 @@ TEST_P(HookTest, CompressionRejectsIntegerBuckets) {
     // A failed hook leaves the ranks in an unknown state: the reducer refuses further work.
     m = error_of([&] { red.finalize(); });
     EXPECT_NE(m.find("can no longer be used"), std::string::npos) << m;
+  });
+}
+
+// A hook of several steps (CommFuture::next): each step runs once the one
+// before has completed, one step of every bucket per round, in bucket order.
+TEST_P(HookTest, NextStepsRunInRoundsInBucketOrder) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    Grads g(mixed_model());
+    std::vector<std::pair<size_t, int>> steps;  // (bucket, step) as they ran
+    Reducer red(pg, g.specs, small_buckets());
+    red.register_comm_hook([&](GradBucket& b) -> CommFuture {
+      const Buffer buf = b.buffer();
+      const size_t index = b.index();
+      steps.emplace_back(index, 1);
+      ProcessGroup* group = &b.group();
+      return {group->allreduce(buf, {.op = ReduceOp::Sum}), nullptr, [&steps, group, buf, index]() -> CommFuture {
+                steps.emplace_back(index, 2);
+                // Sums again: n times the sum, which only a second collective on the first's result gives.
+                return {group->allreduce(buf, {.op = ReduceOp::Sum}), [&steps, index] { steps.emplace_back(index, 3); },
+                        nullptr};
+              }};
+    });
+    g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
+    for (size_t p : shuffled(g.specs.size(), 7 * r)) red.mark_ready(p, g.ptr(p));
+    red.finalize();
+    expect_values(g.specs, r, "two-step hook", [&](size_t p, size_t i) { return g.at(p, i); },
+                  [&](size_t p, size_t i) { return n * sum_value(n, p, i, 0); });
+    std::vector<std::pair<size_t, int>> want;
+    for (int step = 1; step <= 3; ++step)
+      for (size_t b = 0; b < kMixedBuckets; ++b) want.emplace_back(b, step);
+    EXPECT_EQ(steps, want);
+  });
+}
+
+// int8_compress_hook on f32 gradients of every rank drawn from [-1, 1].
+struct Int8Run {
+  std::vector<std::vector<float>> results;  // per step
+  std::vector<float> truth;                 // the exact average of one step
+};
+
+// `steps` synced iterations with the same gradients; rank r's gradient at i
+// is wave(r, i), except that element 0 is `tiny` on every rank.
+Int8Run run_int8(ProcessGroup& pg, size_t count, int steps, float tiny) {
+  const int n = pg.size(), r = pg.rank();
+  auto wave = [](int rank, size_t i) { return std::sin(0.37f * float(i) + 1.3f * float(rank)); };
+  std::vector<float> w(count);
+  ReducerOptions o;
+  o.comm_hook = int8_compress_hook();
+  Reducer red(pg, {{"w", w.size(), DType::F32, w.data()}}, o);
+  Int8Run out;
+  out.truth.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    double sum = 0;
+    for (int k = 0; k < n; ++k) sum += i == 0 ? tiny : wave(k, i);
+    out.truth[i] = float(sum / n);
+  }
+  for (int t = 0; t < steps; ++t) {
+    for (size_t i = 0; i < count; ++i) w[i] = i == 0 ? tiny : wave(r, i);
+    red.mark_ready(0, w.data());
+    red.finalize();
+    out.results.push_back(w);
+  }
+  return out;
+}
+
+TEST_P(HookTest, Int8StaysWithinTwoHalfStepsAndIsTheSameOnEveryRank) {
+  auto [transport, n] = GetParam();
+  std::vector<std::vector<float>> first(n);
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    Int8Run run = run_int8(pg, 1001, 1, 0.5f);
+    // Each quantisation moves an element by at most half a step (scale / 2,
+    // scale = max |x| / 127 <= 1 / 127): once on the way out, once after averaging.
+    const float bound = 1.0f / 127 * 1.01f;
+    for (size_t i = 0; i < run.truth.size(); ++i)
+      ASSERT_LE(std::fabs(run.results[0][i] - run.truth[i]), bound) << "rank " << pg.rank() << " element " << i;
+    first[pg.rank()] = run.results[0];
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(first[r], first[0]) << "rank " << r << " differs from rank 0";
+}
+
+// Error feedback: an element below half a step is rounded to zero at every
+// step, but what rounding lost is carried into the next step, so over 40
+// steps the sum of the results follows 40 times the true average (without
+// feedback it would stay at zero).
+TEST_P(HookTest, Int8ErrorFeedbackCarriesWhatRoundingLost) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const float tiny = 1.0f / 127 / 8;  // an eighth of a step
+    const int steps = 40;
+    Int8Run run = run_int8(pg, 301, steps, tiny);
+    std::vector<double> sum(run.truth.size(), 0.0);
+    for (const auto& res : run.results)
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += res[i];
+    for (size_t i = 0; i < sum.size(); ++i)
+      ASSERT_NEAR(sum[i], steps * double(run.truth[i]), 2.0 / 127) << "rank " << pg.rank() << " element " << i;
+    EXPECT_GT(sum[0], 0.5 * steps * tiny);
+  });
+}
+
+TEST_P(HookTest, Int8RefusesOtherDtypesByName) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    std::vector<double> w(8, 1.0);
+    ReducerOptions o;
+    o.comm_hook = int8_compress_hook();
+    Reducer red(pg, {{"w", w.size(), DType::F64, w.data()}}, o);
+    std::string m = error_of([&] { red.mark_ready(0, w.data()); });
+    EXPECT_NE(m.find("int8_compress_hook: bucket 0 holds f64 gradients; it quantises f32 buckets"), std::string::npos)
+        << m;
   });
 }
 

@@ -106,8 +106,9 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-auto-resume", cfg.auto_resume,
                "do not resume by itself after a restart (by default a restarted run, TORCHELASTIC_RESTART_COUNT > 0, "
                "continues from the newest valid checkpoint in --checkpoint-dir)");
-  app.add_option("--comm-hook", cfg.comm_hook, "gradient communication: allreduce, fp16 or bf16 (compressed)")
-      ->check(CLI::IsMember({"allreduce", "fp16", "bf16"}));
+  app.add_option("--comm-hook", cfg.comm_hook,
+                 "gradient communication: allreduce, fp16 or bf16 (compressed), int8 (quantised with error feedback)")
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "int8"}));
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")
       ->check(kMegabytes);
   app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)")

@@ -177,6 +177,15 @@ struct COHORT_API CommFuture {
   // convert there). E.g. decompress the scratch result into the bucket's
   // buffer. May be empty.
   std::function<void()> then;
+  // The next step of a hook that runs several collectives in sequence, each
+  // needing the result of the one before (int8_compress_hook: an alltoall of
+  // the quantised chunks, then an allgather of the reduced ones). finalize()
+  // calls it once `work` has completed, instead of `then`, and handles the
+  // future it returns alike (its own then, its own next). It runs one step of
+  // every bucket per round, in bucket order, so every rank issues the steps'
+  // collectives in the same order. Host buckets only (GradMemory::wait must
+  // have completed the work). May be empty.
+  std::function<CommFuture()> next;
 };
 
 // Like PyTorch's register_comm_hook. Called once per bucket per synced
@@ -195,6 +204,16 @@ COHORT_API CommHook allreduce_avg_hook();
 // the compressed type: it must fit (f16's largest finite value is 65504).
 COHORT_API CommHook fp16_compress_hook();
 COHORT_API CommHook bf16_compress_hook();
+// 8-bit quantisation with error feedback, for f32 host buckets: a quarter of
+// the plain allreduce's bytes (docs/ddp.md, "Compression"). Each rank adds its
+// error of the last step to the gradient, cuts the bucket into one chunk per
+// rank, scales each chunk to int8 (scale = max |x| / 127, rounding to the
+// nearest step, so no element moves by more than half a step) and keeps what
+// rounding lost; an alltoall sends chunk j to rank j, which averages the n
+// dequantised copies, adds its own error of the last step, quantises the
+// average again and allgathers it. The hook keeps both errors per bucket
+// (one hook per reducer: each call of this function makes a fresh state).
+COHORT_API CommHook int8_compress_hook();
 
 // ---- Reducer ----
 

@@ -325,6 +325,32 @@ struct COHORT_HIDDEN Reducer::Impl {
     }
   }
 
+  // Hooks of several steps (CommFuture::next): one step of every bucket per
+  // round, in bucket order, so that every rank issues them alike.
+  void run_next_steps() {
+    for (bool more = true; more;) {
+      more = false;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        CommFuture& f = buckets[b].future;
+        if (!f.next) continue;
+        try {
+          if (f.work) mem->wait(*f.work, opts.timeout);
+          if (f.work && !f.work->is_completed())
+            throw InvalidArgument("a comm hook's next step needs its work completed on the host: CommFuture::next "
+                                  "is for host buckets");
+          CommFuture following = f.next();
+          f = std::move(following);
+        } catch (const std::exception& e) {
+          failed = fmt::format("rank {}: this reducer can no longer be used: bucket {} of iteration {} failed in its "
+                               "comm hook's next step: {}",
+                               group.rank(), b, stats.iteration, e.what());
+          throw;
+        }
+        more = more || static_cast<bool>(f.next);
+      }
+    }
+  }
+
   void poll_completions() {
     for (; next_poll < next_launch; ++next_poll) {
       const WorkPtr& w = buckets[next_poll].future.work;
@@ -411,6 +437,7 @@ struct COHORT_HIDDEN Reducer::Impl {
       used_anywhere = std::move(used);
     }
 
+    run_next_steps();
     for (size_t b = 0; b < buckets.size(); ++b) {
       CommFuture& f = buckets[b].future;
       try {
