@@ -1,7 +1,9 @@
 // Comm hooks: fp16 / bf16 compression, a custom hook, hook errors. Ranks as
 // threads over shm and tcp, world sizes 1..4, closed-form expected values.
 #include <atomic>
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "ddp_test_util.hpp"
 
@@ -226,6 +228,29 @@ TEST_P(HookTest, Int8ErrorFeedbackCarriesWhatRoundingLost) {
     for (size_t i = 0; i < sum.size(); ++i)
       ASSERT_NEAR(sum[i], steps * double(run.truth[i]), 2.0 / 127) << "rank " << pg.rank() << " element " << i;
     EXPECT_GT(sum[0], 0.5 * steps * tiny);
+  });
+}
+
+// An inf (a GradScaler step to skip) shows in the result as non-finite, and
+// the next step is finite again: the errors did not keep it.
+TEST_P(HookTest, Int8PassesAnInfOnAndRecovers) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    std::vector<float> w(64);
+    ReducerOptions o;
+    o.comm_hook = int8_compress_hook();
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data()}}, o);
+    for (int t = 0; t < 3; ++t) {
+      for (size_t i = 0; i < w.size(); ++i) w[i] = 0.5f + 0.01f * float(i);
+      if (t == 1 && pg.rank() == 0) w[3] = std::numeric_limits<float>::infinity();
+      red.mark_ready(0, w.data());
+      red.finalize();
+      const bool finite = std::all_of(w.begin(), w.end(), [](float v) { return std::isfinite(v); });
+      EXPECT_EQ(finite, t != 1) << "rank " << pg.rank() << " step " << t;
+      if (t == 2) {
+        for (size_t i = 0; i < w.size(); ++i) ASSERT_NEAR(w[i], 0.5f + 0.01f * float(i), 2.0f / 127) << i;
+      }
+    }
   });
 }
 

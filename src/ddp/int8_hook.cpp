@@ -46,10 +46,13 @@ struct Int8State {
 // Writes the block of v[0 .. len) (padded with zeros to k) at `block` and
 // v - dequantised into err[0 .. len).
 void quantise(const float* v, size_t len, size_t k, uint8_t* block, float* err) {
-  float amax = 0.f;
-  for (size_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
+  float amax = 0.f, poison = 0.f;  // poison: v - v, NaN for an inf or NaN anywhere
+  for (size_t i = 0; i < len; ++i) {
+    amax = std::fabs(v[i]) > amax ? std::fabs(v[i]) : amax;
+    poison += v[i] - v[i];
+  }
   auto* q = reinterpret_cast<int8_t*>(block + sizeof(float));
-  if (!std::isfinite(amax)) {
+  if (!std::isfinite(amax) || poison != 0.f) {
     // An inf or NaN (a GradScaler step that will be skipped): the scale carries
     // it, so that every dequantised element is NaN and the check after the
     // reduction sees it; the errors restart from zero instead of keeping it.
@@ -62,10 +65,13 @@ void quantise(const float* v, size_t len, size_t k, uint8_t* block, float* err) 
   const float scale = amax / 127.f;
   const float inv = scale > 0.f ? 1.f / scale : 0.f;
   std::memcpy(block, &scale, sizeof(float));
+  // Round half away from zero: |v * inv| <= 127, so the sum stays in range
+  // and the loop has no call or branch (it vectorises).
   for (size_t i = 0; i < len; ++i) {
-    const float r = std::nearbyint(v[i] * inv);
-    q[i] = static_cast<int8_t>(std::clamp(r, -127.f, 127.f));
-    err[i] = v[i] - static_cast<float>(q[i]) * scale;
+    const float t = v[i] * inv;
+    const int r = static_cast<int>(t + (t >= 0.f ? 0.5f : -0.5f));
+    q[i] = static_cast<int8_t>(r);
+    err[i] = v[i] - static_cast<float>(r) * scale;
   }
   std::memset(q + len, 0, k - len);
 }
