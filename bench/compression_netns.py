@@ -2,9 +2,11 @@
 """DDP's gradient compression across a slow link: the example's model trained
 on 2 "hosts" (network namespaces joined by veth links, limited by tc to
 --rate) of --per-host ranks each, with each --comm-hook, interleaved REPS
-times. Prints images/s and the bytes that crossed machine 0's link (from rank 0's
-step metrics, COHORT_METRICS: its interface counters over the run, start-up
-included, divided by the steps), with ratios to the plain allreduce. Needs root and iproute2; never touches the host's own
+times. Prints images/s and the bytes that crossed machine 0's link per step in the
+steady state, with ratios to the plain allreduce: rank 0's step metrics
+(COHORT_METRICS) give its interface counters over a run, and the difference
+between a run of 2 STEPS and one of STEPS steps, divided by STEPS, leaves out
+the start-up and a compressing hook's first plain iterations. Needs root and iproute2; never touches the host's own
 network.
 
   sudo bench/compression_netns.py --build build [--hooks allreduce,int8,bf16] [--rate 1gbit] [--reps 2]
@@ -22,10 +24,11 @@ sys.path.insert(0, HERE)
 from hierarchical_netns import Lab, run_on_both  # noqa: E402
 
 
-def one_run(lab, build, hook, args, port):
+def one_run(lab, build, hook, args, port, steps):
+    """(images/s, bytes over machine 0's link over the whole run)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        prog = [f"{build}/fashion_mnist", "--model", args.model, "--max-steps", str(args.steps), "--augment", "none",
+        prog = [f"{build}/fashion_mnist", "--model", args.model, "--max-steps", str(steps), "--augment", "none",
                 "--epochs", "1", "--warmup-timing-steps", str(args.skip), "--comm-hook", hook]
         out = run_on_both(lab, os.path.abspath(f"{build}/cohort"), prog, {"COHORT_METRICS": metrics}, port,
                           per_host=args.per_host)
@@ -37,7 +40,7 @@ def one_run(lab, build, hook, args, port):
                 if j.get("kind") == "summary" and j.get("rank") == 0:
                     eth = j.get("net", {}).get("eth0")
                     if eth:
-                        link = (eth["rx_bytes"] + eth["tx_bytes"]) / args.steps  # the whole run, start-up included
+                        link = eth["rx_bytes"] + eth["tx_bytes"]
         if not ips or link is None:
             sys.stderr.write(f"{hook}: no result\n{out[-2500:]}\n")
         return (float(ips.group(1)) if ips else None, link)
@@ -61,11 +64,17 @@ def main():
     results = {h: [] for h in hooks}
     try:
         port = 29800
+        short = {}
         for rep in range(args.reps):
             for h in hooks:
                 print(f"# rep {rep + 1}/{args.reps}: {h}", file=sys.stderr, flush=True)
+                if rep == 0:
+                    port += 2
+                    short[h] = one_run(lab, args.build, h, args, port, args.steps)[1]
                 port += 2
-                results[h].append(one_run(lab, args.build, h, args, port))
+                ips, link = one_run(lab, args.build, h, args, port, 2 * args.steps)
+                per_step = (link - short[h]) / args.steps if link is not None and short[h] is not None else None
+                results[h].append((ips, per_step))
     finally:
         lab.remove()
 
@@ -74,8 +83,9 @@ def main():
         return statistics.median(vals) if vals else None
     base_ips, base_link = med("allreduce", 0), med("allreduce", 1)
     print(f"## {args.model}, 2 hosts x {args.per_host} rank(s), link {args.rate or 'unlimited'}, "
-          f"median of {args.reps} interleaved runs, {args.steps} steps ({args.skip} untimed)\n")
-    print("| comm hook | images/s | bytes over the link per step | images/s vs allreduce | bytes vs allreduce |")
+          f"median of {args.reps} interleaved runs of {2 * args.steps} steps ({args.skip} untimed)\n")
+    print("| comm hook | images/s | bytes over the link per step (steady state) | images/s vs allreduce | "
+          "bytes vs allreduce |")
     print("|---|---|---|---|---|")
     for h in hooks:
         ips, link = med(h, 0), med(h, 1)

@@ -107,8 +107,14 @@ int main(int argc, char** argv) {
                "do not resume by itself after a restart (by default a restarted run, TORCHELASTIC_RESTART_COUNT > 0, "
                "continues from the newest valid checkpoint in --checkpoint-dir)");
   app.add_option("--comm-hook", cfg.comm_hook,
-                 "gradient communication: allreduce, fp16 or bf16 (compressed), int8 (quantised with error feedback)")
-      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "int8"}));
+                 "gradient communication: allreduce, fp16 or bf16 (compressed), int8 (quantised with error "
+                 "feedback), powersgd (low-rank, with error feedback)")
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "int8", "powersgd"}));
+  app.add_option("--powersgd-rank", cfg.powersgd_rank, "--comm-hook powersgd: the approximation rank")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--powersgd-start-iter", cfg.powersgd_start_iter,
+                 "--comm-hook powersgd: plain allreduce for this many iterations first (at least 2)")
+      ->check(CLI::Range(int64_t(2), int64_t(1) << 40));
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")
       ->check(kMegabytes);
   app.add_option("--first-bucket-mb", cfg.first_bucket_mb, "DDP first bucket size (PyTorch: 1 MiB)")

@@ -172,13 +172,14 @@ std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConf
   dopts.wait_on_stream = cfg.ddp_wait_on_stream;
   if (cfg.comm_hook == "fp16") dopts.comm_hook = cohort::ddp::fp16_compress_hook();
   if (cfg.comm_hook == "bf16") dopts.comm_hook = cohort::ddp::bf16_compress_hook();
-  if (cfg.comm_hook == "int8") {
-    if (pg->cuda_device() >= 0)
-      throw cohort::InvalidArgument(fmt::format("--comm-hook int8 quantises on the host; the {} backend reduces GPU "
-                                                "buckets: use --comm-hook fp16 or bf16",
-                                                pg->backend_name()));
-    dopts.comm_hook = cohort::ddp::int8_compress_hook();
-  }
+  if ((cfg.comm_hook == "int8" || cfg.comm_hook == "powersgd") && pg->cuda_device() >= 0)
+    throw cohort::InvalidArgument(fmt::format("--comm-hook {} compresses on the host; the {} backend reduces GPU "
+                                              "buckets: use --comm-hook fp16 or bf16",
+                                              cfg.comm_hook, pg->backend_name()));
+  if (cfg.comm_hook == "int8") dopts.comm_hook = cohort::ddp::int8_compress_hook();
+  if (cfg.comm_hook == "powersgd")
+    dopts.comm_hook = cohort::ddp::powersgd_hook(std::make_shared<cohort::ddp::PowerSgdState>(
+        cohort::ddp::PowerSgdOptions{.rank = cfg.powersgd_rank, .start_iter = cfg.powersgd_start_iter}));
   // --no-ddp (one rank only): the same program without DDP, the baseline DDP's overhead is measured against.
   if (cfg.no_ddp && pg->size() > 1)
     throw cohort::InvalidArgument(fmt::format("--no-ddp trains one replica; this job has {} ranks (run it with "

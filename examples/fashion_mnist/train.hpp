@@ -29,6 +29,8 @@ struct TrainConfig {
   bool resume = false;
   bool auto_resume = true;  // resume by itself when TORCHELASTIC_RESTART_COUNT > 0 (a restart by `cohort run`)
   std::string comm_hook = "allreduce";
+  int powersgd_rank = 4;            // --comm-hook powersgd: the approximation rank
+  int64_t powersgd_start_iter = 10;  // ... and the plain iterations before it compresses
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool grad_bucket_view = true;  // .grad views the DDP buckets: no copies in or out

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -41,6 +42,10 @@ struct COHORT_API ParamSpec {
   // ready contributes what is here (zeros if nullptr) under
   // find_unused_parameters. Change it with Reducer::set_grad.
   void* grad = nullptr;
+  // The first dimension of the parameter's shape (a comm hook that treats a
+  // gradient as a matrix, as PowerSGD does, views it as rows x count / rows);
+  // 0: unknown, taken as count (a column).
+  size_t rows = 0;
 };
 
 // ---- Bucket plan (a pure function) ----
@@ -128,11 +133,14 @@ class COHORT_API GradBucket {
  public:
   // `pieces`: gradients the reducer left outside the buffer (see
   // ReducerOptions::grads_valid_until_finalize), sorted by offset, or nullptr.
+  // `offsets` and `rows`, when given, are each parameter's element offset in
+  // the buffer and its ParamSpec::rows, in bucket order.
   GradBucket(size_t index, size_t num_buckets, Buffer buffer, ProcessGroup& group, Millis timeout,
              std::span<const size_t> params, GradMemory& memory, BucketScratch& scratch,
-             std::vector<InputPiece>* pieces = nullptr)
+             std::vector<InputPiece>* pieces = nullptr, std::span<const size_t> offsets = {},
+             std::span<const size_t> rows = {})
       : index_(index), num_buckets_(num_buckets), buffer_(buffer), group_(group), timeout_(timeout),
-        params_(params), memory_(memory), scratch_(scratch), pieces_(pieces) {}
+        params_(params), memory_(memory), scratch_(scratch), pieces_(pieces), offsets_(offsets), rows_(rows) {}
 
   size_t index() const { return index_; }  // position in the plan = launch order
   bool is_last() const { return index_ + 1 == num_buckets_; }
@@ -149,6 +157,10 @@ class COHORT_API GradBucket {
   Millis timeout() const { return timeout_; }
   // Registration indices of the bucket's parameters, in bucket order.
   std::span<const size_t> params() const { return params_; }
+  // Each parameter's element offset in buffer() and its ParamSpec::rows, in
+  // bucket order (empty when the bucket was made without them).
+  std::span<const size_t> offsets() const { return offsets_; }
+  std::span<const size_t> rows() const { return rows_; }
   // Where the bucket lives (host or device memory) and how to convert in it.
   GradMemory& memory() const { return memory_; }
   // At least `bytes` of bucket memory (memory()) owned by the reducer for this
@@ -165,6 +177,7 @@ class COHORT_API GradBucket {
   GradMemory& memory_;
   BucketScratch& scratch_;
   std::vector<InputPiece>* pieces_;
+  std::span<const size_t> offsets_, rows_;
 };
 
 // A hook's answer: the communication it started and what to do once it is done.
@@ -214,6 +227,52 @@ COHORT_API CommHook bf16_compress_hook();
 // average again and allgathers it. The hook keeps both errors per bucket
 // (one hook per reducer: each call of this function makes a fresh state).
 COHORT_API CommHook int8_compress_hook();
+
+// PowerSGD (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient
+// Compression for Distributed Optimization"), as PyTorch's powerSGD_hook:
+// each gradient of a bucket viewed as a matrix M (ParamSpec::rows x the rest)
+// is sent as two thin matrices, P = M Q and Q = M^T P, of `rank` columns;
+// the others (biases, matrices too small to gain min_compression_rate) are
+// averaged as they are. docs/ddp.md, "Compression".
+struct COHORT_API PowerSgdOptions {
+  int rank = 1;                      // PyTorch's matrix_approximation_rank
+  int64_t start_iter = 1000;         // plain averaging for the first iterations (start_powerSGD_iter)
+  double min_compression_rate = 2;   // compress M (n x m) only if (n + m) rank * this < n m
+  bool error_feedback = true;        // add what compression lost to the next iteration's gradient
+  bool warm_start = true;            // start from the last iteration's Q
+  float orthogonalization_epsilon = 0;
+  uint64_t seed = 0;                 // the random first Q (the same on every rank)
+};
+
+// The hook's state, shared by its calls: make one per reducer.
+class COHORT_API PowerSgdState {
+ public:
+  explicit PowerSgdState(PowerSgdOptions opts = {});
+  const PowerSgdOptions& options() const { return opts_; }
+  int64_t iteration() const { return iter_; }
+  // Q of a bucket (the layout PyTorch's q_memory_dict has: every compressed
+  // matrix's m x rank block, matrices grouped by shape in order of first
+  // appearance): set it before the bucket's first compressed iteration to
+  // start from a given Q instead of a random one (tests compare with PyTorch
+  // this way); empty until then.
+  std::vector<float>& q(size_t bucket) { return buckets_[bucket].q; }
+
+  struct Bucket {
+    std::vector<float> p, q, error;
+  };
+  Bucket& bucket(size_t index) { return buckets_[index]; }
+  void next_iteration() { ++iter_; }
+
+ private:
+  PowerSgdOptions opts_;
+  int64_t iter_ = 0;
+  std::map<size_t, Bucket> buckets_;
+};
+
+// Host f32 buckets (others throw InvalidArgument naming the bucket). Runs 3
+// collectives per bucket in sequence (CommFuture::next): the uncompressed
+// gradients, the Ps, the Qs.
+COHORT_API CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state);
 
 // ---- Reducer ----
 

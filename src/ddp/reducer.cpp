@@ -52,6 +52,7 @@ struct COHORT_HIDDEN Reducer::Impl {
   struct Bucket {
     std::byte* data = nullptr;  // the flat buffer, inside `storage`
     BucketScratch scratch;      // GradBucket::scratch
+    std::vector<size_t> rows;   // ParamSpec::rows of the bucket's parameters, in bucket order
     // grads_valid_until_finalize: the elements [direct_first, direct_end) the
     // group reads in place in allreduce_gathered, and this iteration's
     // gradients left there (InputPiece), by parameter, in marking order.
@@ -311,8 +312,10 @@ struct COHORT_HIDDEN Reducer::Impl {
     Bucket& bucket = buckets[b];
     std::sort(bucket.pieces.begin(), bucket.pieces.end(),
               [](const InputPiece& x, const InputPiece& y) { return x.offset < y.offset; });
+    bucket.rows.clear();  // (the plan may be rebuilt after the first iteration)
+    for (size_t p : plan[b].params) bucket.rows.push_back(params[p].rows);
     GradBucket gb(b, buckets.size(), Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
-                  plan[b].params, *mem, bucket.scratch, &bucket.pieces);
+                  plan[b].params, *mem, bucket.scratch, &bucket.pieces, plan[b].offsets, bucket.rows);
     try {
       bucket.future = hook(gb);
       (void)gb.buffer();  // a hook that used neither buffer() nor allreduce() still gets every gradient in place

@@ -100,7 +100,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& g = params_[i].grad();
     specs.push_back({names_[i], static_cast<size_t>(params_[i].numel()), to_dtype(params_[i].scalar_type()),
-                     g.defined() ? g.data_ptr() : nullptr});
+                     g.defined() ? g.data_ptr() : nullptr,
+                     params_[i].dim() > 0 ? static_cast<size_t>(params_[i].size(0)) : 1});
   }
   ddp::ReducerOptions ro;
   ro.bucket_cap_mb = opts_.bucket_cap_mb;

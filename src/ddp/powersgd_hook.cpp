@@ -1,0 +1,229 @@
+// powersgd_hook (ddp.hpp): PowerSGD with error feedback and warm start, the
+// algorithm of PyTorch's powerSGD_hook (so that one step of each, given the
+// same gradients and the same Q, agrees: tests/ddp_powersgd_test.cpp).
+//
+// Per bucket of f32 gradients g on n ranks, once iteration >= start_iter:
+//   x = g + e                                   (error feedback; e = 0 at first)
+//   each gradient k viewed as M_k (rows_k x m_k) is compressed when
+//     (rows_k + m_k) r min_compression_rate < rows_k m_k, r = min(rank, rows_k, m_k);
+//   the others are concatenated and averaged as they are:
+//   1. allreduce(uncompressed), / n, back into x;         Q_k orthogonalised (random at first, else last Q)
+//      P_k = M_k Q_k
+//   2. allreduce(P), sum; P_k orthogonalised; Q_k = M_k^T P_k
+//   3. allreduce(Q), / n; M_k = P_k Q_k^T into the bucket; e = x_before - bucket
+// Only P and Q cross the wire for compressed matrices: (rows + m) r elements
+// instead of rows m. Orthogonalisation is Gram-Schmidt with
+// reorthogonalisation (PyTorch takes QR for rank > 2, which gives the same
+// columns up to sign; P Q^T does not see the signs). Products accumulate in
+// double.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cohort/ddp.hpp"
+
+namespace cohort::ddp {
+namespace {
+
+struct Matrix {
+  size_t offset, rows, cols, rank, p_at, q_at;
+};
+
+// Orthonormalises the columns of a (rows x cols, row-major), in double:
+// Gram-Schmidt with each column's projections removed twice ("twice is
+// enough", Giraud et al. 2005), then normalised (by norm + eps). PyTorch
+// runs one pass of Gram-Schmidt for rank <= 2 and QR above; a single pass
+// in float loses orthogonality when a column is nearly dependent on the
+// others (a gradient of lower rank than r), and P P^T M then differs from M.
+// An all-zero column stays zero.
+void orthogonalise(float* a, size_t rows, size_t cols, float eps) {
+  std::vector<double> d(a, a + rows * cols);
+  for (size_t i = 0; i < cols; ++i) {
+    for (int pass = 0; pass < 2; ++pass)
+      for (size_t j = 0; j < i; ++j) {
+        double dot = 0;
+        for (size_t r = 0; r < rows; ++r) dot += d[r * cols + j] * d[r * cols + i];
+        for (size_t r = 0; r < rows; ++r) d[r * cols + i] -= dot * d[r * cols + j];
+      }
+    double norm = 0;
+    for (size_t r = 0; r < rows; ++r) norm += d[r * cols + i] * d[r * cols + i];
+    norm = std::sqrt(norm);
+    const double div = eps == 0 ? norm : norm + eps;
+    for (size_t r = 0; r < rows; ++r) d[r * cols + i] = div > 0 ? d[r * cols + i] / div : 0.0;
+  }
+  for (size_t x = 0; x < rows * cols; ++x) a[x] = static_cast<float>(d[x]);
+}
+
+// p (n x r) = m (n x c) q (c x r)
+void mul(const float* m, const float* q, float* p, size_t n, size_t c, size_t r) {
+  std::vector<double> acc(r);
+  for (size_t i = 0; i < n; ++i) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    const float* row = m + i * c;
+    for (size_t j = 0; j < c; ++j)
+      for (size_t k = 0; k < r; ++k) acc[k] += double(row[j]) * q[j * r + k];
+    for (size_t k = 0; k < r; ++k) p[i * r + k] = float(acc[k]);
+  }
+}
+
+// q (c x r) = m^T (c x n) p (n x r)
+void mul_transposed(const float* m, const float* p, float* q, size_t n, size_t c, size_t r) {
+  std::vector<double> acc(c * r, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    const float* row = m + i * c;
+    for (size_t j = 0; j < c; ++j)
+      for (size_t k = 0; k < r; ++k) acc[j * r + k] += double(row[j]) * p[i * r + k];
+  }
+  for (size_t x = 0; x < c * r; ++x) q[x] = float(acc[x]);
+}
+
+// m (n x c) = p (n x r) q^T (r x c)
+void mul_outer(const float* p, const float* q, float* m, size_t n, size_t c, size_t r) {
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j < c; ++j) {
+      double s = 0;
+      for (size_t k = 0; k < r; ++k) s += double(p[i * r + k]) * q[j * r + k];
+      m[i * c + j] = float(s);
+    }
+}
+
+// The bucket's matrices to compress, grouped by shape in order of first
+// appearance (PyTorch's P and Q layout), and the offsets/counts of the rest.
+struct Split {
+  std::vector<Matrix> compress;
+  std::vector<std::pair<size_t, size_t>> plain;  // (offset, count), bucket order
+  size_t p_total = 0, q_total = 0, plain_total = 0;
+};
+
+Split split(const GradBucket& b, const PowerSgdOptions& o) {
+  Split s;
+  std::vector<Matrix> found;
+  const auto offsets = b.offsets(), rows = b.rows();
+  const size_t total = b.buffer().count;
+  for (size_t k = 0; k < offsets.size(); ++k) {
+    const size_t end = k + 1 < offsets.size() ? offsets[k + 1] : total;
+    const size_t count = end - offsets[k];
+    const size_t n = rows[k] > 0 ? rows[k] : count;
+    const size_t m = n > 0 ? count / n : 0;
+    const size_t r = std::min({static_cast<size_t>(o.rank), n, m});
+    if (count > 0 && double((n + m) * r) * o.min_compression_rate < double(n * m))
+      found.push_back({offsets[k], n, m, r, 0, 0});
+    else
+      s.plain.emplace_back(offsets[k], count);
+  }
+  std::vector<std::pair<size_t, size_t>> shapes;  // first appearance order
+  for (const auto& f : found)
+    if (std::find(shapes.begin(), shapes.end(), std::pair{f.rows, f.cols}) == shapes.end())
+      shapes.emplace_back(f.rows, f.cols);
+  for (const auto& shape : shapes)
+    for (auto f : found)
+      if (std::pair{f.rows, f.cols} == shape) {
+        f.p_at = s.p_total;
+        f.q_at = s.q_total;
+        s.p_total += f.rows * f.rank;
+        s.q_total += f.cols * f.rank;
+        s.compress.push_back(f);
+      }
+  for (const auto& [off, count] : s.plain) s.plain_total += count;
+  return s;
+}
+
+}  // namespace
+
+PowerSgdState::PowerSgdState(PowerSgdOptions opts) : opts_(opts) {
+  if (opts_.rank < 1)
+    throw InvalidArgument(fmt::format("PowerSgdOptions::rank {}: the approximation rank must be at least 1", opts_.rank));
+  if (opts_.start_iter < 0) throw InvalidArgument("PowerSgdOptions::start_iter must not be negative");
+  if ((opts_.error_feedback || opts_.warm_start) && opts_.start_iter < 2)
+    throw InvalidArgument(fmt::format(
+        "PowerSgdOptions::start_iter {}: with error feedback or warm start, run at least 2 plain iterations first "
+        "(as PyTorch requires: DDP may rebuild its buckets after the first one)",
+        opts_.start_iter));
+}
+
+CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
+  if (!state) throw InvalidArgument("powersgd_hook: the state is null; pass std::make_shared<PowerSgdState>(options)");
+  return [state](GradBucket& bucket) -> CommFuture {
+    const Buffer buf = bucket.buffer();
+    const size_t index = bucket.index();
+    const bool last = bucket.is_last();
+    if (!bucket.memory().buckets_on_host() || buf.dtype != DType::F32)
+      throw InvalidArgument(fmt::format("powersgd_hook: bucket {} holds {} gradients{}; it compresses f32 buckets in "
+                                        "host memory. HINT: use allreduce_avg_hook() or bf16_compress_hook()",
+                                        index, dtype_name(buf.dtype),
+                                        bucket.memory().buckets_on_host() ? "" : " in device memory"));
+    if (bucket.offsets().size() != bucket.params().size() || bucket.rows().size() != bucket.params().size())
+      throw InvalidArgument(fmt::format("powersgd_hook: bucket {} came without its parameters' offsets and rows "
+                                        "(GradBucket's offsets/rows); a Reducer passes them",
+                                        index));
+    ProcessGroup& group = bucket.group();
+    const Millis timeout = bucket.timeout();
+    const PowerSgdOptions& o = state->options();
+    if (state->iteration() < o.start_iter) {
+      if (last) state->next_iteration();
+      return {bucket.allreduce({.op = ReduceOp::Avg, .timeout = timeout}), nullptr, nullptr};
+    }
+    const int n = group.size();
+    auto* x = static_cast<float*>(buf.data);
+    const size_t count = buf.count;
+    PowerSgdState::Bucket* st = &state->bucket(index);
+    auto sp = std::make_shared<Split>(split(bucket, o));
+    std::shared_ptr<std::vector<float>> before;
+    if (o.error_feedback) {
+      if (st->error.size() != count) st->error.assign(count, 0.f);
+      for (size_t i = 0; i < count; ++i) x[i] += st->error[i];
+      before = std::make_shared<std::vector<float>>(x, x + count);
+    }
+    // Ps and Qs, random Qs the first time (or always without warm start).
+    const bool random_q = !o.warm_start || st->q.size() != sp->q_total;
+    st->p.assign(sp->p_total, 0.f);
+    if (random_q) {
+      st->q.resize(sp->q_total);
+      std::mt19937_64 rng(o.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(index + 1));
+      std::normal_distribution<float> normal;
+      for (float& v : st->q) v = normal(rng);
+    }
+    for (const Matrix& mx : sp->compress) {
+      orthogonalise(st->q.data() + mx.q_at, mx.cols, mx.rank, o.orthogonalization_epsilon);
+      mul(x + mx.offset, st->q.data() + mx.q_at, st->p.data() + mx.p_at, mx.rows, mx.cols, mx.rank);
+    }
+    auto plain = std::make_shared<std::vector<float>>();
+    plain->reserve(sp->plain_total);
+    for (const auto& [off, c] : sp->plain) plain->insert(plain->end(), x + off, x + off + c);
+    const AllreduceOptions sum{.op = ReduceOp::Sum, .timeout = timeout};
+    WorkPtr w1 = group.allreduce(Buffer{plain->data(), plain->size(), DType::F32}, sum);
+
+    auto finish = [=]() {
+      for (float& v : st->q) v /= static_cast<float>(n);
+      for (const Matrix& mx : sp->compress)
+        mul_outer(st->p.data() + mx.p_at, st->q.data() + mx.q_at, x + mx.offset, mx.rows, mx.cols, mx.rank);
+      if (before)
+        for (size_t i = 0; i < count; ++i) st->error[i] = (*before)[i] - x[i];
+      if (!o.warm_start) st->q.clear();
+      if (last) state->next_iteration();
+    };
+    auto compute_qs = [=, &group]() -> CommFuture {
+      for (const Matrix& mx : sp->compress) {
+        orthogonalise(st->p.data() + mx.p_at, mx.rows, mx.rank, o.orthogonalization_epsilon);
+        mul_transposed(x + mx.offset, st->p.data() + mx.p_at, st->q.data() + mx.q_at, mx.rows, mx.cols, mx.rank);
+      }
+      return {group.allreduce(Buffer{st->q.data(), st->q.size(), DType::F32}, sum), finish, nullptr};
+    };
+    auto unpack_and_send_ps = [=, &group]() -> CommFuture {
+      size_t at = 0;
+      for (const auto& [off, c] : sp->plain) {
+        for (size_t i = 0; i < c; ++i) x[off + i] = (*plain)[at + i] / static_cast<float>(n);
+        at += c;
+      }
+      return {group.allreduce(Buffer{st->p.data(), st->p.size(), DType::F32}, sum), nullptr, compute_qs};
+    };
+    return {w1, nullptr, unpack_and_send_ps};
+  };
+}
+
+}  // namespace cohort::ddp
