@@ -254,6 +254,21 @@ TEST_P(HookTest, Int8PassesAnInfOnAndRecovers) {
   });
 }
 
+// A chunk so small that 1 / scale would overflow is sent as zeros and kept
+// whole as error (no undefined conversion of inf to int).
+TEST_P(HookTest, Int8SendsATinyChunkAsZeros) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    std::vector<float> w(40, 1e-39f);
+    ReducerOptions o;
+    o.comm_hook = int8_compress_hook();
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data()}}, o);
+    red.mark_ready(0, w.data());
+    red.finalize();
+    for (float v : w) ASSERT_EQ(v, 0.f) << "rank " << pg.rank();
+  });
+}
+
 TEST_P(HookTest, Int8RefusesOtherDtypesByName) {
   auto [transport, n] = GetParam();
   run_ranks(n, transport, [&](ProcessGroup& pg) {

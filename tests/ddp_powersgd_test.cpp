@@ -53,7 +53,8 @@ TEST(PowerSgd, MatchesPyTorchsPowerSgdHookAtRanks1And4) {
       std::vector<ParamSpec> specs;
       for (size_t k = shapes.size(); k-- > 0;) {
         g[k].resize(shapes[k].rows * shapes[k].cols);
-        specs.push_back({"p" + std::to_string(k), g[k].size(), DType::F32, g[k].data(), shapes[k].rows});
+        const char name[] = {'p', char('0' + k), 0};  // (k < 10; a std::string sum here trips GCC 12's -Wrestrict)
+        specs.push_back({name, g[k].size(), DType::F32, g[k].data(), shapes[k].rows});
       }
       size_t q_len = 0, total = 0;
       std::vector<size_t> offset(shapes.size());
@@ -113,6 +114,35 @@ TEST(PowerSgd, ARankOneGradientSurvivesRankOneCompression) {
       for (size_t i = 0; i < rows; ++i)
         for (size_t j = 0; j < cols; ++j)
           ASSERT_NEAR(w[i * cols + j], 1.5 * (1.0 + 0.1 * i) * std::cos(0.2 * j), 1e-4) << "step " << step;
+    }
+  });
+}
+
+// Padding at the bucket's end (bucket_count_multiple, as ZeRO uses) belongs
+// to no parameter: a 3 x 100 gradient stays a 3 x 100 matrix, and a gradient
+// whose rows do not divide its count is averaged as it is.
+TEST(PowerSgd, PaddedBucketsAndOddShapesKeepTheirMatrices) {
+  run_ranks(2, "shm", [&](ProcessGroup& pg) {
+    std::vector<float> w(300), odd(1001);
+    auto state = std::make_shared<PowerSgdState>(PowerSgdOptions{.rank = 1, .start_iter = 2});
+    ReducerOptions o;
+    o.comm_hook = powersgd_hook(state);
+    o.bucket_count_multiple = 8;
+    o.first_bucket_mb = 64;
+    // w registered first comes last in the bucket (reverse registration), right before the padding.
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data(), 3}, {"odd", odd.size(), DType::F32, odd.data(), 10}}, o);
+    ASSERT_EQ(red.plan().size(), 1u);
+    for (int step = 0; step < 4; ++step) {
+      for (size_t i = 0; i < 3; ++i)
+        for (size_t j = 0; j < 100; ++j) w[i * 100 + j] = float((pg.rank() + 1) * (1.0 + i) * std::sin(0.1 * j));
+      for (size_t i = 0; i < odd.size(); ++i) odd[i] = float(pg.rank() * 2 + std::cos(0.01 * i));
+      red.mark_ready(1, odd.data());
+      red.mark_ready(0, w.data());
+      red.finalize();
+      for (size_t i = 0; i < 3; ++i)
+        for (size_t j = 0; j < 100; ++j)
+          ASSERT_NEAR(w[i * 100 + j], 1.5 * (1.0 + i) * std::sin(0.1 * j), 1e-4) << "step " << step;
+      for (size_t i = 0; i < odd.size(); ++i) ASSERT_NEAR(odd[i], 1.0 + std::cos(0.01 * i), 1e-5) << "step " << step;
     }
   });
 }

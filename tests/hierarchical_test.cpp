@@ -102,7 +102,7 @@ lt::Result run_suite(int nproc, const std::string& host_of, std::map<std::string
   std::string cmd = "COHORT_HOST_ID=h$((" + host_of + ")) exec " + lt::prog("coll_suite_worker");
   for (const auto& a : gtest_args) cmd += " " + a;
   env.emplace("COHORT_TIMEOUT", "60s");
-  return lt::run({"run", "--nproc-per-node", std::to_string(nproc), "/bin/sh", "-c", cmd}, env, 420);
+  return lt::run({"run", "--standalone", "--nproc-per-node", std::to_string(nproc), "/bin/sh", "-c", cmd}, env, 420);
 }
 
 TEST(HierarchicalSuite, TwoHostsOfTwoEveryCollectiveForcedAtEverySize) {

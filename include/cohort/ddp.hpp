@@ -133,14 +133,16 @@ class COHORT_API GradBucket {
  public:
   // `pieces`: gradients the reducer left outside the buffer (see
   // ReducerOptions::grads_valid_until_finalize), sorted by offset, or nullptr.
-  // `offsets` and `rows`, when given, are each parameter's element offset in
-  // the buffer and its ParamSpec::rows, in bucket order.
+  // `offsets`, `counts` and `rows`, when given, are each parameter's element
+  // offset in the buffer, its ParamSpec::count and its ParamSpec::rows, in
+  // bucket order.
   GradBucket(size_t index, size_t num_buckets, Buffer buffer, ProcessGroup& group, Millis timeout,
              std::span<const size_t> params, GradMemory& memory, BucketScratch& scratch,
              std::vector<InputPiece>* pieces = nullptr, std::span<const size_t> offsets = {},
-             std::span<const size_t> rows = {})
+             std::span<const size_t> counts = {}, std::span<const size_t> rows = {})
       : index_(index), num_buckets_(num_buckets), buffer_(buffer), group_(group), timeout_(timeout),
-        params_(params), memory_(memory), scratch_(scratch), pieces_(pieces), offsets_(offsets), rows_(rows) {}
+        params_(params), memory_(memory), scratch_(scratch), pieces_(pieces), offsets_(offsets), counts_(counts),
+        rows_(rows) {}
 
   size_t index() const { return index_; }  // position in the plan = launch order
   bool is_last() const { return index_ + 1 == num_buckets_; }
@@ -157,9 +159,11 @@ class COHORT_API GradBucket {
   Millis timeout() const { return timeout_; }
   // Registration indices of the bucket's parameters, in bucket order.
   std::span<const size_t> params() const { return params_; }
-  // Each parameter's element offset in buffer() and its ParamSpec::rows, in
-  // bucket order (empty when the bucket was made without them).
+  // Each parameter's element offset in buffer(), its element count and its
+  // ParamSpec::rows, in bucket order (empty when the bucket was made without
+  // them). The buffer may end in padding that no parameter owns.
   std::span<const size_t> offsets() const { return offsets_; }
+  std::span<const size_t> counts() const { return counts_; }
   std::span<const size_t> rows() const { return rows_; }
   // Where the bucket lives (host or device memory) and how to convert in it.
   GradMemory& memory() const { return memory_; }
@@ -177,7 +181,7 @@ class COHORT_API GradBucket {
   GradMemory& memory_;
   BucketScratch& scratch_;
   std::vector<InputPiece>* pieces_;
-  std::span<const size_t> offsets_, rows_;
+  std::span<const size_t> offsets_, counts_, rows_;
 };
 
 // A hook's answer: the communication it started and what to do once it is done.

@@ -63,7 +63,13 @@ void quantise(const float* v, size_t len, size_t k, uint8_t* block, float* err) 
     return;
   }
   const float scale = amax / 127.f;
-  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  if (scale < std::numeric_limits<float>::min()) {
+    // All zero, or so small that 1 / scale overflows: send zeros, keep it all as error.
+    std::memset(block, 0, sizeof(float) + k);
+    std::copy(v, v + len, err);
+    return;
+  }
+  const float inv = 1.f / scale;
   std::memcpy(block, &scale, sizeof(float));
   // Round half away from zero: |v * inv| <= 127, so the sum stays in range
   // and the loop has no call or branch (it vectorises).

@@ -103,15 +103,14 @@ struct Split {
 Split split(const GradBucket& b, const PowerSgdOptions& o) {
   Split s;
   std::vector<Matrix> found;
-  const auto offsets = b.offsets(), rows = b.rows();
-  const size_t total = b.buffer().count;
+  const auto offsets = b.offsets(), counts = b.counts(), rows = b.rows();
   for (size_t k = 0; k < offsets.size(); ++k) {
-    const size_t end = k + 1 < offsets.size() ? offsets[k + 1] : total;
-    const size_t count = end - offsets[k];
+    const size_t count = counts[k];
     const size_t n = rows[k] > 0 ? rows[k] : count;
     const size_t m = n > 0 ? count / n : 0;
     const size_t r = std::min({static_cast<size_t>(o.rank), n, m});
-    if (count > 0 && double((n + m) * r) * o.min_compression_rate < double(n * m))
+    // A matrix only when rows divides the count (else it is averaged as it is).
+    if (count > 0 && n * m == count && double((n + m) * r) * o.min_compression_rate < double(n * m))
       found.push_back({offsets[k], n, m, r, 0, 0});
     else
       s.plain.emplace_back(offsets[k], count);
@@ -157,9 +156,10 @@ CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
                                         "host memory. HINT: use allreduce_avg_hook() or bf16_compress_hook()",
                                         index, dtype_name(buf.dtype),
                                         bucket.memory().buckets_on_host() ? "" : " in device memory"));
-    if (bucket.offsets().size() != bucket.params().size() || bucket.rows().size() != bucket.params().size())
-      throw InvalidArgument(fmt::format("powersgd_hook: bucket {} came without its parameters' offsets and rows "
-                                        "(GradBucket's offsets/rows); a Reducer passes them",
+    const size_t np = bucket.params().size();
+    if (bucket.offsets().size() != np || bucket.counts().size() != np || bucket.rows().size() != np)
+      throw InvalidArgument(fmt::format("powersgd_hook: bucket {} came without its parameters' offsets, counts and "
+                                        "rows (GradBucket's offsets/counts/rows); a Reducer passes them",
                                         index));
     ProcessGroup& group = bucket.group();
     const Millis timeout = bucket.timeout();
@@ -184,7 +184,9 @@ CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
     st->p.assign(sp->p_total, 0.f);
     if (random_q) {
       st->q.resize(sp->q_total);
-      std::mt19937_64 rng(o.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(index + 1));
+      // The same on every rank; a new Q each iteration without warm start (as PyTorch draws a new seed).
+      std::mt19937_64 rng(o.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(index + 1) +
+                          0xBF58476D1CE4E5B9ull * static_cast<uint64_t>(state->iteration()));
       std::normal_distribution<float> normal;
       for (float& v : st->q) v = normal(rng);
     }

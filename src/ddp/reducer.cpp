@@ -52,7 +52,7 @@ struct COHORT_HIDDEN Reducer::Impl {
   struct Bucket {
     std::byte* data = nullptr;  // the flat buffer, inside `storage`
     BucketScratch scratch;      // GradBucket::scratch
-    std::vector<size_t> rows;   // ParamSpec::rows of the bucket's parameters, in bucket order
+    std::vector<size_t> rows, counts;  // ParamSpec::rows and count of the bucket's parameters, in bucket order
     // grads_valid_until_finalize: the elements [direct_first, direct_end) the
     // group reads in place in allreduce_gathered, and this iteration's
     // gradients left there (InputPiece), by parameter, in marking order.
@@ -313,9 +313,13 @@ struct COHORT_HIDDEN Reducer::Impl {
     std::sort(bucket.pieces.begin(), bucket.pieces.end(),
               [](const InputPiece& x, const InputPiece& y) { return x.offset < y.offset; });
     bucket.rows.clear();  // (the plan may be rebuilt after the first iteration)
-    for (size_t p : plan[b].params) bucket.rows.push_back(params[p].rows);
+    bucket.counts.clear();
+    for (size_t p : plan[b].params) {
+      bucket.rows.push_back(params[p].rows);
+      bucket.counts.push_back(params[p].count);
+    }
     GradBucket gb(b, buckets.size(), Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
-                  plan[b].params, *mem, bucket.scratch, &bucket.pieces, plan[b].offsets, bucket.rows);
+                  plan[b].params, *mem, bucket.scratch, &bucket.pieces, plan[b].offsets, bucket.counts, bucket.rows);
     try {
       bucket.future = hook(gb);
       (void)gb.buffer();  // a hook that used neither buffer() nor allreduce() still gets every gradient in place
@@ -337,10 +341,11 @@ struct COHORT_HIDDEN Reducer::Impl {
         CommFuture& f = buckets[b].future;
         if (!f.next) continue;
         try {
+          // Decided alike on every rank (not by whether a GPU happened to finish already).
+          if (!mem->buckets_on_host())
+            throw InvalidArgument("a comm hook returned CommFuture::next for a bucket in device memory; its next "
+                                  "step needs the work completed on the host: next is for host buckets");
           if (f.work) mem->wait(*f.work, opts.timeout);
-          if (f.work && !f.work->is_completed())
-            throw InvalidArgument("a comm hook's next step needs its work completed on the host: CommFuture::next "
-                                  "is for host buckets");
           CommFuture following = f.next();
           f = std::move(following);
         } catch (const std::exception& e) {

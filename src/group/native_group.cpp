@@ -187,7 +187,7 @@ void NativeGroup::execute(OpDesc& d) {
 
 // The tuner's choice for d, or COHORT_ALGO's; refuses a forced single copy
 // the group cannot run.
-collectives::Algo NativeGroup::pick_algorithm(const OpDesc& d) {
+std::pair<collectives::Algo, bool> NativeGroup::pick_algorithm(const OpDesc& d) {
   namespace c = collectives;
   const int n = setup_.size;
   size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
@@ -197,6 +197,7 @@ collectives::Algo NativeGroup::pick_algorithm(const OpDesc& d) {
   const c::TunerInput in{d.coll, tuner_bytes, n, all_shm_, single_copy_, layout_.hosts,
                          hier_why_.empty() ? layout_.ranks_per_host : 0};
   Algo a = forced ? *forced : c::choose(in, thresholds_);
+  bool honoured = forced.has_value();
   if (a == Algo::Hierarchical && !hier_why_.empty()) {
     // COHORT_ALGO is one setting for every group of the process, and
     // sub-groups often lie on one host: they run the flat choice instead.
@@ -205,12 +206,13 @@ collectives::Algo NativeGroup::pick_algorithm(const OpDesc& d) {
                   "many ranks, at least 2, on each): this group runs the flat algorithms", setup_.group_id, hier_why_);
     hier_warned_ = true;
     a = c::choose(in, thresholds_);
+    honoured = false;
   }
   if (a == Algo::SingleCopy && !single_copy_ && n > 1)
     throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "
                                       "COHORT_ALGO or name another algorithm for {}",
                                       single_copy_why_, c::coll_name(d.coll)));
-  return a;
+  return {a, honoured};
 }
 
 void NativeGroup::begin_views(const collectives::Comm& comm, core::Deadline deadline) {
@@ -235,7 +237,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   }
 
   comm.begin(transport::MsgKey{d.seq, d.fingerprint(), 0, d.call_count()}, deadline);
-  const Algo a = pick_algorithm(d);
+  const auto [a, forced] = pick_algorithm(d);
   d.algo = c::algo_name(a);
   // In place, or one buffer inside the other: the algorithms below read their
   // input while they write their output, so they get a copy of the input
@@ -265,7 +267,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
   // reduce_scatter and allgather: single copy only on shared buffers, unless forced.
   const bool shared_only =
-      a == Algo::SingleCopy && !c::forced_algo(d.coll) &&
+      a == Algo::SingleCopy && !forced &&
       (d.coll != Coll::Allreduce || d.bytes() < thresholds_.allreduce_single_copy_min);
   COHORT_TRACE(kColl, "{} {} bytes algo {}{}", d.describe(), d.bytes(), c::algo_name(a),
                shared_only ? " if every rank's buffers are shared, else ring" : "");

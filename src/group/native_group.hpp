@@ -86,7 +86,9 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   // Runs d with mu_ held by lk on entry and exit (released while it runs); completes w.
   void run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w);
   void run_algorithm(OpDesc& d);
-  collectives::Algo pick_algorithm(const OpDesc& d);
+  // The algorithm for d, and whether COHORT_ALGO chose it (false also when
+  // it asked for hierarchical where the group cannot run it).
+  std::pair<collectives::Algo, bool> pick_algorithm(const OpDesc& d);
   void begin_views(const collectives::Comm& comm, core::Deadline deadline);  // local_comm_, cross_comm_ as comm
   void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();
