@@ -32,10 +32,11 @@ def sh(cmd, check=True):
 
 
 class Lab:
-    """Two machines coh_hb_<pid>_n0/_n1 (10.82.0.1, .2) on a bridge in coh_hb_<pid>_sw."""
+    """MACHINES machines coh_hb_<pid>_n0, _n1, ... (10.82.0.1, .2, ...) on a bridge in coh_hb_<pid>_sw."""
 
-    def __init__(self, rate):
+    def __init__(self, rate, machines=2):
         self.tag = f"coh_hb_{os.getpid()}"
+        self.machines = machines
         self.made = []
         try:
             self._make(rate)
@@ -48,7 +49,7 @@ class Lab:
         sh(f"ip netns add {sw}")
         self.made.append(sw)
         sh(f"ip -n {sw} link add br0 type bridge && ip -n {sw} link set br0 up")
-        for i in range(2):
+        for i in range(self.machines):
             ns = self.name(i)
             sh(f"ip netns add {ns}")
             self.made.append(ns)
@@ -84,10 +85,10 @@ class Lab:
 def run_on_both(lab, cohort, program, env, port, timeout=900, per_host=2):
     """`cohort run` of per_host ranks on each machine; node 0's output (its ranks' lines carry [rankN]: prefixes)."""
     procs = []
-    for i in range(2):
+    for i in range(lab.machines):
         cmd = ["ip", "netns", "exec", lab.name(i), "env", "OMP_NUM_THREADS=1", "COHORT_TIMEOUT=300s"]
         cmd += [f"{k}={v}" for k, v in env.items()]
-        cmd += [cohort, "run", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", str(per_host), "--master-addr",
+        cmd += [cohort, "run", "--nnodes", str(lab.machines), "--node-rank", str(i), "--nproc-per-node", str(per_host), "--master-addr",
                 lab.addr(0), "--master-port", str(port), *program]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]

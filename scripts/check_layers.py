@@ -42,7 +42,9 @@ LAYERS = {
     # The LibTorch adapter is a client of the public API only.
     "src/torch": {"api"},
     "src/launch": {"api", "src/core", "src/store", "src/transport/tcp", "src/group", "src/topo"},
-    "tools": {"api", "src/core", "src/store", "src/transport", "src/transport/shm", "src/transport/tcp",
+    # The planner reads the tuner (the same choices the groups make), nothing that runs.
+    "src/plan": {"api", "src/core", "src/collectives"},
+    "tools": {"api", "src/core", "src/plan", "src/store", "src/transport", "src/transport/shm", "src/transport/tcp",
               "src/collectives", "src/group", "src/group/mpi", "src/group/nccl", "src/ddp", "src/launch",
               "src/topo", "src/data", "src/checkpoint"},
     "examples": {"api"},

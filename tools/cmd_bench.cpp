@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "bench_calibrate.hpp"
 #include "bench_colls.hpp"
 #include "bench_memory.hpp"
 #include "commands.hpp"
@@ -241,9 +242,15 @@ int run_bench(const BenchFlags& f) {
 
 void add_bench_command(CLI::App& app, int& exit_code) {
   static BenchFlags f;
+  static CalibrateFlags cal;
   auto* cmd = app.add_subcommand("bench", "nccl-tests style benchmark of one collective; run it under `cohort run`");
-  cmd->add_option("collective", f.coll, "allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall, gather, scatter, sendrecv")
-      ->required();
+  cmd->add_option("collective", f.coll, "allreduce, broadcast, reduce, allgather, reduce_scatter, alltoall, gather, scatter, sendrecv");
+  cmd->add_option("--calibrate", cal.file,
+                  "instead of one collective: measure allreduce, allgather, reduce_scatter and broadcast from 8 B to -e "
+                  "on this group and merge the samples into FILE for `cohort plan` (docs/planning.md)");
+  cmd->add_flag("--same-machine", cal.same_machine,
+                "with --calibrate across hosts: the hosts are network namespaces of this machine, so every rank shares "
+                "its cores");
   cmd->add_option("-b,--minbytes", f.min_bytes, "smallest size (e.g. 8, 1K, 1M)");
   cmd->add_option("-e,--maxbytes", f.max_bytes, "largest size");
   cmd->add_option("-f,--stepfactor", f.factor, "multiply the size by this between rows");
@@ -263,7 +270,17 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--shared-buffers", f.shared_buffers,
                "allocate the buffers with ProcessGroup::allocate_buffer, as DDP's gradient buckets are: on one host "
                "peers then map them and single-copy allreduces load and store them directly (like nccl-tests -R)");
-  cmd->callback([&exit_code] { exit_code = run_bench(f); });
+  cmd->callback([&exit_code] {
+    if (!cal.file.empty()) {
+      if (!f.coll.empty())
+        throw InvalidArgument(fmt::format("--calibrate measures every collective it needs: drop '{}'", f.coll));
+      cal.max_bytes = f.max_bytes;
+      exit_code = run_calibrate(cal);
+      return;
+    }
+    if (f.coll.empty()) throw InvalidArgument("name a collective (e.g. `cohort bench allreduce`) or give --calibrate FILE");
+    exit_code = run_bench(f);
+  });
 }
 
 }  // namespace cohort::tools

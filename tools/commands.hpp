@@ -12,5 +12,6 @@ void add_env_command(CLI::App& app, int& exit_code);    // cmd_env.cpp: every CO
 void add_topo_command(CLI::App& app, int& exit_code);   // cmd_topo.cpp: hwloc topology and relation matrix
 void add_doctor_command(CLI::App& app, int& exit_code);  // cmd_doctor.cpp: environment, connectivity, bandwidth check
 void add_trace_command(CLI::App& app, int& exit_code);   // cmd_trace.cpp: merge and summarise timelines
+void add_plan_command(CLI::App& app, int& exit_code);    // cmd_plan.cpp: the cost model and layout planner
 
 }  // namespace cohort::tools

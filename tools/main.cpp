@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   cohort::tools::add_topo_command(app, exit_code);
   cohort::tools::add_doctor_command(app, exit_code);
   cohort::tools::add_trace_command(app, exit_code);
+  cohort::tools::add_plan_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

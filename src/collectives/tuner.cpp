@@ -53,19 +53,6 @@ bool supports(Coll c, Algo a) {
   return false;
 }
 
-std::optional<Algo> parse_algo(const std::string& s) {
-  if (s == "ring") return Algo::Ring;
-  if (s == "recursive_doubling" || s == "rd") return Algo::RecursiveDoubling;
-  if (s == "binomial" || s == "tree") return Algo::Binomial;
-  if (s == "pipeline" || s == "chain") return Algo::Pipeline;
-  if (s == "direct") return Algo::Direct;
-  if (s == "linear") return Algo::Linear;
-  if (s == "dissemination") return Algo::Dissemination;
-  if (s == "single_copy") return Algo::SingleCopy;
-  if (s == "hierarchical" || s == "hier") return Algo::Hierarchical;
-  return std::nullopt;
-}
-
 }  // namespace
 
 const char* coll_name(Coll c) {
@@ -99,6 +86,27 @@ const char* algo_name(Algo a) {
     case Algo::Hierarchical: return "hierarchical";
   }
   return "?";
+}
+
+std::optional<Algo> parse_algo(const std::string& s) {
+  if (s == "ring") return Algo::Ring;
+  if (s == "recursive_doubling" || s == "rd") return Algo::RecursiveDoubling;
+  if (s == "binomial" || s == "tree") return Algo::Binomial;
+  if (s == "pipeline" || s == "chain") return Algo::Pipeline;
+  if (s == "direct") return Algo::Direct;
+  if (s == "linear") return Algo::Linear;
+  if (s == "dissemination") return Algo::Dissemination;
+  if (s == "single_copy") return Algo::SingleCopy;
+  if (s == "hierarchical" || s == "hier") return Algo::Hierarchical;
+  return std::nullopt;
+}
+
+
+std::optional<Coll> parse_coll(const std::string& s) {
+  for (Coll c : {Coll::Allreduce, Coll::Broadcast, Coll::Reduce, Coll::Allgather, Coll::ReduceScatter, Coll::Gather,
+                 Coll::Scatter, Coll::Alltoall, Coll::Barrier, Coll::Send, Coll::Recv, Coll::P2PBatch})
+    if (s == coll_name(c)) return c;
+  return std::nullopt;
 }
 
 namespace {

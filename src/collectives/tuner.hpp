@@ -15,6 +15,9 @@ const char* coll_name(Coll c);
 
 enum class Algo { Ring, RecursiveDoubling, Binomial, Pipeline, Direct, Linear, Dissemination, SingleCopy, Hierarchical };
 const char* algo_name(Algo a);
+// The names algo_name and coll_name give (and the aliases COHORT_ALGO takes: rd, tree, chain, hier).
+std::optional<Algo> parse_algo(const std::string& s);
+std::optional<Coll> parse_coll(const std::string& s);
 
 struct TunerInput {
   Coll coll;

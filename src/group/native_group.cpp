@@ -187,6 +187,11 @@ void NativeGroup::execute(OpDesc& d) {
 
 // The tuner's choice for d, or COHORT_ALGO's; refuses a forced single copy
 // the group cannot run.
+collectives::TunerInput NativeGroup::tuner_input(collectives::Coll c, size_t tuner_bytes) const {
+  return collectives::TunerInput{c,           tuner_bytes,   setup_.size, all_shm_, single_copy_, layout_.hosts,
+                                 hier_why_.empty() ? layout_.ranks_per_host : 0};
+}
+
 std::pair<collectives::Algo, bool> NativeGroup::pick_algorithm(const OpDesc& d) {
   namespace c = collectives;
   const int n = setup_.size;
@@ -194,8 +199,7 @@ std::pair<collectives::Algo, bool> NativeGroup::pick_algorithm(const OpDesc& d) 
                            ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
                            : d.bytes();
   const std::optional<Algo> forced = c::forced_algo(d.coll);
-  const c::TunerInput in{d.coll, tuner_bytes, n, all_shm_, single_copy_, layout_.hosts,
-                         hier_why_.empty() ? layout_.ranks_per_host : 0};
+  const c::TunerInput in = tuner_input(d.coll, tuner_bytes);
   Algo a = forced ? *forced : c::choose(in, thresholds_);
   bool honoured = forced.has_value();
   if (a == Algo::Hierarchical && !hier_why_.empty()) {

@@ -76,6 +76,12 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
 
   // Which transport reaches each peer ("shm", "tcp", "self"), for logs and tests.
   std::string transport_of(int peer) const;
+  // What the tuner sees for a collective of `tuner_bytes` (tuner.hpp's
+  // TunerInput.bytes), and the thresholds it uses: `cohort bench --calibrate`
+  // records the algorithm each measurement ran.
+  collectives::TunerInput tuner_input(collectives::Coll c, size_t tuner_bytes) const;
+  const collectives::Thresholds& thresholds() const { return thresholds_; }
+  size_t pipeline_segment() const { return pipeline_segment_; }
 
  private:
   explicit NativeGroup(GroupSetup setup);

@@ -1,0 +1,220 @@
+// The layouts of plan_layouts: memory per device and the step time of each
+// (docs/planning.md, "The step model").
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cohort/error.hpp"
+#include "plan/planner.hpp"
+
+namespace cohort::plan {
+namespace {
+
+constexpr double kGB = 1e9;
+constexpr double kBucketBytes = 25.0 * 1024 * 1024;  // DDP's bucket_cap_mb
+
+struct Evaluator {
+  const ModelSpec& m;
+  const ClusterSpec& c;
+  const CostTable& table;
+  GroupShape base;  // link classes, contention and the wire of the cluster
+
+  // A sub-group of `size` ranks whose members lie `stride` ranks apart
+  // (ranks are numbered tp fastest, then dp, then pp, hosts in order).
+  GroupShape sub_group(int size, int stride) const {
+    GroupShape g = base;
+    const int per_host = c.devices_per_host;
+    if (stride >= per_host) {
+      g.hosts = size;
+      g.ranks_per_host = 1;
+    } else {
+      g.ranks_per_host = std::min(size, std::max(1, per_host / stride));
+      g.hosts = std::max(1, size / g.ranks_per_host);
+    }
+    return g;
+  }
+
+  double coll_ms(Coll coll, double bytes, const GroupShape& g) const {
+    if (g.nranks() <= 1 || bytes <= 0) return 0;
+    return predict_collective(table, coll, bytes, g).us / 1e3;
+  }
+
+  double memory_gb(const Layout& L) const {
+    double w, g;
+    const double k = bytes_per_param_state(w, g);
+    const double p = m.params / (L.tp * L.pp);
+    double states = p * w + p * g + p * k;
+    if (L.zero == 1) states = p * (w + g) + p * k / L.dp;
+    if (L.zero == 2) states = p * w + p * (g + k) / L.dp;
+    if (L.zero == 3) {
+      states = p * (w + g + k) / L.dp;
+      // The gathered weights (and their gradients) of the layer that runs and the one prefetched;
+      // a model that is not a transformer runs as one unit.
+      states += m.layers > 0 ? 2 * (p / m.layers) * (w + g) : p * (w + g);
+    }
+    double act;
+    const double b = L.micro_batch;
+    if (m.layers > 0) {
+      // Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes per layer (34 + 5as/h at t = 1);
+      // 2 s b h with full recomputation. 1F1B keeps pp micro-batches of L/pp layers on the first stage.
+      const double s = m.seq, h = m.hidden, a = m.heads, t = L.tp;
+      const double per_layer = m.recompute ? 2 * s * b * h : s * b * h * (10 + 24 / t + 5 * a * s / (h * t));
+      const double one_layer_full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t));
+      act = per_layer * m.layers + (m.recompute ? one_layer_full : 0) + 4 * s * b * m.vocab / t;  // fp32 logits
+    } else {
+      act = m.activation_bytes_per_sample * double(m.global_batch) / L.dp;
+    }
+    return (states + act) / kGB;
+  }
+
+  double bytes_per_param_state(double& w, double& g) const {
+    const bool half = m.precision == "bf16" || m.precision == "fp16";
+    w = half ? 2 : 4;
+    g = half ? 2 : 4;
+    return (half ? 4 : 0) + (m.optimizer == "adam" ? 8 : m.optimizer == "sgd" ? 4 : 0);
+  }
+
+  // Compute of one step on one device, with the pipeline's bubble.
+  void compute(Layout& L) const {
+    const double world = double(L.dp) * L.tp * L.pp;
+    const double ideal_ms = m.sample_ms > 0 ? m.sample_ms * m.global_batch / world
+                                            : m.flops_per_sample * m.global_batch /
+                                                  (world * c.device_tflops * 1e12 * c.mfu) * 1e3;
+    L.compute_ms = ideal_ms;
+    // GPipe / 1F1B: (m + p - 1) slots of one micro-batch's work instead of m.
+    L.bubble_ms = ideal_ms * (L.pp - 1) / L.micro_batches;
+  }
+
+  void communication(Layout& L) const {
+    const double act_bytes = double(L.micro_batch) * m.seq * m.hidden * 2;  // one micro-batch's activations, 16-bit
+    if (L.tp > 1) {
+      // Megatron: 2 allreduces forward, 2 backward per layer (+2 for the recomputed forward).
+      const double per_mb = (m.layers / double(L.pp)) * (m.recompute ? 6 : 4);
+      L.tp_ms = per_mb * L.micro_batches * coll_ms(Coll::Allreduce, act_bytes, sub_group(L.tp, 1));
+    }
+    if (L.pp > 1) {
+      // One send forward and one backward per micro-batch and stage boundary, on the critical path.
+      const GroupShape pair = sub_group(2, L.tp * L.dp);
+      L.pp_ms = 2.0 * (L.micro_batches + L.pp - 2) * coll_ms(Coll::Broadcast, act_bytes / L.tp, pair);
+    }
+    double w, g;
+    bytes_per_param_state(w, g);
+    const double grads = m.params / (L.tp * L.pp) * g, weights = m.params / (L.tp * L.pp) * w;
+    const GroupShape dpg = sub_group(L.dp, L.tp);
+    const double per_mb_ms = (L.compute_ms) / L.micro_batches;
+    const double fwd = per_mb_ms / (m.recompute ? 4 : 3), bwd = per_mb_ms - fwd;
+    const double buckets = std::max(1.0, std::ceil(grads / kBucketBytes));
+    if (L.zero == 0) {
+      L.dp_ms = coll_ms(Coll::Allreduce, grads, dpg);
+      L.dp_exposed_ms = std::max(L.dp_ms - bwd, L.dp_ms / buckets);  // the last bucket waits for the end of backward
+    } else if (L.zero <= 2) {
+      const double rs = coll_ms(Coll::ReduceScatter, grads, dpg), ag = coll_ms(Coll::Allgather, weights, dpg);
+      L.dp_ms = rs + ag;
+      L.dp_exposed_ms = std::max(rs - bwd, rs / buckets) + ag;  // the weights' allgather after the step
+    } else {
+      // Forward and backward gather the weights (and the recomputed forward, inside backward),
+      // prefetched under compute; the gradients' reduce-scatter overlaps backward.
+      const double ag = coll_ms(Coll::Allgather, weights, dpg), rs = coll_ms(Coll::ReduceScatter, grads, dpg);
+      const double bwd_ag = m.recompute ? 2 * ag : ag;
+      L.dp_ms = ag + bwd_ag + rs;
+      L.dp_exposed_ms = std::max(0.0, ag - fwd) + std::max((bwd_ag + rs) / buckets, bwd_ag + rs - bwd);
+    }
+  }
+
+  Layout evaluate(int dp, int tp, int pp, int zero) const {
+    Layout L{dp, tp, pp, zero};
+    L.micro_batch = m.micro_batch > 0 ? m.micro_batch : std::max(1, m.global_batch / dp);
+    L.micro_batches = std::max(1, m.global_batch / (dp * L.micro_batch));
+    L.memory_gb = memory_gb(L);
+    L.fits = L.memory_gb <= c.device_memory_gb;
+    compute(L);
+    communication(L);
+    L.step_ms = L.compute_ms + L.bubble_ms + L.tp_ms + L.pp_ms + L.dp_exposed_ms;
+    L.efficiency = L.compute_ms / L.step_ms;
+    return L;
+  }
+};
+
+std::vector<int> divisors(int n) {
+  std::vector<int> out;
+  for (int d = 1; d <= n; ++d)
+    if (n % d == 0) out.push_back(d);
+  return out;
+}
+
+}  // namespace
+
+PlanResult plan_layouts(const ModelSpec& m, const ClusterSpec& c, const CostTable& table) {
+  if (m.sample_ms <= 0 && c.device_tflops <= 0)
+    throw InvalidArgument("the compute time needs a rate: give --device-tflops (the device's peak, with --mfu) or "
+                          "--sample-ms (measured milliseconds per sample on one device), or a --cluster preset");
+  ClusterFlags cf;
+  cf.spec = c;
+  Evaluator ev{m, c, table, group_shape(cf)};
+  const int world = c.hosts * c.devices_per_host;
+  PlanResult r;
+  for (int tp : divisors(c.devices_per_host)) {
+    if (m.layers == 0 && tp > 1) break;
+    if (m.layers > 0 && (m.heads % tp != 0)) continue;
+    for (int pp : divisors(world / tp)) {
+      if (m.layers == 0 && pp > 1) break;
+      if (pp > 1 && (m.layers % pp != 0)) continue;
+      const int dp = world / (tp * pp);
+      if (m.global_batch % (dp * std::max(1, m.micro_batch)) != 0) continue;
+      for (int zero = 0; zero <= 3; ++zero) {
+        if (dp == 1 && zero > 0) break;
+        if (zero == 3 && (tp > 1 || pp > 1)) break;  // FSDP shards the whole model over dp
+        r.layouts.push_back(ev.evaluate(dp, tp, pp, zero));
+      }
+    }
+  }
+  std::stable_sort(r.layouts.begin(), r.layouts.end(), [](const Layout& a, const Layout& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.fits ? a.step_ms < b.step_ms : a.memory_gb < b.memory_gb;
+  });
+  if (r.layouts.empty())
+    throw InvalidArgument(fmt::format("no layout of {} on {} x {} devices divides its batch of {} (with micro-batch {}): "
+                                      "choose a global batch that the data-parallel size x micro-batch divides",
+                                      m.name, c.hosts, c.devices_per_host, m.global_batch, std::max(1, m.micro_batch)));
+  if (!r.layouts.front().fits) {
+    const Layout& least = r.layouts.front();
+    throw InvalidArgument(fmt::format(
+        "{} ({:.3g}B parameters) fits no layout on {} host(s) x {} device(s) of {:.3g} GB: the one that needs least, "
+        "{}, needs {:.1f} GB per device. Add hosts, use devices with more memory, {}or a smaller micro-batch",
+        m.name, m.params / 1e9, c.hosts, c.devices_per_host, c.device_memory_gb, least.name(), least.memory_gb,
+        m.layers > 0 && !m.recompute ? "turn on activation recomputation (--recompute), " : ""));
+  }
+  return r;
+}
+
+std::string format_plan(const ModelSpec& m, const ClusterSpec& c, const PlanResult& r, int top, bool csv) {
+  std::string out;
+  if (csv) {
+    out = "layout,dp,tp,pp,zero,fits,memory_gb,step_ms,compute_ms,bubble_ms,tp_ms,pp_ms,dp_ms,dp_exposed_ms,efficiency\n";
+    for (const Layout& L : r.layouts)
+      out += fmt::format("{},{},{},{},{},{},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.4f}\n", L.name(), L.dp,
+                         L.tp, L.pp, L.zero, L.fits ? 1 : 0, L.memory_gb, L.step_ms, L.compute_ms, L.bubble_ms, L.tp_ms,
+                         L.pp_ms, L.dp_ms, L.dp_exposed_ms, L.efficiency);
+    return out;
+  }
+  const double world = double(c.hosts) * c.devices_per_host;
+  out += fmt::format("# {}: {:.4g}B parameters, {:.4g} GFLOP per sample, batch {} on {} host(s) x {} device(s) of {:.3g} GB\n",
+                     m.name, m.params / 1e9, m.flops_per_sample / 1e9, m.global_batch, c.hosts, c.devices_per_host,
+                     c.device_memory_gb);
+  out += fmt::format("# {:<28} {:>9} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>6} {:>10}\n", "layout", "mem GB", "step ms",
+                     "compute", "bubble", "tp", "pp", "dp(exp)", "eff", "TFLOP/s/d");
+  int shown = 0;
+  for (const Layout& L : r.layouts) {
+    if (!L.fits || shown++ >= top) break;
+    const double tflops = m.flops_per_sample * m.global_batch / (world * L.step_ms * 1e-3) / 1e12;
+    out += fmt::format("  {:<28} {:>9.2f} {:>10.2f} {:>9.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>5.0f}% {:>10.2f}\n",
+                       L.name(), L.memory_gb, L.step_ms, L.compute_ms, L.bubble_ms, L.tp_ms, L.pp_ms, L.dp_exposed_ms,
+                       100 * L.efficiency, tflops);
+  }
+  const size_t nofit = size_t(std::count_if(r.layouts.begin(), r.layouts.end(), [](const Layout& L) { return !L.fits; }));
+  if (nofit > 0) out += fmt::format("# {} more layout(s) do not fit in {:.3g} GB per device\n", nofit, c.device_memory_gb);
+  return out;
+}
+
+}  // namespace cohort::plan

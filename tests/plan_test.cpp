@@ -1,0 +1,387 @@
+// The cost model and planner (src/plan/, docs/planning.md): the algorithm
+// shapes, the least-squares fit, the calibration file and its errors, the
+// composed node-aware prediction, the planner's formulas against the
+// published figures they come from, and `cohort bench --calibrate` / `cohort
+// plan` as a user runs them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <sstream>
+#include <filesystem>
+#include <fstream>
+
+#include "cohort/error.hpp"
+#include "launch_harness.hpp"
+#include "plan/calibration.hpp"
+#include "plan/collective_time.hpp"
+#include "plan/planner.hpp"
+
+namespace cohort::plan {
+namespace {
+
+namespace lt = launch_test;
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(PlanShapes, ClosedForms) {
+  Shape s = algo_shape(Coll::Allreduce, Algo::Ring, 1 << 20, 4);
+  EXPECT_DOUBLE_EQ(s.steps, 6);
+  EXPECT_DOUBLE_EQ(s.bytes, 1.5 * (1 << 20));
+  s = algo_shape(Coll::Allgather, Algo::Ring, 1 << 20, 4);
+  EXPECT_DOUBLE_EQ(s.steps, 3);
+  EXPECT_DOUBLE_EQ(s.bytes, 0.75 * (1 << 20));
+  // 6 ranks: 2 fold into the largest power of two (4), 2 steps among 4, and back.
+  s = algo_shape(Coll::Allreduce, Algo::RecursiveDoubling, 100, 6);
+  EXPECT_DOUBLE_EQ(s.steps, 4);
+  EXPECT_DOUBLE_EQ(s.bytes, 400);
+  // Chain of 4 ranks, 4 segments of 256 KiB: nseg + n - 2 steps of one segment.
+  s = algo_shape(Coll::Broadcast, Algo::Pipeline, 1 << 20, 4, 256 * 1024);
+  EXPECT_DOUBLE_EQ(s.steps, 6);
+  EXPECT_DOUBLE_EQ(s.bytes, 6 * 256 * 1024);
+  s = algo_shape(Coll::Broadcast, Algo::Binomial, 1000, 5);
+  EXPECT_DOUBLE_EQ(s.steps, 3);
+  EXPECT_EQ(algo_shape(Coll::Allreduce, Algo::Ring, 1000, 1).steps, 0);
+  EXPECT_THROW(algo_shape(Coll::Allreduce, Algo::Hierarchical, 1000, 4), InvalidArgument);
+}
+
+TEST(PlanShapes, BandsAndContention) {
+  EXPECT_EQ(size_band(8), 0);
+  EXPECT_EQ(size_band(16 * 1024), 0);
+  EXPECT_EQ(size_band(64 * 1024), 1);
+  EXPECT_EQ(size_band(1 << 20), 2);
+  EXPECT_EQ(size_band(64 << 20), 3);
+  const AlgoCost a{2, 5, 1e-3, 0, 0};
+  const Shape s{3, 1000};
+  EXPECT_DOUBLE_EQ(cost_us(a, s, Contention{2, 2}), 3 * 2 + 1000 * 1e-3);
+  // 8 ranks on 2 cores: 6 wait for a core each step, and the copies share the cores 4 ways.
+  EXPECT_DOUBLE_EQ(cost_us(a, s, Contention{8, 2}), 3 * (2 + 5 * 6) + 1000 * 1e-3 * 4);
+}
+
+std::vector<Sample> synthetic(const AlgoCost& truth, int cores, Coll c, Algo a, double lo, double hi) {
+  std::vector<Sample> out;
+  for (int n : {2, 4, 8})
+    for (double b = lo; b <= hi; b *= 4) {
+      const double us = cost_us(truth, algo_shape(c, a, b, n), Contention{n, cores});
+      out.push_back(Sample{c, a, n, n, b, us});
+    }
+  return out;
+}
+
+TEST(PlanFit, RecoversTheCoefficientsThatMadeTheSamples) {
+  const AlgoCost truth{1.5, 7, 2e-4, 0, 0};
+  const AlgoCost fit = fit_algo(synthetic(truth, 2, Coll::Allreduce, Algo::Ring, 64, 64 << 20), 2, 256 * 1024);
+  EXPECT_NEAR(fit.alpha_us, truth.alpha_us, 1e-6 * truth.alpha_us + 1e-9);
+  EXPECT_NEAR(fit.alpha_os_us, truth.alpha_os_us, 1e-6 * truth.alpha_os_us);
+  EXPECT_NEAR(fit.beta_us_per_byte, truth.beta_us_per_byte, 1e-6 * truth.beta_us_per_byte);
+  EXPECT_LT(fit.max_rel_err, 1e-9);
+  EXPECT_EQ(fit.points, 33);  // 11 sizes at 3 group sizes
+}
+
+TEST(PlanFit, CoefficientsStayNonNegative) {
+  // Times that fall with size (noise): an unconstrained fit would give beta < 0.
+  std::vector<Sample> s = {{Coll::Allreduce, Algo::Ring, 2, 2, 1000, 10}, {Coll::Allreduce, Algo::Ring, 2, 2, 4000, 9},
+                           {Coll::Allreduce, Algo::Ring, 2, 2, 16000, 8.5}};
+  const AlgoCost fit = fit_algo(s, 2, 256 * 1024);
+  EXPECT_GE(fit.alpha_us, 0);
+  EXPECT_GE(fit.alpha_os_us, 0);
+  EXPECT_GE(fit.beta_us_per_byte, 0);
+  EXPECT_GT(fit.alpha_us, 3);  // the level of the samples, in alpha
+}
+
+Calibration small_calibration(const char* version) {
+  Calibration cal;
+  cal.cohort_version = version;
+  ClassSamples cs;
+  cs.cores = 2;
+  cs.measured = "test";
+  const AlgoCost truth{1, 0, 1e-4, 0, 0};
+  for (Coll c : {Coll::Allreduce, Coll::ReduceScatter, Coll::Allgather})
+    for (auto& s : synthetic(truth, 2, c, Algo::Ring, 1024, 64 << 20))
+      if (s.n == 2) cs.samples.push_back(s);
+  cal.classes[LinkClass::Shm] = cs;
+  return cal;
+}
+
+TEST(PlanCalibration, RoundTripAndMerge) {
+  const std::string dir = lt::temp_dir();
+  const std::string path = dir + "/cal.json";
+  Calibration cal = small_calibration("9.9.9");
+  write_calibration(path, cal);
+  Calibration back = read_calibration(path, "9.9.9");
+  ASSERT_EQ(back.classes.count(LinkClass::Shm), 1u);
+  EXPECT_EQ(back.classes[LinkClass::Shm].samples.size(), cal.classes[LinkClass::Shm].samples.size());
+  EXPECT_EQ(back.classes[LinkClass::Shm].cores, 2);
+  // Merging a fresh run at 2 ranks replaces the 2-rank samples; one at 4 ranks adds.
+  ClassSamples fresh;
+  fresh.cores = 2;
+  fresh.samples = {{Coll::Allreduce, Algo::Ring, 2, 2, 1024, 3}};
+  merge_samples(back, LinkClass::Shm, fresh);
+  EXPECT_EQ(back.classes[LinkClass::Shm].samples.size(), 1u);
+  fresh.samples = {{Coll::Allreduce, Algo::Ring, 4, 4, 1024, 9}};
+  merge_samples(back, LinkClass::Shm, fresh);
+  EXPECT_EQ(back.classes[LinkClass::Shm].samples.size(), 2u);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PlanCalibration, BadFilesSayWhatIsWrongAndWhatToRun) {
+  const std::string dir = lt::temp_dir();
+  const std::string path = dir + "/cal.json";
+  std::string e = error_of([&] { read_calibration(dir + "/missing.json", "0.1.0"); });
+  EXPECT_TRUE(contains(e, "cannot read it")) << e;
+  EXPECT_TRUE(contains(e, "cohort bench --calibrate")) << e;
+  write_calibration(path, small_calibration("0.0.7"));
+  e = error_of([&] { read_calibration(path, "0.1.0"); });
+  EXPECT_TRUE(contains(e, "measured by cohort 0.0.7, and this is cohort 0.1.0")) << e;
+  EXPECT_TRUE(contains(e, "calibrate again")) << e;
+  std::ofstream(path) << "{\"format\": \"something-else\"}";
+  e = error_of([&] { read_calibration(path, "0.1.0"); });
+  EXPECT_TRUE(contains(e, "is not a cohort calibration file")) << e;
+  std::ofstream(path) << "{\"format\": \"cohort-calibration\", \"format_version\": 1, \"cohort_version\": \"0.1.0\", \"cla";
+  e = error_of([&] { read_calibration(path, "0.1.0"); });
+  EXPECT_TRUE(contains(e, "is damaged")) << e;
+  std::ofstream(path) << "{\"format\": \"cohort-calibration\", \"format_version\": 7}";
+  e = error_of([&] { read_calibration(path, "0.1.0"); });
+  EXPECT_TRUE(contains(e, "format version 7")) << e;
+  std::filesystem::remove_all(dir);
+}
+
+CostTable datasheet(double alpha_shm, double beta_shm, double alpha_tcp, double beta_tcp) {
+  CostTable t;
+  t.source = "test table";
+  t.classes[LinkClass::Shm].fits["*"] = AlgoCost{alpha_shm, 0, beta_shm, 0, 0};
+  t.classes[LinkClass::Shm].cores = 64;
+  t.classes[LinkClass::TcpCross].fits["*"] = AlgoCost{alpha_tcp, 0, beta_tcp, 0, 0};
+  t.classes[LinkClass::TcpCross].cores = 64;
+  return t;
+}
+
+TEST(PlanPredict, FlatRingOnOneHost) {
+  const CostTable t = datasheet(1, 1e-4, 50, 1e-3);
+  GroupShape g;
+  g.ranks_per_host = 4;
+  const double S = 8 << 20;
+  const Prediction p = predict_collective(t, Coll::Allgather, S, g);
+  EXPECT_EQ(p.algo, Algo::Ring);
+  EXPECT_DOUBLE_EQ(p.us, 3 * 1 + 0.75 * S * 1e-4);
+}
+
+TEST(PlanPredict, NodeAwareAllreduceIsTheSumOfItsPhases) {
+  const CostTable t = datasheet(1, 1e-4, 50, 1e-3);
+  GroupShape g;
+  g.hosts = 2;
+  g.ranks_per_host = 2;
+  const double S = 64 << 20;
+  const Prediction p = predict_collective(t, Coll::Allreduce, S, g);
+  EXPECT_EQ(p.algo, Algo::Hierarchical);
+  // Reduce-scatter on the host (1 step, S/2), allreduce of S/2 across 2 hosts (ring: 2 steps, S/2), allgather on the host.
+  const double want = (1 + 0.5 * S * 1e-4) + (2 * 50 + 0.5 * S * 1e-3) + (1 + 0.5 * S * 1e-4);
+  EXPECT_NEAR(p.us, want, 1e-9 * want);
+  EXPECT_TRUE(contains(p.how, "hierarchical")) << p.how;
+}
+
+TEST(PlanPredict, TheLinkLimitsWhatCrossesIt) {
+  const CostTable t = datasheet(1, 1e-6, 20, 1e-6);  // calibrated fast
+  GroupShape g;
+  g.hosts = 2;
+  g.ranks_per_host = 1;
+  g.cross_gbps = 1;  // but the wire is 1 Gbit/s
+  const double S = 64 << 20;
+  const Prediction p = predict_collective(t, Coll::Allreduce, S, g);
+  EXPECT_NEAR(p.us, 2 * 20 + S / 125e6 * 1e6, 1);  // ring of 2: S each way per rank
+}
+
+TEST(PlanPredict, MissingClassOrAlgorithmIsNamed) {
+  CostTable t = datasheet(1, 1e-4, 50, 1e-3);
+  t.classes.erase(LinkClass::TcpCross);
+  GroupShape g;
+  g.hosts = 2;
+  g.ranks_per_host = 2;
+  std::string e = error_of([&] { predict_collective(t, Coll::Allreduce, 1 << 20, g); });
+  EXPECT_TRUE(contains(e, "has no link class 'tcp_cross' (it has: shm)")) << e;
+  EXPECT_TRUE(contains(e, "one rank per host")) << e;
+  CostTable only_ring;
+  only_ring.source = "f";
+  only_ring.classes[LinkClass::Shm].fits[band_key("allreduce/ring", 3)] = AlgoCost{1, 0, 1e-4, 3, 0};
+  GroupShape one;
+  one.ranks_per_host = 4;
+  e = error_of([&] { predict_collective(only_ring, Coll::Allreduce, 8, one); });
+  EXPECT_TRUE(contains(e, "no measurements of allreduce/recursive_doubling")) << e;
+}
+
+TEST(PlanPredict, OrdinaryBuffersRunTheRingWhereSharedOnesWouldSingleCopy) {
+  collectives::TunerInput in{Coll::Allgather, 1 << 20, 2, true, true, 1, 0};
+  EXPECT_EQ(collectives::choose(in), Algo::SingleCopy);
+  EXPECT_EQ(algorithm_run(in, collectives::Thresholds{}), Algo::Ring);
+  in.coll = Coll::Allreduce;
+  in.bytes = 4 << 20;
+  EXPECT_EQ(algorithm_run(in, collectives::Thresholds{}), Algo::SingleCopy);
+}
+
+// Megatron-LM SC21 (Narayanan et al. 2021), Table 1: parameters from eq. 2 for its configurations.
+TEST(Planner, TransformerParametersMatchMegatronTable1) {
+  struct Row {
+    const char* preset;
+    double billions;
+  };
+  for (Row r : {Row{"gpt:1.7b", 1.7}, Row{"gpt:3.6b", 3.6}, Row{"gpt:7.5b", 7.5}, Row{"gpt:18.4b", 18.4},
+                Row{"gpt:39.1b", 39.1}, Row{"gpt:145.6b", 145.6}}) {
+    ModelFlags f;
+    f.preset = r.preset;
+    const ModelSpec m = model_spec(f);
+    EXPECT_DOUBLE_EQ(std::round(m.params / 1e8) / 10, r.billions) << r.preset << ": " << m.params;  // as printed
+  }
+}
+
+// ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, mixed-precision Adam (K = 12), 64 devices:
+// 120 GB per device replicated, 31.4 with P_os, 16.6 with P_os+g, 1.9 with P_os+g+p.
+TEST(Planner, ZeroMemoryMatchesThePaper) {
+  ModelFlags f;
+  f.spec.params = 7.5e9;
+  f.spec.global_batch = 64;
+  f.spec.activation_bytes_per_sample = 1e-9;  // states only
+  ClusterSpec c;
+  c.hosts = 8;
+  c.devices_per_host = 8;
+  c.gpu = true;
+  c.device_memory_gb = 1000;
+  c.device_tflops = 100;
+  c.intra_gbs = 300;
+  c.inter_gbps = 1600;
+  ClusterFlags cf;
+  cf.spec = c;
+  CostTable t;
+  t.source = "test";
+  apply_datasheet(t, cf);
+  const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
+  std::map<int, double> gb;
+  for (const Layout& L : r.layouts) gb[L.zero] = L.memory_gb;
+  EXPECT_NEAR(gb[0], 120, 0.1);
+  EXPECT_NEAR(gb[1], 31.4, 0.1);
+  EXPECT_NEAR(gb[2], 16.6, 0.1);
+  EXPECT_NEAR(gb[3] - 7.5e9 * 4 / 1e9, 1.9, 0.1);  // + the model's weights and grads gathered as one unit
+}
+
+TEST(Planner, PipelineBubbleIsPMinusOneOverM) {
+  ModelFlags f;
+  f.preset = "gpt:39.1b";
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  cf.spec.hosts = 64;
+  CostTable t;
+  t.source = "test";
+  apply_datasheet(t, cf);
+  const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
+  bool seen = false;
+  for (const Layout& L : r.layouts) {
+    if (L.tp != 8 || L.pp != 2 || L.zero != 0) continue;
+    seen = true;
+    EXPECT_EQ(L.dp, 32);
+    EXPECT_EQ(L.micro_batches, 1536 / 32);
+    EXPECT_NEAR(L.bubble_ms / L.compute_ms, 1.0 / 48, 1e-12);  // (p - 1) / m
+  }
+  EXPECT_TRUE(seen);
+}
+
+TEST(Planner, NothingFitsSaysWhatTheSmallestLayoutNeeds) {
+  ModelFlags f;
+  f.preset = "gpt:145.6b";
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  cf.spec.hosts = 1;
+  CostTable t;
+  t.source = "test";
+  apply_datasheet(t, cf);
+  const std::string e = error_of([&] { plan_layouts(model_spec(f), cluster_spec(cf), t); });
+  EXPECT_TRUE(contains(e, "fits no layout on 1 host(s) x 8 device(s) of 80 GB")) << e;
+  EXPECT_TRUE(contains(e, "needs")) << e;
+  EXPECT_TRUE(contains(e, "Add hosts")) << e;
+}
+
+TEST(Planner, BadModelAndClusterInput) {
+  ModelFlags f;
+  std::string e = error_of([&] { model_spec(f); });
+  EXPECT_TRUE(contains(e, "give a preset")) << e;
+  f.preset = "gpt:9000b";
+  e = error_of([&] { model_spec(f); });
+  EXPECT_TRUE(contains(e, "unknown preset")) << e;
+  f.preset = "";
+  f.spec.layers = 4;
+  e = error_of([&] { model_spec(f); });
+  EXPECT_TRUE(contains(e, "needs --hidden")) << e;
+  ClusterFlags cf;
+  e = error_of([&] { cluster_spec(cf); });
+  EXPECT_TRUE(contains(e, "--device-memory-gb")) << e;
+  cf.preset = "tpu-v9";
+  e = error_of([&] { cluster_spec(cf); });
+  EXPECT_TRUE(contains(e, "unknown preset")) << e;
+}
+
+// As a user: calibrate shared memory at 2 ranks, then ask for predictions.
+TEST(PlanCli, CalibrateThenPlan) {
+  const std::string dir = lt::temp_dir();
+  const std::string cal = dir + "/cal.json";
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "--calibrate", cal, "-e", "1M"},
+                   {}, 300);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "calibrated shm")) << r.out;
+  r = lt::run({"plan", "--calibration", cal, "--collective", "allreduce", "--ranks-per-host", "2", "--sizes", "8,64K,1M",
+               "--csv"});
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  int rows = 0;
+  std::istringstream lines(r.out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("allreduce,1,2,", 0) != 0) continue;
+    ++rows;
+    const double us = std::stod(line.substr(line.find(',', 14) + 1));
+    EXPECT_GT(us, 0) << line;
+  }
+  EXPECT_EQ(rows, 3) << r.out;
+  // Across hosts it needs the tcp_cross class, which this file lacks.
+  r = lt::run({"plan", "--calibration", cal, "--collective", "allreduce", "--hosts", "2", "--ranks-per-host", "2"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "no link class 'tcp_cross'")) << r.err;
+  // ... unless the link's speed is given.
+  r = lt::run({"plan", "--calibration", cal, "--collective", "allreduce", "--hosts", "2", "--ranks-per-host", "2",
+               "--inter-host-gbps", "10", "--sizes", "64M"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  // Calibrating with a group on the other backend, or no collective and no --calibrate, is refused.
+  r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench"});
+  EXPECT_NE(r.status, 0);
+  // A file from another cohort.
+  std::string text;
+  {
+    std::ifstream in(cal);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto at = text.find("\"cohort_version\"");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, text.find(',', at) - at, "\"cohort_version\": \"0.0.1\"");
+  std::ofstream(cal) << text;
+  r = lt::run({"plan", "--calibration", cal, "--collective", "allreduce", "--ranks-per-host", "2"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "measured by cohort 0.0.1")) << r.err;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PlanCli, ModelThatFitsNowhere) {
+  auto r = lt::run({"plan", "--model", "gpt:145.6b", "--cluster", "a100-80g", "--hosts", "1"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "fits no layout")) << r.err;
+  r = lt::run({"plan", "--model", "gpt:7.5b", "--cluster", "a100-80g", "--hosts", "16", "--top", "3"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "TFLOP/s")) << r.out;
+}
+
+}  // namespace
+}  // namespace cohort::plan
