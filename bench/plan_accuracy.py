@@ -100,8 +100,13 @@ def main():
     ap.add_argument("--skip-netns", action="store_true")
     ap.add_argument("--calibration", help="keep the calibration file here (default: a temporary file)")
     ap.add_argument("--csv", metavar="FILE", help="write every compared size")
+    ap.add_argument("--predict-from", metavar="CSV",
+                    help="no measuring: predict again the sizes a previous --csv holds, with --calibration's file "
+                         "(after a change of the model)")
     args = ap.parse_args()
     cohort = os.path.abspath(os.path.join(args.build, "cohort"))
+    if args.predict_from:
+        return predict_again(cohort, args.calibration, args.predict_from, args.csv)
     size_list = sizes(args.max_bytes)
     tmp = tempfile.mkdtemp()
     cal = args.calibration or os.path.join(tmp, "calibration.json")
@@ -148,6 +153,18 @@ def main():
         pred = predicted(cohort, cal, coll, sorted(got), hosts, per_host, where != "shm")
         rows += [(where, hosts, per_host, coll, s, got[s], *pred[s]) for s in sorted(got)]
     report(rows, args.csv)
+
+
+def predict_again(cohort, cal, old_csv, csv_path):
+    groups = {}
+    for r in csv.DictReader(open(old_csv)):
+        key = (r["where"], int(r["hosts"]), int(r["ranks_per_host"]), r["collective"])
+        groups.setdefault(key, {})[int(r["bytes"])] = (float(r["measured_us"]), float(r["rerun_over_first"]))
+    rows = []
+    for (where, hosts, per_host, coll), got in groups.items():
+        pred = predicted(cohort, cal, coll, sorted(got), hosts, per_host, where != "shm")
+        rows += [(where, hosts, per_host, coll, s, got[s], *pred[s]) for s in sorted(got)]
+    report(rows, csv_path)
 
 
 def report(rows, csv_path):

@@ -189,6 +189,17 @@ TEST(PlanPredict, NodeAwareAllreduceIsTheSumOfItsPhases) {
   EXPECT_TRUE(contains(p.how, "hierarchical")) << p.how;
 }
 
+TEST(PlanPredict, RecursiveDoublingCrossesHostsOnlyInItsLastSteps) {
+  const CostTable t = datasheet(1, 1e-4, 50, 1e-3);
+  GroupShape g;
+  g.hosts = 2;
+  g.ranks_per_host = 4;
+  const Prediction p = predict_collective(t, Coll::Allreduce, 1024, g);
+  EXPECT_EQ(p.algo, Algo::RecursiveDoubling);
+  // 2 steps among the 4 ranks of a host, 1 across the 2 hosts.
+  EXPECT_NEAR(p.us, 2 * (1 + 1024 * 1e-4) + (50 + 1024 * 1e-3), 1e-9);
+}
+
 TEST(PlanPredict, TheLinkLimitsWhatCrossesIt) {
   const CostTable t = datasheet(1, 1e-6, 20, 1e-6);  // calibrated fast
   GroupShape g;
@@ -197,7 +208,7 @@ TEST(PlanPredict, TheLinkLimitsWhatCrossesIt) {
   g.cross_gbps = 1;  // but the wire is 1 Gbit/s
   const double S = 64 << 20;
   const Prediction p = predict_collective(t, Coll::Allreduce, S, g);
-  EXPECT_NEAR(p.us, 2 * 20 + S / 125e6 * 1e6, 1);  // ring of 2: S each way per rank
+  EXPECT_NEAR(p.us, 2 * 20 + S / (125e6 * 1448 / 1538) * 1e6, 1);  // ring of 2: S each way per rank, TCP payload
 }
 
 TEST(PlanPredict, MissingClassOrAlgorithmIsNamed) {
@@ -261,7 +272,7 @@ TEST(Planner, ZeroMemoryMatchesThePaper) {
   cf.spec = c;
   CostTable t;
   t.source = "test";
-  apply_datasheet(t, cf);
+  apply_datasheet(t, cluster_spec(cf));
   const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
   std::map<int, double> gb;
   for (const Layout& L : r.layouts) gb[L.zero] = L.memory_gb;
@@ -279,7 +290,7 @@ TEST(Planner, PipelineBubbleIsPMinusOneOverM) {
   cf.spec.hosts = 64;
   CostTable t;
   t.source = "test";
-  apply_datasheet(t, cf);
+  apply_datasheet(t, cluster_spec(cf));
   const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
   bool seen = false;
   for (const Layout& L : r.layouts) {
@@ -300,11 +311,55 @@ TEST(Planner, NothingFitsSaysWhatTheSmallestLayoutNeeds) {
   cf.spec.hosts = 1;
   CostTable t;
   t.source = "test";
-  apply_datasheet(t, cf);
+  apply_datasheet(t, cluster_spec(cf));
   const std::string e = error_of([&] { plan_layouts(model_spec(f), cluster_spec(cf), t); });
-  EXPECT_TRUE(contains(e, "fits no layout on 1 host(s) x 8 device(s) of 80 GB")) << e;
+  EXPECT_TRUE(contains(e, "fits no layout on 1 host(s) x 8 device(s) of 85.9 GB")) << e;  // 80 GiB
   EXPECT_TRUE(contains(e, "needs")) << e;
   EXPECT_TRUE(contains(e, "Add hosts")) << e;
+}
+
+// ZeRO-2 keeps a gradient shard and FSDP reshards after each pass: with gradient accumulation they
+// communicate per micro-batch, DDP and ZeRO-1 once per step.
+TEST(Planner, ShardedStagesCommunicatePerMicroBatch) {
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  cf.spec.hosts = 2;
+  CostTable t;
+  t.source = "test";
+  apply_datasheet(t, cluster_spec(cf));
+  std::map<int, std::map<int, double>> dp_ms;  // micro-batch -> zero stage -> data-parallel ms
+  for (int mb : {4, 1}) {
+    ModelFlags f;
+    f.preset = "gpt:1.7b";
+    f.spec.global_batch = 64;
+    f.spec.micro_batch = mb;  // 64 / 16 ranks = 4 samples each: 1 or 4 micro-batches
+    for (const Layout& L : plan_layouts(model_spec(f), cluster_spec(cf), t).layouts)
+      if (L.tp == 1 && L.pp == 1) dp_ms[mb][L.zero] = L.dp_ms;
+  }
+  EXPECT_NEAR(dp_ms[1][0] / dp_ms[4][0], 1, 1e-12);
+  EXPECT_NEAR(dp_ms[1][1] / dp_ms[4][1], 1, 1e-12);
+  EXPECT_GT(dp_ms[1][2] / dp_ms[4][2], 2);
+  EXPECT_NEAR(dp_ms[1][3] / dp_ms[4][3], 4, 1e-9);
+}
+
+TEST(Planner, FlagsOverrideThePreset) {
+  ModelFlags f;
+  f.preset = "mlp";
+  EXPECT_EQ(model_spec(f).precision, "fp32");
+  f.precision = "bf16";
+  f.optimizer = "adam";
+  EXPECT_EQ(model_spec(f).precision, "bf16");
+  EXPECT_EQ(model_spec(f).optimizer, "adam");
+  ModelFlags g;
+  g.preset = "gpt:1.7b";
+  EXPECT_TRUE(model_spec(g).recompute);
+  g.recompute = 0;
+  EXPECT_FALSE(model_spec(g).recompute);
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  EXPECT_EQ(resolve_cluster(cf).devices_per_host, 8);
+  cf.spec.devices_per_host = 1;  // asked for: kept
+  EXPECT_EQ(resolve_cluster(cf).devices_per_host, 1);
 }
 
 TEST(Planner, BadModelAndClusterInput) {
@@ -355,7 +410,7 @@ TEST(PlanCli, CalibrateThenPlan) {
   r = lt::run({"plan", "--calibration", cal, "--collective", "allreduce", "--hosts", "2", "--ranks-per-host", "2",
                "--inter-host-gbps", "10", "--sizes", "64M"});
   EXPECT_EQ(r.status, 0) << r.err;
-  // Calibrating with a group on the other backend, or no collective and no --calibrate, is refused.
+  // No collective and no --calibrate is refused.
   r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench"});
   EXPECT_NE(r.status, 0);
   // A file from another cohort.
@@ -372,6 +427,36 @@ TEST(PlanCli, CalibrateThenPlan) {
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(contains(r.err, "measured by cohort 0.0.1")) << r.err;
   std::filesystem::remove_all(dir);
+}
+
+TEST(PlanCli, CalibrationLeavesAFileItCannotReadAlone) {
+  const std::string dir = lt::temp_dir();
+  const std::string cal = dir + "/cal.json";
+  std::ofstream(cal) << "not json";
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", COHORT_BIN, "bench", "--calibrate", cal, "-e", "64K"},
+                   {}, 120);
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.out + r.err, "is damaged")) << r.out << r.err;
+  std::ifstream in(cal);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(text, "not json");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PlanCli, ClusterPresetAndBadNumbers) {
+  auto r = lt::run({"plan", "--collective", "allreduce", "--cluster", "a100-80g", "--hosts", "2", "--sizes", "1M"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "2 host(s) x 8 rank(s)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "nccl_cross")) << r.out;
+  r = lt::run({"plan", "--model", "gpt:7.5b", "--cluster", "a100-80g", "--hosts", "0"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "--hosts")) << r.err;
+  r = lt::run({"plan", "--model", "mlp", "--global-batch", "-4", "--device-memory-gb", "8", "--sample-ms", "1"});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "--global-batch")) << r.err;
+  r = lt::run({"plan", "--model", "mlp", "--device-memory-gb", "8"});  // no compute rate
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "--sample-ms")) << r.err;
 }
 
 TEST(PlanCli, ModelThatFitsNowhere) {

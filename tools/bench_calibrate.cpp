@@ -1,5 +1,5 @@
 // `cohort bench --calibrate FILE`: measures allreduce, allgather,
-// reduce_scatter and broadcast from 8 B to 64 MiB on the group it runs in,
+// reduce_scatter and broadcast from 8 B to 64 MiB (by factors of 2) on the group it runs in,
 // records which algorithm the tuner ran for each, and merges the samples into
 // the calibration file that `cohort plan` reads (docs/planning.md). The link
 // class comes from the group: one host over shared memory (shm), one host
@@ -56,7 +56,7 @@ plan::LinkClass class_of(const c::TunerInput& in, int nranks) {
 
 std::vector<size_t> calibration_sizes(size_t max_bytes) {
   std::vector<size_t> out;
-  for (size_t s = 8; s <= max_bytes; s *= 4) out.push_back(s);
+  for (size_t s = 8; s <= max_bytes; s *= 2) out.push_back(s);  // 3 or more sizes in every band of the fit
   if (out.empty() || out.back() != max_bytes) out.push_back(max_bytes);
   return out;
 }
@@ -91,6 +91,8 @@ int run_calibrate(const CalibrateFlags& f) {
   auto max_bytes = core::parse_bytes(f.max_bytes);
   if (!max_bytes || *max_bytes < 8)
     throw InvalidArgument(fmt::format("-e {}: the largest size must be a byte size of at least 8 (e.g. 64M)", f.max_bytes));
+  // Before measuring: a file that is there but cannot take the samples stops the run now.
+  if (std::filesystem::exists(f.file)) plan::read_calibration(f.file, COHORT_VERSION);
   auto pg = init_process_group();
   auto* native = dynamic_cast<group::NativeGroup*>(pg.get());
   if (native == nullptr)
@@ -138,14 +140,8 @@ int run_calibrate(const CalibrateFlags& f) {
   if (pg->rank() == 0) {
     plan::Calibration cal;
     cal.cohort_version = COHORT_VERSION;
-    if (std::filesystem::exists(f.file)) {
-      try {
-        cal = plan::read_calibration(f.file, COHORT_VERSION);
-      } catch (const InvalidArgument& e) {
-        std::fprintf(stderr, "cohort bench --calibrate: starting %s afresh: %s\n", f.file.c_str(), e.what());
-        cal = plan::Calibration{COHORT_VERSION, {}};
-      }
-    }
+    // A file it cannot read (another version, damaged) is left alone: its other classes would be lost.
+    if (std::filesystem::exists(f.file)) cal = plan::read_calibration(f.file, COHORT_VERSION);
     plan::merge_samples(cal, cls, fresh);
     plan::write_calibration(f.file, cal);
     const plan::ClassCosts costs = plan::fit_class(cal.classes[cls]);

@@ -274,6 +274,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
     if (!cal.file.empty()) {
       if (!f.coll.empty())
         throw InvalidArgument(fmt::format("--calibrate measures every collective it needs: drop '{}'", f.coll));
+      if (f.device != "cpu" || f.shared_buffers)
+        throw InvalidArgument("--calibrate measures cohort's native collectives on ordinary host buffers; calibrating "
+                              "NCCL (--device cuda) or shared buffers is not written yet (docs/planning.md, \"Limits\")");
       cal.max_bytes = f.max_bytes;
       exit_code = run_calibrate(cal);
       return;

@@ -24,7 +24,6 @@ struct PlanFlags {
   std::string collective;
   std::string sizes = "8,1K,64K,1M,16M,64M";
   bool csv = false;
-  bool same_machine = false;
   std::string transport = "shm";
   plan::ClusterFlags cluster;
   plan::ModelFlags model;
@@ -49,40 +48,50 @@ plan::CostTable load_costs(const PlanFlags& f) {
 }
 
 void add_cluster_options(CLI::App& cmd, plan::ClusterFlags& c) {
+  const auto positive = CLI::PositiveNumber;
   cmd.add_option("--cluster", c.preset, "a100-80g or h100-80g: 8 GPUs per host, NVLink, 8 InfiniBand NICs (datasheet)");
-  cmd.add_option("--hosts", c.spec.hosts, "hosts (machines)");
-  cmd.add_option("--gpus-per-host", c.spec.devices_per_host, "GPUs per host (NCCL)")->each([&c](const std::string&) {
-    c.spec.gpu = true;
-  });
-  cmd.add_option("--ranks-per-host", c.spec.devices_per_host, "CPU ranks per host (shm inside, TCP between hosts)");
-  cmd.add_option("--device-memory-gb", c.spec.device_memory_gb, "memory of one device (GPU, or a CPU rank's share)");
-  cmd.add_option("--device-tflops", c.spec.device_tflops, "peak TFLOP/s of one device in the model's precision");
-  cmd.add_option("--mfu", c.spec.mfu, "the fraction of that peak the model's kernels reach (default 0.5)");
-  cmd.add_option("--intra-host-gbs", c.spec.intra_gbs, "GPU-to-GPU bandwidth inside a host, GB/s each way per GPU");
+  cmd.add_option("--hosts", c.spec.hosts, "hosts (machines)")->check(positive);
+  auto* gpus = cmd.add_option("--gpus-per-host", c.spec.devices_per_host, "GPUs per host (NCCL)")->check(positive);
+  gpus->each([&c](const std::string&) { c.spec.gpu = true; });
+  cmd.add_option("--ranks-per-host", c.spec.devices_per_host, "CPU ranks per host (shm inside, TCP between hosts)")
+      ->check(positive)
+      ->excludes(gpus);
+  cmd.add_option("--device-memory-gb", c.spec.device_memory_gb, "memory of one device in GB (1e9 bytes): a GPU, or a "
+                                                                "CPU rank's share of its host")
+      ->check(positive);
+  cmd.add_option("--device-tflops", c.spec.device_tflops, "peak TFLOP/s of one device in the model's precision")
+      ->check(positive);
+  cmd.add_option("--mfu", c.spec.mfu, "the fraction of that peak the model's kernels reach, in (0, 1] (default 0.5)")
+      ->check(CLI::Range(1e-6, 1.0));
+  cmd.add_option("--intra-host-gbs", c.spec.intra_gbs, "GPU-to-GPU bandwidth inside a host, GB/s each way per GPU")
+      ->check(positive);
   cmd.add_option("--inter-host-gbps", c.spec.inter_gbps,
-                 "each host's network, Gbit/s each way (CPU: the wire limit on top of the calibrated tcp_cross)");
-  cmd.add_option("--intra-latency-us", c.spec.intra_latency_us, "datasheet latency per step inside a host");
-  cmd.add_option("--inter-latency-us", c.spec.inter_latency_us, "datasheet latency per step between hosts");
+                 "each host's network, Gbit/s each way (CPU: the wire limit on top of the calibrated tcp_cross)")
+      ->check(positive);
+  cmd.add_option("--intra-latency-us", c.spec.intra_latency_us, "datasheet latency per step inside a host")->check(positive);
+  cmd.add_option("--inter-latency-us", c.spec.inter_latency_us, "datasheet latency per step between hosts")->check(positive);
 }
 
 void add_model_options(CLI::App& cmd, plan::ModelFlags& m) {
+  const auto positive = CLI::PositiveNumber;
   cmd.add_option("--model", m.preset, "gpt:1.7b, gpt:3.6b, gpt:7.5b, gpt:18.4b, gpt:39.1b, gpt:145.6b, gpt:175b (Megatron-LM's "
                                       "Table 1), mlp or cnn (examples/fashion_mnist); flags below override it");
-  cmd.add_option("--params", m.spec.params, "parameters");
-  cmd.add_option("--layers", m.spec.layers, "transformer layers");
-  cmd.add_option("--hidden", m.spec.hidden, "hidden size");
-  cmd.add_option("--heads", m.spec.heads, "attention heads");
-  cmd.add_option("--seq", m.spec.seq, "sequence length");
-  cmd.add_option("--vocab", m.spec.vocab, "vocabulary size");
-  cmd.add_option("--flops-per-sample", m.spec.flops_per_sample, "training FLOPs per sample (default: the formula, or 6 x params)");
-  cmd.add_option("--activation-bytes", m.spec.activation_bytes_per_sample, "activation bytes per sample (non-transformers)");
+  cmd.add_option("--params", m.spec.params, "parameters")->check(positive);
+  cmd.add_option("--layers", m.spec.layers, "transformer layers")->check(positive);
+  cmd.add_option("--hidden", m.spec.hidden, "hidden size")->check(positive);
+  cmd.add_option("--heads", m.spec.heads, "attention heads")->check(positive);
+  cmd.add_option("--seq", m.spec.seq, "sequence length")->check(positive);
+  cmd.add_option("--vocab", m.spec.vocab, "vocabulary size")->check(positive);
+  cmd.add_option("--flops-per-sample", m.spec.flops_per_sample, "training FLOPs per sample (default: the formula, or 6 x params)")->check(positive);
+  cmd.add_option("--activation-bytes", m.spec.activation_bytes_per_sample, "activation bytes per sample (non-transformers)")->check(positive);
   cmd.add_option("--sample-ms", m.spec.sample_ms,
-                 "measured forward + backward milliseconds per sample on one device (instead of FLOPs / peak)");
-  cmd.add_option("--global-batch", m.spec.global_batch, "samples per step, all ranks together");
-  cmd.add_option("--micro-batch", m.spec.micro_batch, "samples per micro-batch");
-  cmd.add_option("--precision", m.spec.precision, "bf16 (16-bit weights and grads, fp32 master), fp16 or fp32");
-  cmd.add_option("--optimizer", m.spec.optimizer, "adam, sgd (momentum) or plain");
-  cmd.add_flag("--recompute", m.spec.recompute, "full activation recomputation");
+                 "measured forward + backward milliseconds per sample on one device (instead of FLOPs / peak)")->check(positive);
+  cmd.add_option("--global-batch", m.spec.global_batch, "samples per step, all ranks together")->check(positive);
+  cmd.add_option("--micro-batch", m.spec.micro_batch, "samples per micro-batch")->check(positive);
+  cmd.add_option("--precision", m.precision, "bf16 (16-bit weights and grads, fp32 master; the default), fp16 or fp32");
+  cmd.add_option("--optimizer", m.optimizer, "adam (the default), sgd (momentum) or plain");
+  cmd.add_flag_callback("--recompute", [&m] { m.recompute = 1; }, "full activation recomputation (the gpt presets' default)");
+  cmd.add_flag_callback("--no-recompute", [&m] { m.recompute = 0; }, "no activation recomputation");
 }
 
 int plan_collective(const PlanFlags& f) {
@@ -94,9 +103,9 @@ int plan_collective(const PlanFlags& f) {
   if (f.transport != "shm" && f.transport != "tcp")
     throw InvalidArgument(fmt::format("--transport {}: shm or tcp (between the ranks of one host)", f.transport));
   plan::CostTable table = load_costs(f);
-  plan::apply_datasheet(table, f.cluster);
-  plan::GroupShape g = plan::group_shape(f.cluster);
-  g.same_machine = f.same_machine;
+  const plan::ClusterSpec cluster = plan::resolve_cluster(f.cluster);
+  plan::apply_datasheet(table, cluster);
+  plan::GroupShape g = plan::group_shape(cluster);
   if (f.transport == "tcp") g.local = plan::LinkClass::TcpLocal;
   if (f.csv) std::printf("collective,hosts,ranks_per_host,bytes,predicted_us,algorithm\n");
   else
@@ -114,9 +123,9 @@ int plan_collective(const PlanFlags& f) {
 
 int plan_layouts(const PlanFlags& f) {
   plan::CostTable table = load_costs(f);
-  plan::apply_datasheet(table, f.cluster);
   const plan::ModelSpec model = plan::model_spec(f.model);
   const plan::ClusterSpec cluster = plan::cluster_spec(f.cluster);
+  plan::apply_datasheet(table, cluster);
   const plan::PlanResult r = plan::plan_layouts(model, cluster, table);
   std::fputs(plan::format_plan(model, cluster, r, f.top, f.csv).c_str(), stdout);
   return 0;
@@ -134,12 +143,12 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                                                 "per size instead of planning a model");
   cmd->add_option("--sizes", f.sizes, "with --collective: comma list of nccl-tests sizes (e.g. 8,1K,1M,64M)");
   cmd->add_flag("--csv", f.csv, "print CSV");
-  cmd->add_flag("--same-machine", f.same_machine,
+  cmd->add_flag("--same-machine", f.cluster.spec.same_machine,
                 "the hosts are network namespaces of one machine: every rank shares its cores (as when calibrated so)");
   cmd->add_option("--transport", f.transport, "with --collective, between the ranks of one host: shm (default) or tcp");
   add_cluster_options(*cmd, f.cluster);
   add_model_options(*cmd, f.model);
-  cmd->add_option("--top", f.top, "print this many layouts (best first)");
+  cmd->add_option("--top", f.top, "print this many layouts (best first)")->check(CLI::PositiveNumber);
   cmd->callback([&exit_code] { exit_code = f.collective.empty() ? plan_layouts(f) : plan_collective(f); });
 }
 

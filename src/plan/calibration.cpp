@@ -22,11 +22,16 @@ constexpr const char* kFormat = "cohort-calibration";
 // Solves the normal equations of the chosen columns (Gaussian elimination
 // with partial pivoting; at most 3 unknowns). False when singular.
 bool solve(std::vector<std::array<double, 3>>& a, std::vector<double>& b, int k) {
+  double scale = 0;
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < k; ++j) scale = std::max(scale, std::fabs(a[i][j]));
   for (int col = 0; col < k; ++col) {
     int piv = col;
     for (int r = col + 1; r < k; ++r)
       if (std::fabs(a[r][col]) > std::fabs(a[piv][col])) piv = r;
-    if (std::fabs(a[piv][col]) < 1e-300) return false;
+    // Relative to the matrix: columns that are (nearly) proportional, as alpha and beta when a band
+    // holds a single size, have no split worth reporting; the smaller subsets cover them.
+    if (std::fabs(a[piv][col]) <= 1e-9 * scale) return false;
     std::swap(a[piv], a[col]);
     std::swap(b[piv], b[col]);
     for (int r = 0; r < k; ++r) {
@@ -72,11 +77,18 @@ AlgoCost fit_algo(const std::vector<Sample>& samples, int cores, double segment)
         atb[i] += r[cols[i]];
       }
     }
+    // Columns scaled to unit norm, so that the pivot tolerance compares like with like.
+    std::array<double, 3> norm{1, 1, 1};
+    for (int i = 0; i < k; ++i) norm[i] = ata[i][i] > 0 ? std::sqrt(ata[i][i]) : 1;
+    for (int i = 0; i < k; ++i) {
+      for (int j = 0; j < k; ++j) ata[i][j] /= norm[i] * norm[j];
+      atb[i] /= norm[i];
+    }
     if (!solve(ata, atb, k)) continue;
     std::array<double, 3> x{0, 0, 0};
     bool ok = true;
     for (int i = 0; i < k; ++i) {
-      x[cols[i]] = atb[i];
+      x[cols[i]] = atb[i] / norm[i];
       ok = ok && atb[i] >= 0;
     }
     if (!ok) continue;
@@ -130,6 +142,7 @@ CostTable cost_table(const Calibration& cal, const std::string& source) {
   for (const auto& [cls, cs] : cal.classes) {
     if (!oversubscribed(cs)) continue;
     for (const auto& [key, fit] : t.classes[cls].fits) {
+      if (fit.alpha_os_us <= 0) continue;  // no oversubscribed samples in this band, or none needed
       sum += fit.alpha_os_us;
       ++count;
     }

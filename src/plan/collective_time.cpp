@@ -24,7 +24,9 @@ std::string how_to_measure(LinkClass cls) {
       return "`cohort bench --calibrate FILE` under `cohort run` on 2 or more hosts with one rank per host (or give the "
              "link's speed with --inter-host-gbps)";
     case LinkClass::NcclLocal:
-    case LinkClass::NcclCross: return "`cohort bench --calibrate FILE --device cuda` under `cohort run` on the GPUs";
+    case LinkClass::NcclCross:
+      return "the link speeds (--intra-host-gbps, --inter-host-gbps) or a --cluster preset (calibrating NCCL is not "
+             "written yet)";
   }
   return "";
 }
@@ -52,9 +54,11 @@ class Predictor {
     const int cores = g_.cores_per_host > 0 ? g_.cores_per_host : std::max(1, it->second.cores);
     const int machine_ranks = g_.same_machine ? g_.nranks() : g_.ranks_per_host;
     double us = cost_us(*cost, s, Contention{machine_ranks, cores});
-    const bool crossing = cls == LinkClass::TcpCross || cls == LinkClass::NcclCross;
-    if (crossing && g_.cross_gbps > 0) {
-      const double wire_us = s.steps * cost->alpha_us + flows * s.bytes / (g_.cross_gbps * 1e9 / 8) * 1e6;
+    if (cls == LinkClass::TcpCross && g_.cross_gbps > 0) {
+      // TCP's payload is 1448 bytes of the 1538 a full Ethernet frame takes on the line (MTU 1500 with
+      // TCP timestamps; header 14, FCS 4, preamble 8, gap 12): 0.94 of the line rate.
+      const double payload = 1448.0 / 1538;
+      const double wire_us = s.steps * cost->alpha_us + flows * s.bytes / (g_.cross_gbps * payload * 1e9 / 8) * 1e6;
       us = std::max(us, wire_us);
     }
     how += fmt::format("{}{} on {} x{}", how.empty() ? "" : " + ", algo_key(c, a), link_class_name(cls), n);
@@ -79,8 +83,20 @@ class Predictor {
                                g_.hosts > 1 && g_.ranks_per_host > 1 ? g_.ranks_per_host : 0};
     in.single_copy = in.all_shm && shm_it != t_.classes.end() && shm_it->second.single_copy;
     p.algo = algorithm_run(in, th_);
+    const bool pow2 = [&] {
+      const int h = g_.hosts, l = g_.ranks_per_host;
+      return (h & (h - 1)) == 0 && (l & (l - 1)) == 0;
+    }();
+    if (!one_host && g_.ranks_per_host > 1 && pow2 && (p.algo == Algo::RecursiveDoubling || p.algo == Algo::Binomial)) {
+      // Recursive doubling and the binomial tree pair ranks 1, 2, 4, ... apart: with the ranks of a
+      // host numbered together, the first log2 L steps stay on the host and the last log2 H cross,
+      // each the same step as in a group of L (or H) ranks.
+      p.us = flat(g_.local, c, p.algo, bytes, g_.ranks_per_host, 1, p.how) +
+             flat(g_.cross, c, p.algo, bytes, g_.hosts, g_.ranks_per_host, p.how);
+      return p;
+    }
     if (p.algo != Algo::Hierarchical) {
-      // Flat: on several hosts every step of the flat algorithms has a pair across hosts.
+      // Flat: on several hosts every step of the other flat algorithms has a pair across hosts.
       const LinkClass cls = one_host ? g_.local : g_.cross;
       const int flows = p.algo == Algo::Ring || p.algo == Algo::Pipeline ? 1 : g_.ranks_per_host;
       p.us = flat(cls, c, p.algo, bytes, n, flows, p.how);
@@ -125,7 +141,10 @@ class Predictor {
 }  // namespace
 
 Algo algorithm_run(const collectives::TunerInput& in, const collectives::Thresholds& th) {
-  const Algo a = collectives::choose(in, th);
+  Algo a = collectives::forced_algo(in.coll).value_or(collectives::choose(in, th));
+  // Where the group could not run what COHORT_ALGO names, it runs the tuner's choice.
+  if ((a == Algo::Hierarchical && (in.hosts < 2 || in.ranks_per_host < 2)) || (a == Algo::SingleCopy && !in.single_copy))
+    a = collectives::choose(in, th);
   if (a == Algo::SingleCopy && (in.coll != Coll::Allreduce || in.bytes < th.allreduce_single_copy_min)) return Algo::Ring;
   return a;
 }

@@ -30,7 +30,8 @@ struct Prediction {
   std::string how;  // "ring on tcp_cross", "hierarchical: ...", for people
 };
 
-// What choose() picks, with the fallback the group makes when the buffers are
+// What the group runs: COHORT_ALGO's algorithm where it can, else choose()'s,
+// with the fallback the group makes when the buffers are
 // not shared buffers (ProcessGroup::allocate_buffer): single copy below
 // allreduce_single_copy_min (and for allgather, reduce_scatter) runs the ring
 // then. The model, like `cohort bench`, assumes ordinary buffers.

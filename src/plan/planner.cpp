@@ -87,9 +87,9 @@ ModelSpec model_spec(const ModelFlags& f) {
   if (o.global_batch > 0) m.global_batch = o.global_batch;
   if (o.micro_batch > 0) m.micro_batch = o.micro_batch;
   if (m.micro_batch <= 0 && m.layers > 0) m.micro_batch = 1;
-  if (!o.precision.empty() && o.precision != "bf16") m.precision = o.precision;
-  if (!o.optimizer.empty() && o.optimizer != "adam") m.optimizer = o.optimizer;
-  if (o.recompute) m.recompute = true;
+  if (!f.precision.empty()) m.precision = f.precision;
+  if (!f.optimizer.empty()) m.optimizer = f.optimizer;
+  if (f.recompute >= 0) m.recompute = f.recompute == 1;
   if (m.name.empty()) m.name = m.layers > 0 ? fmt::format("transformer {}x{}", m.layers, m.hidden) : "model";
   if (m.layers > 0) {
     if (m.hidden <= 0 || m.heads <= 0 || m.seq <= 0 || m.vocab <= 0)
@@ -109,13 +109,13 @@ ModelSpec model_spec(const ModelFlags& f) {
   return m;
 }
 
-ClusterSpec cluster_spec(const ClusterFlags& f) {
+ClusterSpec resolve_cluster(const ClusterFlags& f) {
   ClusterSpec c = f.spec;
   if (f.preset == "a100-80g" || f.preset == "h100-80g") {
     const bool a100 = f.preset == "a100-80g";
     c.gpu = true;
-    if (c.devices_per_host <= 1) c.devices_per_host = 8;
-    if (c.device_memory_gb <= 0) c.device_memory_gb = 80;
+    if (c.devices_per_host <= 0) c.devices_per_host = 8;
+    if (c.device_memory_gb <= 0) c.device_memory_gb = 80 * 1.073741824;  // 80 GiB
     if (c.device_tflops <= 0) c.device_tflops = a100 ? 312 : 989;  // dense 16-bit tensor cores
     if (c.intra_gbs <= 0) c.intra_gbs = a100 ? 300 : 450;           // NVLink, each way (600 / 900 GB/s both)
     if (c.inter_gbps <= 0) c.inter_gbps = a100 ? 8 * 200 : 8 * 400;  // 8 HDR / NDR InfiniBand NICs per host
@@ -124,8 +124,14 @@ ClusterSpec cluster_spec(const ClusterFlags& f) {
                                       "with --gpus-per-host / --ranks-per-host, --device-memory-gb, --device-tflops",
                                       f.preset));
   }
-  if (c.hosts < 1 || c.devices_per_host < 1)
-    throw InvalidArgument(fmt::format("--hosts {} x {} per host: both must be >= 1", c.hosts, c.devices_per_host));
+  if (c.devices_per_host <= 0) c.devices_per_host = 1;
+  if (c.hosts < 1)
+    throw InvalidArgument(fmt::format("--hosts {}: a cluster has 1 or more hosts", c.hosts));
+  return c;
+}
+
+ClusterSpec cluster_spec(const ClusterFlags& f) {
+  const ClusterSpec c = resolve_cluster(f);
   if (c.device_memory_gb <= 0)
     throw InvalidArgument("--device-memory-gb: the memory of one device (a GPU, or a CPU rank's share of its host) is "
                           "needed to tell which layouts fit");
@@ -133,23 +139,21 @@ ClusterSpec cluster_spec(const ClusterFlags& f) {
   return c;
 }
 
-GroupShape group_shape(const ClusterFlags& f) {
+GroupShape group_shape(const ClusterSpec& c) {
   GroupShape g;
-  g.hosts = f.spec.hosts;
-  g.ranks_per_host = f.spec.devices_per_host;
-  g.same_machine = f.spec.same_machine;
-  g.cross_gbps = f.spec.gpu ? 0 : f.spec.inter_gbps;
-  if (f.spec.gpu || !f.preset.empty()) {
+  g.hosts = c.hosts;
+  g.ranks_per_host = std::max(1, c.devices_per_host);
+  g.same_machine = c.same_machine;
+  g.cross_gbps = c.gpu ? 0 : c.inter_gbps;
+  if (c.gpu) {
     g.local = LinkClass::NcclLocal;
     g.cross = LinkClass::NcclCross;
-    g.cores_per_host = std::max(1, f.spec.devices_per_host);  // one GPU each: no sharing
+    g.cores_per_host = g.ranks_per_host;  // one GPU each: no sharing
   }
   return g;
 }
 
-void apply_datasheet(CostTable& table, const ClusterFlags& f) {
-  const ClusterSpec& c = f.spec;
-  const bool gpu = c.gpu || !f.preset.empty();
+void apply_datasheet(CostTable& table, const ClusterSpec& c) {
   auto add = [&](LinkClass cls, double latency_us, double gbytes_per_s, int cores) {
     if (table.classes.count(cls) != 0 || gbytes_per_s <= 0) return;
     ClassCosts cc;
@@ -158,12 +162,17 @@ void apply_datasheet(CostTable& table, const ClusterFlags& f) {
     cc.measured = fmt::format("datasheet: {:.3g} GB/s, {:.3g} us per step", gbytes_per_s, latency_us);
     table.classes[cls] = cc;
   };
-  if (gpu) {
-    const ClusterSpec full = cluster_spec(f);
+  if (c.gpu) {
+    if (c.intra_gbs <= 0 && table.classes.count(LinkClass::NcclLocal) == 0)
+      throw InvalidArgument("a GPU cluster needs its links: give --intra-host-gbs (NVLink per GPU, GB/s each way) and, "
+                            "across hosts, --inter-host-gbps, or a --cluster preset (a100-80g, h100-80g)");
+    if (c.hosts > 1 && c.inter_gbps <= 0 && table.classes.count(LinkClass::NcclCross) == 0)
+      throw InvalidArgument("a GPU cluster of several hosts needs --inter-host-gbps (each host's network, Gbit/s each "
+                            "way), or a --cluster preset");
     // Each GPU has its own NIC (rail-optimised hosts): a flow gets the host's bandwidth / GPUs.
-    add(LinkClass::NcclLocal, c.intra_latency_us > 0 ? c.intra_latency_us : 5, full.intra_gbs, full.devices_per_host);
-    add(LinkClass::NcclCross, c.inter_latency_us > 0 ? c.inter_latency_us : 10,
-        full.inter_gbps / 8 / full.devices_per_host, full.devices_per_host);
+    const int gpus = std::max(1, c.devices_per_host);
+    add(LinkClass::NcclLocal, c.intra_latency_us > 0 ? c.intra_latency_us : 5, c.intra_gbs, gpus);
+    add(LinkClass::NcclCross, c.inter_latency_us > 0 ? c.inter_latency_us : 10, c.inter_gbps / 8 / gpus, gpus);
   } else if (c.inter_gbps > 0) {
     add(LinkClass::TcpCross, c.inter_latency_us > 0 ? c.inter_latency_us : 50, c.inter_gbps / 8, 1);
   }

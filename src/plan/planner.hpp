@@ -29,17 +29,20 @@ struct ModelSpec {
   bool recompute = false;                  // full activation recomputation (transformers)
 };
 
-// The flags `cohort plan` fills: a preset name and overrides.
+// The flags `cohort plan` fills: a preset name and overrides (numbers: > 0
+// when given; the CLI refuses others).
 struct ModelFlags {
-  std::string preset;  // gpt:1.7b ... gpt:145.6b, mlp, cnn, or empty
-  ModelSpec spec;
+  std::string preset;  // gpt:1.7b ... gpt:175b, mlp, cnn, or empty
+  ModelSpec spec;      // its numbers
+  std::string precision, optimizer;  // "" when not given
+  int recompute = -1;                // -1 not given, 0 --no-recompute, 1 --recompute
 };
 
 struct ClusterSpec {
   int hosts = 1;
-  int devices_per_host = 1;       // GPUs, or ranks (cores) on CPU hosts
+  int devices_per_host = 0;       // GPUs, or ranks (cores) on CPU hosts; 0: the preset's, else 1
   bool gpu = false;
-  double device_memory_gb = 0;    // per device
+  double device_memory_gb = 0;    // per device, in GB of 1e9 bytes
   double device_tflops = 0;       // peak per device for the model's precision
   double mfu = 0.5;               // the fraction of peak the model's kernels reach
   double intra_gbs = 0;           // GPUs: NVLink per GPU, GB/s each way
@@ -54,13 +57,16 @@ struct ClusterFlags {
   std::string preset;  // a100-80g, h100-80g, or empty
 };
 
-ModelSpec model_spec(const ModelFlags& f);      // throws InvalidArgument on what is missing or wrong
+ModelSpec model_spec(const ModelFlags& f);  // throws InvalidArgument on what is missing or wrong
+// The cluster with its preset's values where a flag did not set them.
+ClusterSpec resolve_cluster(const ClusterFlags& f);
+// resolve_cluster, and what planning a model needs (memory, a sane MFU).
 ClusterSpec cluster_spec(const ClusterFlags& f);
-GroupShape group_shape(const ClusterFlags& f);  // the whole cluster as one group
+GroupShape group_shape(const ClusterSpec& c);  // the whole cluster as one group
 // Adds datasheet classes from the cluster's link speeds where the table has
 // no measurement: NCCL classes for GPU clusters, tcp_cross from
 // --inter-host-gbps.
-void apply_datasheet(CostTable& table, const ClusterFlags& f);
+void apply_datasheet(CostTable& table, const ClusterSpec& c);
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1;

@@ -19,6 +19,7 @@ struct Evaluator {
   const ClusterSpec& c;
   const CostTable& table;
   GroupShape base;  // link classes, contention and the wire of the cluster
+  collectives::Thresholds thresholds = collectives::thresholds_from_env();
 
   // A sub-group of `size` ranks whose members lie `stride` ranks apart
   // (ranks are numbered tp fastest, then dp, then pp, hosts in order).
@@ -37,7 +38,7 @@ struct Evaluator {
 
   double coll_ms(Coll coll, double bytes, const GroupShape& g) const {
     if (g.nranks() <= 1 || bytes <= 0) return 0;
-    return predict_collective(table, coll, bytes, g).us / 1e3;
+    return predict_collective(table, coll, bytes, g, thresholds).us / 1e3;
   }
 
   double memory_gb(const Layout& L) const {
@@ -105,20 +106,26 @@ struct Evaluator {
     const double per_mb_ms = (L.compute_ms) / L.micro_batches;
     const double fwd = per_mb_ms / (m.recompute ? 4 : 3), bwd = per_mb_ms - fwd;
     const double buckets = std::max(1.0, std::ceil(grads / kBucketBytes));
-    if (L.zero == 0) {
-      L.dp_ms = coll_ms(Coll::Allreduce, grads, dpg);
-      L.dp_exposed_ms = std::max(L.dp_ms - bwd, L.dp_ms / buckets);  // the last bucket waits for the end of backward
-    } else if (L.zero <= 2) {
+    const double mbs = L.micro_batches;
+    if (L.zero <= 1) {
+      // DDP and ZeRO-1 keep whole gradients: they accumulate over the micro-batches and reduce once,
+      // under the last micro-batch's backward (the last bucket waits for its end).
+      const double ar = coll_ms(L.zero == 0 ? Coll::Allreduce : Coll::ReduceScatter, grads, dpg);
+      const double ag = L.zero == 0 ? 0 : coll_ms(Coll::Allgather, weights, dpg);  // after the step
+      L.dp_ms = ar + ag;
+      L.dp_exposed_ms = std::max(ar - bwd, ar / buckets) + ag;
+    } else if (L.zero == 2) {
+      // A gradient shard only: every micro-batch's backward reduce-scatters.
       const double rs = coll_ms(Coll::ReduceScatter, grads, dpg), ag = coll_ms(Coll::Allgather, weights, dpg);
-      L.dp_ms = rs + ag;
-      L.dp_exposed_ms = std::max(rs - bwd, rs / buckets) + ag;  // the weights' allgather after the step
+      L.dp_ms = mbs * rs + ag;
+      L.dp_exposed_ms = mbs * std::max(rs - bwd, rs / buckets) + ag;
     } else {
-      // Forward and backward gather the weights (and the recomputed forward, inside backward),
-      // prefetched under compute; the gradients' reduce-scatter overlaps backward.
+      // Every micro-batch gathers the weights in forward and again in backward (twice with
+      // recomputation), prefetched under compute, and reduce-scatters its gradients under backward.
       const double ag = coll_ms(Coll::Allgather, weights, dpg), rs = coll_ms(Coll::ReduceScatter, grads, dpg);
       const double bwd_ag = m.recompute ? 2 * ag : ag;
-      L.dp_ms = ag + bwd_ag + rs;
-      L.dp_exposed_ms = std::max(0.0, ag - fwd) + std::max((bwd_ag + rs) / buckets, bwd_ag + rs - bwd);
+      L.dp_ms = mbs * (ag + bwd_ag + rs);
+      L.dp_exposed_ms = mbs * (std::max(0.0, ag - fwd) + std::max((bwd_ag + rs) / buckets, bwd_ag + rs - bwd));
     }
   }
 
@@ -149,9 +156,7 @@ PlanResult plan_layouts(const ModelSpec& m, const ClusterSpec& c, const CostTabl
   if (m.sample_ms <= 0 && c.device_tflops <= 0)
     throw InvalidArgument("the compute time needs a rate: give --device-tflops (the device's peak, with --mfu) or "
                           "--sample-ms (measured milliseconds per sample on one device), or a --cluster preset");
-  ClusterFlags cf;
-  cf.spec = c;
-  Evaluator ev{m, c, table, group_shape(cf)};
+  Evaluator ev{m, c, table, group_shape(c)};
   const int world = c.hosts * c.devices_per_host;
   PlanResult r;
   for (int tp : divisors(c.devices_per_host)) {
@@ -164,6 +169,7 @@ PlanResult plan_layouts(const ModelSpec& m, const ClusterSpec& c, const CostTabl
       if (m.global_batch % (dp * std::max(1, m.micro_batch)) != 0) continue;
       for (int zero = 0; zero <= 3; ++zero) {
         if (dp == 1 && zero > 0) break;
+        if (zero >= 2 && pp > 1) break;               // a gradient shard cannot accumulate over micro-batches
         if (zero == 3 && (tp > 1 || pp > 1)) break;  // FSDP shards the whole model over dp
         r.layouts.push_back(ev.evaluate(dp, tp, pp, zero));
       }
