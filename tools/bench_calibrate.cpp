@@ -8,7 +8,6 @@
 #include "bench_calibrate.hpp"
 
 #include <fmt/format.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 
 #include "bench_colls.hpp"
 #include "collectives/tuner.hpp"
+#include "core/cpu_list.hpp"
 #include "core/env.hpp"
 #include "group/native_group.hpp"
 #include "plan/calibration.hpp"
@@ -35,10 +35,8 @@ double now_us() {
 }
 
 int machine_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  const size_t cpus = core::current_affinity().size();
+  return cpus > 0 ? int(cpus) : int(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
 plan::LinkClass class_of(const c::TunerInput& in, int nranks) {
