@@ -101,7 +101,6 @@ std::optional<Algo> parse_algo(const std::string& s) {
   return std::nullopt;
 }
 
-
 std::optional<Coll> parse_coll(const std::string& s) {
   for (Coll c : {Coll::Allreduce, Coll::Broadcast, Coll::Reduce, Coll::Allgather, Coll::ReduceScatter, Coll::Gather,
                  Coll::Scatter, Coll::Alltoall, Coll::Barrier, Coll::Send, Coll::Recv, Coll::P2PBatch})

@@ -185,13 +185,13 @@ void NativeGroup::execute(OpDesc& d) {
   }
 }
 
-// The tuner's choice for d, or COHORT_ALGO's; refuses a forced single copy
-// the group cannot run.
 collectives::TunerInput NativeGroup::tuner_input(collectives::Coll c, size_t tuner_bytes) const {
   return collectives::TunerInput{c,           tuner_bytes,   setup_.size, all_shm_, single_copy_, layout_.hosts,
                                  hier_why_.empty() ? layout_.ranks_per_host : 0};
 }
 
+// The tuner's choice for d, or COHORT_ALGO's; refuses a forced single copy
+// the group cannot run.
 std::pair<collectives::Algo, bool> NativeGroup::pick_algorithm(const OpDesc& d) {
   namespace c = collectives;
   const int n = setup_.size;
