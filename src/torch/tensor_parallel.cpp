@@ -1,0 +1,399 @@
+// Tensor parallelism: the communicating autograd functions and the layers
+// built on them (cohort/torch_tensor_parallel.hpp, docs/parallelism.md).
+#include "cohort/torch_tensor_parallel.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <set>
+
+#include "cohort/torch.hpp"
+#include "device.hpp"
+
+namespace cohort::torch::tp {
+
+using ::torch::Tensor;
+using ::torch::autograd::AutogradContext;
+using ::torch::autograd::variable_list;
+
+namespace {
+
+Buffer buffer_of(const Tensor& t) { return Buffer{t.data_ptr(), static_cast<size_t>(t.numel()), to_dtype(t.scalar_type())}; }
+
+// Waits for a collective that reads and writes `keep`; if it fails, the
+// tensors are leaked rather than freed under a transfer that may still run.
+void wait_keeping(const WorkPtr& work, std::vector<Tensor> keep) {
+  try {
+    work->wait();
+  } catch (...) {
+    (void)new std::vector<Tensor>(std::move(keep));
+    throw;
+  }
+}
+
+// Collectives on the group's memory (host, or the nccl group's GPU), ordered
+// after LibTorch's current stream there; results come back on x's device.
+class Collective {
+ public:
+  explicit Collective(ProcessGroup& g)
+      : g_(g),
+        scope_(g.cuda_device() >= 0 ? current_stream_handle(::torch::Device(
+                                          ::torch::kCUDA, static_cast<c10::DeviceIndex>(g.cuda_device())))
+                                    : CudaStreamScope::current()) {}
+
+  Tensor allreduce(const Tensor& x, ReduceOp op = ReduceOp::Sum) {
+    Tensor in = in_group_memory(g_, x);
+    Tensor out = ::torch::empty_like(in);
+    wait_keeping(g_.allreduce(buffer_of(in), buffer_of(out), {.op = op}), {in, out});
+    return out.to(x.device());
+  }
+  // [size * x.numel()] in rank order.
+  Tensor allgather_flat(const Tensor& x) {
+    Tensor in = in_group_memory(g_, x);
+    Tensor out = ::torch::empty({g_.size() * in.numel()}, in.options());
+    wait_keeping(g_.allgather(buffer_of(in), buffer_of(out)), {in, out});
+    return out.to(x.device());
+  }
+  // x holds size() equal blocks (flat); returns the sum over ranks of block rank().
+  Tensor reduce_scatter_flat(const Tensor& x) {
+    Tensor in = in_group_memory(g_, x);
+    Tensor out = ::torch::empty({in.numel() / g_.size()}, in.options());
+    wait_keeping(g_.reduce_scatter(buffer_of(in), buffer_of(out)), {in, out});
+    return out.to(x.device());
+  }
+
+ private:
+  ProcessGroup& g_;
+  CudaStreamScope scope_;
+};
+
+int64_t norm_dim(const Tensor& x, int64_t dim) {
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  if (d < 0 || d >= x.dim())
+    throw InvalidArgument(fmt::format("tensor parallel: dimension {} is out of range for a tensor of {} dimensions", dim,
+                                      x.dim()));
+  return d;
+}
+
+void check_divides(const Tensor& x, int64_t dim, const ProcessGroup& g, const char* what) {
+  if (x.size(dim) % g.size() != 0)
+    throw InvalidArgument(fmt::format("tp::{}: dimension {} has size {}, which does not divide by the group's {} ranks",
+                                      what, dim, x.size(dim), g.size()));
+}
+
+Tensor gather_impl(const Tensor& x, ProcessGroup& g, int64_t dim) {
+  std::vector<int64_t> shape{g.size()};
+  for (int64_t s : x.sizes()) shape.push_back(s);
+  Tensor all = Collective(g).allgather_flat(x.contiguous()).view(shape);
+  return ::torch::cat(all.unbind(0), dim);
+}
+
+Tensor split_impl(const Tensor& x, ProcessGroup& g, int64_t dim) {
+  return x.chunk(g.size(), dim)[g.rank()].contiguous();
+}
+
+Tensor reduce_scatter_impl(const Tensor& x, ProcessGroup& g, int64_t dim) {
+  Tensor blocks = ::torch::stack(x.chunk(g.size(), dim), 0).contiguous();
+  std::vector<int64_t> shape(blocks.sizes().begin() + 1, blocks.sizes().end());
+  return Collective(g).reduce_scatter_flat(blocks.view({-1})).view(shape);
+}
+
+ProcessGroup& group_of(AutogradContext* ctx) {
+  return *reinterpret_cast<ProcessGroup*>(ctx->saved_data["group"].toInt());
+}
+void keep_group(AutogradContext* ctx, ProcessGroup* g, int64_t dim = 0) {
+  ctx->saved_data["group"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(g));
+  ctx->saved_data["dim"] = dim;
+}
+
+struct Enter : ::torch::autograd::Function<Enter> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, ProcessGroup* g) {
+    keep_group(ctx, g);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {Collective(group_of(ctx)).allreduce(grad[0].contiguous()), Tensor()};
+  }
+};
+
+struct Leave : ::torch::autograd::Function<Leave> {
+  static Tensor forward(AutogradContext*, const Tensor& x, ProcessGroup* g) { return Collective(*g).allreduce(x.contiguous()); }
+  static variable_list backward(AutogradContext*, variable_list grad) { return {grad[0], Tensor()}; }
+};
+
+struct Gather : ::torch::autograd::Function<Gather> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, ProcessGroup* g, int64_t dim) {
+    keep_group(ctx, g, dim);
+    return gather_impl(x, *g, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {split_impl(grad[0], group_of(ctx), ctx->saved_data["dim"].toInt()), Tensor(), Tensor()};
+  }
+};
+
+struct Split : ::torch::autograd::Function<Split> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, ProcessGroup* g, int64_t dim) {
+    keep_group(ctx, g, dim);
+    return split_impl(x, *g, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {gather_impl(grad[0], group_of(ctx), ctx->saved_data["dim"].toInt()), Tensor(), Tensor()};
+  }
+};
+
+struct ReduceScatter : ::torch::autograd::Function<ReduceScatter> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, ProcessGroup* g, int64_t dim) {
+    keep_group(ctx, g, dim);
+    return reduce_scatter_impl(x, *g, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {gather_impl(grad[0], group_of(ctx), ctx->saved_data["dim"].toInt()), Tensor(), Tensor()};
+  }
+};
+
+struct AllGather : ::torch::autograd::Function<AllGather> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, ProcessGroup* g, int64_t dim) {
+    keep_group(ctx, g, dim);
+    return gather_impl(x, *g, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {reduce_scatter_impl(grad[0], group_of(ctx), ctx->saved_data["dim"].toInt()), Tensor(), Tensor()};
+  }
+};
+
+// Softmax cross-entropy over a vocabulary split across the group.
+struct VocabCrossEntropy : ::torch::autograd::Function<VocabCrossEntropy> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& targets, ProcessGroup* g) {
+    const int64_t part = logits.size(1), first = g->rank() * part;
+    Collective coll(*g);
+    // The row maxima over the whole vocabulary keep exp() in range.
+    const Tensor max = coll.allreduce(std::get<0>(logits.max(1)).contiguous(), ReduceOp::Max);
+    const Tensor shifted = logits - max.unsqueeze(1);
+    const Tensor exp = shifted.exp();
+    const Tensor mine = (targets >= first) & (targets < first + part);
+    const Tensor local = ((targets - first) * mine).unsqueeze(1);
+    const Tensor picked = shifted.gather(1, local).squeeze(1) * mine;
+    // The sums of exp and the target's shifted logit, in one allreduce.
+    const Tensor sums = coll.allreduce(::torch::stack({exp.sum(1), picked}, 0).contiguous());
+    const Tensor sum_exp = sums[0];
+    ctx->save_for_backward({exp.div_(sum_exp.unsqueeze(1)), mine, local});
+    return sum_exp.log() - sums[1];
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    // d loss / d logits = softmax - one_hot(target), on this rank's columns.
+    Tensor g = saved[0].clone();
+    g.scatter_add_(1, saved[2], -saved[1].to(g.scalar_type()).unsqueeze(1));
+    return {g * grad[0].unsqueeze(1), Tensor(), Tensor()};
+  }
+};
+
+Tensor run_if_parallel(ProcessGroup& g, const Tensor& x, const std::function<Tensor()>& fn) {
+  return g.size() == 1 ? x : fn();
+}
+
+std::shared_ptr<ProcessGroup> checked(std::shared_ptr<ProcessGroup> g, const char* layer) {
+  if (!g) throw InvalidArgument(fmt::format("{}: the group is null (pass Mesh::group_ptr(MeshDim::tp))", layer));
+  return g;
+}
+
+void check_split(const char* layer, const char* what, int64_t n, int64_t parts, const ProcessGroup& g) {
+  if (n <= 0 || n % parts != 0)
+    throw InvalidArgument(fmt::format("{}: {} {} does not divide by the tensor-parallel degree {}; choose a size that is "
+                                      "a multiple of {} (or another --tp)",
+                                      layer, what, n, g.size(), parts));
+}
+
+}  // namespace
+
+Tensor enter(const Tensor& x, ProcessGroup& group) {
+  return run_if_parallel(group, x, [&] { return Enter::apply(x, &group); });
+}
+Tensor leave(const Tensor& x, ProcessGroup& group) {
+  return run_if_parallel(group, x, [&] { return Leave::apply(x, &group); });
+}
+Tensor gather(const Tensor& x, ProcessGroup& group, int64_t dim) {
+  return run_if_parallel(group, x, [&] { return Gather::apply(x, &group, norm_dim(x, dim)); });
+}
+Tensor split(const Tensor& x, ProcessGroup& group, int64_t dim) {
+  return run_if_parallel(group, x, [&] {
+    const int64_t d = norm_dim(x, dim);
+    check_divides(x, d, group, "split");
+    return Split::apply(x, &group, d);
+  });
+}
+Tensor reduce_scatter(const Tensor& x, ProcessGroup& group, int64_t dim) {
+  return run_if_parallel(group, x, [&] {
+    const int64_t d = norm_dim(x, dim);
+    check_divides(x, d, group, "reduce_scatter");
+    return ReduceScatter::apply(x, &group, d);
+  });
+}
+Tensor allgather(const Tensor& x, ProcessGroup& group, int64_t dim) {
+  return run_if_parallel(group, x, [&] { return AllGather::apply(x, &group, norm_dim(x, dim)); });
+}
+
+void default_linear_init(Tensor& weight, Tensor& bias) {
+  ::torch::NoGradGuard no_grad;
+  ::torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(weight.size(1)));
+    ::torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+namespace {
+
+// The full weight and bias of an [out, in] linear layer, initialised by `init`.
+std::pair<Tensor, Tensor> full_linear(int64_t in, int64_t out, bool bias, const LinearInit& init) {
+  Tensor w = ::torch::empty({out, in});
+  Tensor b = bias ? ::torch::empty({out}) : Tensor();
+  ::torch::NoGradGuard no_grad;
+  (init ? init : default_linear_init)(w, b);
+  return {w, b};
+}
+
+}  // namespace
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(std::shared_ptr<ProcessGroup> group, int64_t in, int64_t out,
+                                                   ColumnParallelLinearOptions opts)
+    : group_(checked(std::move(group), "ColumnParallelLinear")), opts_(std::move(opts)) {
+  const int64_t tp = group_->size(), r = group_->rank();
+  if (opts_.blocks < 1) throw InvalidArgument("ColumnParallelLinear: blocks must be at least 1");
+  if (opts_.gather_output && opts_.blocks > 1)
+    throw InvalidArgument("ColumnParallelLinear: gather_output with blocks > 1 would interleave the blocks; gather each "
+                          "block's output instead");
+  check_split("ColumnParallelLinear", "out_features", out, opts_.blocks * tp, *group_);
+  auto [w, b] = full_linear(in, out, opts_.bias, opts_.init);
+  const int64_t part = out / opts_.blocks / tp;
+  auto slice = [&](const Tensor& t) {
+    std::vector<int64_t> shape{opts_.blocks, out / opts_.blocks};
+    for (int64_t d = 1; d < t.dim(); ++d) shape.push_back(t.size(d));
+    std::vector<int64_t> local{out / tp};
+    for (int64_t d = 1; d < t.dim(); ++d) local.push_back(t.size(d));
+    return t.view(shape).narrow(1, r * part, part).reshape(local).clone();
+  };
+  weight = register_parameter("weight", slice(w));
+  if (opts_.bias) bias = register_parameter("bias", slice(b));
+}
+
+Tensor ColumnParallelLinearImpl::forward_local(const Tensor& x) {
+  return ::torch::nn::functional::linear(x, weight, bias);
+}
+
+Tensor ColumnParallelLinearImpl::forward(const Tensor& x) {
+  const Tensor in = opts_.sequence_parallel ? allgather(x, *group_, opts_.sequence_dim) : enter(x, *group_);
+  Tensor y = forward_local(in);
+  return opts_.gather_output ? gather(y, *group_, -1) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(std::shared_ptr<ProcessGroup> group, int64_t in, int64_t out,
+                                             RowParallelLinearOptions opts)
+    : group_(checked(std::move(group), "RowParallelLinear")), opts_(std::move(opts)) {
+  const int64_t tp = group_->size(), r = group_->rank();
+  check_split("RowParallelLinear", "in_features", in, tp, *group_);
+  auto [w, b] = full_linear(in, out, opts_.bias, opts_.init);
+  weight = register_parameter("weight", w.narrow(1, r * (in / tp), in / tp).clone());
+  if (opts_.bias) bias = register_parameter("bias", b);
+}
+
+Tensor RowParallelLinearImpl::forward(const Tensor& x) {
+  const Tensor in = opts_.input_is_parallel ? x : split(x, *group_, -1);
+  Tensor y = ::torch::nn::functional::linear(in, weight);
+  y = opts_.sequence_parallel ? reduce_scatter(y, *group_, opts_.sequence_dim) : leave(y, *group_);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::shared_ptr<ProcessGroup> group, int64_t vocab, int64_t dim,
+                                                       VocabParallelEmbeddingOptions opts)
+    : group_(checked(std::move(group), "VocabParallelEmbedding")), opts_(std::move(opts)) {
+  const int64_t tp = group_->size();
+  check_split("VocabParallelEmbedding", "the vocabulary size", vocab, tp, *group_);
+  Tensor full = ::torch::empty({vocab, dim});
+  {
+    ::torch::NoGradGuard no_grad;
+    if (opts_.init) opts_.init(full);
+    else full.normal_(0, 1);
+  }
+  first_ = group_->rank() * (vocab / tp);
+  weight = register_parameter("weight", full.narrow(0, first_, vocab / tp).clone());
+}
+
+Tensor VocabParallelEmbeddingImpl::forward(const Tensor& ids) {
+  const int64_t part = weight.size(0);
+  Tensor y;
+  if (group_->size() == 1) {
+    y = ::torch::embedding(weight, ids);
+  } else {
+    const Tensor mine = (ids >= first_) & (ids < first_ + part);
+    y = ::torch::embedding(weight, (ids - first_) * mine) * mine.unsqueeze(-1).to(weight.scalar_type());
+  }
+  return opts_.sequence_parallel ? reduce_scatter(y, *group_, opts_.sequence_dim) : leave(y, *group_);
+}
+
+Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, ProcessGroup& group) {
+  if (local_logits.dim() != 2 || targets.dim() != 1 || targets.size(0) != local_logits.size(0))
+    throw InvalidArgument(fmt::format("vocab_parallel_cross_entropy: expected logits [N, vocab/tp] and targets [N], got "
+                                      "[{}] and [{}]",
+                                      fmt::join(local_logits.sizes(), ","), fmt::join(targets.sizes(), ",")));
+  return VocabCrossEntropy::apply(local_logits, targets, &group);
+}
+
+ParameterSplit split_parameters(::torch::nn::Module& module) {
+  std::set<const void*> sharded;
+  ParameterSplit out;
+  auto add = [&](const Tensor& t) {
+    if (t.defined() && sharded.insert(t.unsafeGetTensorImpl()).second) out.sharded.push_back(t);
+  };
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.get())) {
+      add(c->weight);
+      add(c->bias);
+    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m.get())) {
+      add(r->weight);
+    } else if (auto* e = dynamic_cast<VocabParallelEmbeddingImpl*>(m.get())) {
+      add(e->weight);
+    }
+  }
+  for (const auto& p : module.parameters())
+    if (!sharded.count(p.unsafeGetTensorImpl())) out.replicated.push_back(p);
+  return out;
+}
+
+double clip_grad_norm(::torch::nn::Module& module, double max_norm, ProcessGroup& model_parallel, int tp_rank) {
+  const ParameterSplit split = split_parameters(module);
+  double local = 0;
+  auto add = [&](const std::vector<Tensor>& ps) {
+    for (const auto& p : ps)
+      if (p.grad().defined()) local += p.grad().to(::torch::kDouble).pow(2).sum().item<double>();
+  };
+  add(split.sharded);
+  if (tp_rank == 0) add(split.replicated);
+  const double norm = std::sqrt(allreduce_scalar(model_parallel, local));
+  if (max_norm > 0 && norm > max_norm) {
+    const double coef = max_norm / (norm + 1e-6);
+    ::torch::NoGradGuard no_grad;
+    for (const auto& p : module.parameters())
+      if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return norm;
+}
+
+void sync_sequence_parallel_grads(::torch::nn::Module& module, ProcessGroup& group) {
+  if (group.size() == 1) return;
+  std::vector<Tensor> grads;
+  for (const auto& p : split_parameters(module).replicated)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return;
+  std::vector<Tensor> flat;
+  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+  const Tensor sum = Collective(group).allreduce(::torch::cat(flat));
+  ::torch::NoGradGuard no_grad;
+  int64_t at = 0;
+  for (auto& g : grads) {
+    g.copy_(sum.narrow(0, at, g.numel()).view_as(g));
+    at += g.numel();
+  }
+}
+
+}  // namespace cohort::torch::tp
