@@ -10,6 +10,7 @@ pkgs=(cmake make g++ pkg-config libcli11-dev libfmt-dev nlohmann-json3-dev
       libgtest-dev libgmock-dev libhwloc-dev zlib1g-dev iproute2 procps
       python3   # tests/*.py, scripts/check_layers.py (ctest check_layers)
       libtorch-dev libopenblas0-pthread dataset-fashion-mnist
+      fortunes   # the English text examples/gpt trains on
       clang libclang-rt-dev   # clang + libFuzzer: fuzz/ (the fuzz_* ctests skip without them)
       openmpi-bin libopenmpi-dev)   # the mpi backend and its tests (docs/mpi.md)
 for arg in "$@"; do

@@ -39,6 +39,7 @@
 #include <memory>
 #include <vector>
 
+#include "cohort/checkpoint.hpp"
 #include "cohort/export.hpp"
 #include "cohort/process_group.hpp"
 
@@ -210,5 +211,19 @@ COHORT_API double clip_grad_norm(::torch::nn::Module& module, double max_norm, P
 // split_parameters (norms, row-parallel biases). Call after backward, before
 // clipping and the optimizer step. A gradient that is undefined is left so.
 COHORT_API void sync_sequence_parallel_grads(::torch::nn::Module& module, ProcessGroup& group);
+
+// ---- checkpoints at any layout -----------------------------------------------
+
+// The model's parameters and buffers by name, as cohort::torch::module_state
+// gives them, with every sharded parameter gathered into the full tensor of
+// the unsharded model: what a checkpoint stores so that it loads at another
+// tensor-parallel degree (or in one process). Collective over the group of
+// the tensor-parallel layers (every rank gets the full state).
+COHORT_API std::vector<NamedTensor> full_module_state(::torch::nn::Module& module);
+// Loads full tensors (from full_module_state, or from the unsharded model's
+// module_state) into a model built at any tensor-parallel degree: each rank
+// keeps its slice. No communication. Throws InvalidArgument naming a missing
+// tensor or a shape that is not the full one.
+COHORT_API void load_full_module_state(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
 
 }  // namespace cohort::torch::tp

@@ -5,9 +5,11 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <map>
 #include <set>
 
 #include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
 #include "device.hpp"
 
 namespace cohort::torch::tp {
@@ -394,6 +396,98 @@ void sync_sequence_parallel_grads(::torch::nn::Module& module, ProcessGroup& gro
     g.copy_(sum.narrow(0, at, g.numel()).view_as(g));
     at += g.numel();
   }
+}
+
+namespace {
+
+// How a sharded parameter lies in its full tensor: split along `dim` into
+// group-size parts, within each of `blocks` equal blocks along dim 0.
+struct Layout {
+  ProcessGroup* group;
+  int64_t dim, blocks;
+};
+
+std::map<const void*, Layout> layouts(::torch::nn::Module& module) {
+  std::map<const void*, Layout> out;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.get())) {
+      for (const Tensor* t : {&c->weight, &c->bias})
+        if (t->defined()) out[t->unsafeGetTensorImpl()] = {&c->group(), 0, c->options().blocks};
+    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m.get())) {
+      out[r->weight.unsafeGetTensorImpl()] = {&r->group(), 1, 1};
+    } else if (auto* e = dynamic_cast<VocabParallelEmbeddingImpl*>(m.get())) {
+      out[e->weight.unsafeGetTensorImpl()] = {&e->group(), 0, 1};
+    }
+  }
+  return out;
+}
+
+// [blocks, n / blocks, ...] views of a tensor split along dim 0 in blocks.
+std::vector<int64_t> blocked(const Tensor& t, int64_t blocks) {
+  std::vector<int64_t> shape{blocks, t.size(0) / blocks};
+  for (int64_t d = 1; d < t.dim(); ++d) shape.push_back(t.size(d));
+  return shape;
+}
+
+Tensor full_of(const Tensor& shard, const Layout& l) {
+  const Tensor local = shard.detach();
+  if (l.group->size() == 1) return local.clone();
+  if (l.dim != 0 || l.blocks == 1) return gather_impl(local, *l.group, l.dim);
+  // Gather each block's parts: [blocks, part, ...] gathered along 1.
+  Tensor all = gather_impl(local.view(blocked(local, l.blocks)).contiguous(), *l.group, 1);
+  std::vector<int64_t> shape{-1};
+  for (int64_t d = 2; d < all.dim(); ++d) shape.push_back(all.size(d));
+  return all.reshape(shape);
+}
+
+Tensor slice_of(const Tensor& full, const Layout& l) {
+  const int64_t n = l.group->size(), r = l.group->rank();
+  if (l.dim != 0 || l.blocks == 1) return full.chunk(n, l.dim)[r];
+  Tensor part = full.view(blocked(full, l.blocks)).chunk(n, 1)[r];
+  std::vector<int64_t> shape{-1};
+  for (int64_t d = 2; d < part.dim(); ++d) shape.push_back(part.size(d));
+  return part.reshape(shape);
+}
+
+}  // namespace
+
+std::vector<NamedTensor> full_module_state(::torch::nn::Module& module) {
+  const auto where = layouts(module);
+  std::vector<NamedTensor> out;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto it = where.find(p.value().unsafeGetTensorImpl());
+    out.push_back(to_named(p.key(), it == where.end() ? p.value().detach() : full_of(p.value(), it->second)));
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) out.push_back(to_named(b.key(), b.value()));
+  return out;
+}
+
+void load_full_module_state(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
+  std::map<std::string, const NamedTensor*> by_name;
+  for (const auto& t : tensors) by_name[t.name] = &t;
+  const auto where = layouts(module);
+  ::torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, Tensor& dst, const Layout* l) {
+    const auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw InvalidArgument(fmt::format("load_full_module_state: the state has no tensor \"{}\"", name));
+    const Tensor full = from_named(*it->second);
+    const Tensor part = l ? slice_of(full, *l) : full;
+    if (l && full.size(l->dim) % l->group->size() != 0)
+      throw InvalidArgument(fmt::format("load_full_module_state: \"{}\" has {} rows along dimension {}, which do not split "
+                                        "{} ways",
+                                        name, full.size(l->dim), l->dim, l->group->size()));
+    if (part.sizes() != dst.sizes())
+      throw InvalidArgument(fmt::format("load_full_module_state: \"{}\" is [{}] in the state; this model's {} is [{}]",
+                                        name, fmt::join(full.sizes(), ", "), l ? "slice of it" : "tensor",
+                                        fmt::join(dst.sizes(), ", ")));
+    dst.copy_(part);
+  };
+  for (auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto it = where.find(p.value().unsafeGetTensorImpl());
+    load(p.key(), p.value(), it == where.end() ? nullptr : &it->second);
+  }
+  for (auto& b : module.named_buffers(/*recurse=*/true)) load(b.key(), b.value(), nullptr);
 }
 
 }  // namespace cohort::torch::tp
