@@ -3,6 +3,7 @@
 #include "cohort/torch_tensor_parallel.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <map>
