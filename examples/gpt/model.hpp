@@ -15,7 +15,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -95,21 +97,40 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-// The whole model. With sequence parallelism the embedding's output is split
-// along the tokens (dimension 1) and the head gathers it back.
-struct GptImpl : torch::nn::Module {
-  GptImpl(const Config& c, std::shared_ptr<cohort::ProcessGroup> group) : cfg(c), tp_group(group) {
+// Blocks [first, last) of `layers` for virtual stage `stage` of `stages`:
+// as even as possible, the earlier stages taking one more.
+inline std::pair<int64_t, int64_t> stage_layers(int64_t layers, int64_t stages, int64_t stage) {
+  const int64_t q = layers / stages, r = layers % stages;
+  const int64_t first = stage * q + std::min(stage, r);
+  return {first, first + q + (stage < r ? 1 : 0)};
+}
+
+// A run of the model: the embedding (on the first stage), blocks [first,
+// last), the final norm and the head (on the last stage). The whole model is
+// the one stage that holds everything; a pipeline gives each virtual stage
+// its part. Parameter names are the whole model's ("block7.fc1.weight"), so
+// the stages' states together are the whole model's state. With sequence
+// parallelism the embedding's output is split along the tokens (dimension 1)
+// and the head gathers it back.
+struct StageImpl : torch::nn::Module {
+  StageImpl(const Config& c, std::shared_ptr<cohort::ProcessGroup> group, int64_t first, int64_t last, bool embed,
+            bool with_head)
+      : cfg(c), tp_group(group) {
     check(c, group->size());
     const bool sp = c.sequence_parallel;
-    tok = register_module("tok", tp::VocabParallelEmbedding(group, c.vocab, c.dim,
-                                                            {.sequence_parallel = sp, .init = [c](torch::Tensor& w) {
-                                                               w.copy_(draw(w.sizes().vec(), c.seed, 1, 0.02));
-                                                             }}));
-    pos = register_parameter("pos", draw({c.context, c.dim}, c.seed, 2, 0.01));
-    for (int64_t l = 0; l < c.layers; ++l) blocks.push_back(register_module("block" + std::to_string(l), Block(c, group, l)));
-    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-    head = register_module("head", tp::ColumnParallelLinear(group, c.dim, c.vocab,
-                                                            {.bias = false, .sequence_parallel = sp, .init = init_linear(c, 3)}));
+    if (embed) {
+      tok = register_module("tok", tp::VocabParallelEmbedding(group, c.vocab, c.dim,
+                                                              {.sequence_parallel = sp, .init = [c](torch::Tensor& w) {
+                                                                 w.copy_(draw(w.sizes().vec(), c.seed, 1, 0.02));
+                                                               }}));
+      pos = register_parameter("pos", draw({c.context, c.dim}, c.seed, 2, 0.01));
+    }
+    for (int64_t l = first; l < last; ++l) blocks.push_back(register_module("block" + std::to_string(l), Block(c, group, l)));
+    if (with_head) {
+      ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+      head = register_module("head", tp::ColumnParallelLinear(group, c.dim, c.vocab,
+                                                              {.bias = false, .sequence_parallel = sp, .init = init_linear(c, 3)}));
+    }
   }
 
   // Names what does not split before any weight is built.
@@ -126,15 +147,22 @@ struct GptImpl : torch::nn::Module {
          "gpt: with sequence parallelism --context " + std::to_string(c.context) + " must divide by --tp " + std::to_string(tp));
   }
 
-  // The mean next-token loss of ids [B, T] against targets [B, T].
-  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& targets) {
-    const int64_t T = ids.size(1);
-    torch::Tensor x = tok->forward(ids);  // [B, T / tp with sequence parallelism, dim]
-    torch::Tensor p = pos.narrow(0, 0, T);
-    if (cfg.sequence_parallel) p = p.chunk(tp_group->size(), 0)[tp_group->rank()];
-    x = x + p;
+  // ids [B, T] on the first stage, else the hidden state [B, T (/ tp), dim];
+  // returns the hidden state, or on the last stage this rank's logits [B, T, vocab / tp].
+  torch::Tensor forward(const torch::Tensor& in) {
+    torch::Tensor x = in;
+    if (tok) {
+      x = tok->forward(in);
+      torch::Tensor p = pos.narrow(0, 0, in.size(1));
+      if (cfg.sequence_parallel) p = p.chunk(tp_group->size(), 0)[tp_group->rank()];
+      x = x + p;
+    }
     for (auto& b : blocks) x = b->forward(x);
-    const torch::Tensor logits = head->forward(ln_f->forward(x));  // [B, T, vocab / tp]
+    return head ? head->forward(ln_f->forward(x)) : x;
+  }
+
+  // The mean next-token loss of this rank's logits against targets [B, T].
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& targets) {
     return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), *tp_group).mean();
   }
 
@@ -146,6 +174,11 @@ struct GptImpl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
   tp::ColumnParallelLinear head{nullptr};
 };
-TORCH_MODULE(Gpt);
+TORCH_MODULE(Stage);
+
+// The whole model in one stage.
+inline Stage whole_model(const Config& c, std::shared_ptr<cohort::ProcessGroup> tp_group) {
+  return Stage(c, std::move(tp_group), 0, c.layers, true, true);
+}
 
 }  // namespace gpt

@@ -88,7 +88,7 @@ struct PipelineOptions {
 };
 
 // Where the time of a step went on this rank.
-struct PipelineStats {
+struct COHORT_API PipelineStats {
   struct Timed {
     Action action;
     double start_s, end_s;  // from the start of step()
@@ -118,6 +118,10 @@ class COHORT_API Pipeline {
   // stage.
   double step(const Inputs& inputs, const Loss& loss);
 
+  // The forwards of step() alone, without autograd (validation): returns the
+  // mean loss on every stage. Leaves stats() as the last step() left them.
+  double evaluate(const Inputs& inputs, const Loss& loss);
+
   const PipelineStats& stats() const { return stats_; }
   const std::vector<Action>& actions() const { return actions_; }
   const PipelineOptions& options() const { return opts_; }
@@ -126,6 +130,7 @@ class COHORT_API Pipeline {
   struct Link;
   void forward(const Action& a, const Inputs& inputs, const Loss& loss);
   void backward(const Action& a);
+  void finish_sends();
   int virtual_stage(int chunk) const;
   int virtual_stages() const;
   bool first_virtual(int chunk) const;

@@ -268,6 +268,35 @@ void Pipeline::backward(const Action& a) {
   stats_.actions.push_back({a, start, end});
 }
 
+double Pipeline::evaluate(const Inputs& inputs, const Loss& loss) {
+  ::torch::NoGradGuard no_grad;
+  const PipelineStats kept = stats_;
+  loss_sum_ = 0;
+  // The schedule's forwards keep their relative order on every stage, so the
+  // messages still arrive in the order each link's receiver expects.
+  for (const Action& a : actions_) {
+    if (a.kind != Action::Forward) continue;
+    forward(a, inputs, loss);
+    kept_[a.chunk][a.micro] = InFlight{};
+  }
+  finish_sends();
+  stats_ = kept;
+  const bool last = pp_->rank() == pp_->size() - 1;
+  return allreduce_scalar(*pp_, last ? loss_sum_ / opts_.micro_batches : 0.0);
+}
+
+void Pipeline::finish_sends() {
+  try {
+    for (auto& w : sends_) w->wait();
+  } catch (...) {
+    (void)new std::vector<Tensor>(std::move(sent_));
+    sends_.clear();
+    throw;
+  }
+  sends_.clear();
+  sent_.clear();
+}
+
 double Pipeline::step(const Inputs& inputs, const Loss& loss) {
   stats_ = PipelineStats{};
   loss_sum_ = 0;
@@ -283,15 +312,7 @@ double Pipeline::step(const Inputs& inputs, const Loss& loss) {
       --in_flight;
     }
   }
-  try {
-    for (auto& w : sends_) w->wait();
-  } catch (...) {
-    (void)new std::vector<Tensor>(std::move(sent_));
-    sends_.clear();
-    throw;
-  }
-  sends_.clear();
-  sent_.clear();
+  finish_sends();
   for (auto& t : stats_.actions) {
     t.start_s -= base;
     t.end_s -= base;

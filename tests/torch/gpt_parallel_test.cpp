@@ -1,7 +1,8 @@
-// examples/gpt under `cohort run`: tensor, sequence and data parallelism give
-// the losses and the parameters of one process on the same global batch
-// (double precision, 20 steps, to 1e-5 relative); a checkpoint saved at one
-// layout continues identically at others; weights per rank at tp 2 are half
+// examples/gpt under `cohort run`: tensor, sequence, pipeline (GPipe, 1F1B,
+// interleaved) and data parallelism, alone and together (dp 2 x tp 2 x pp 2,
+// 8 processes), give the losses and the parameters of one process on the same
+// global batch (double precision, 20 steps, to 1e-5 relative); a checkpoint
+// saved at one layout continues identically at others; weights per rank at tp 2 are half
 // the model's; bad layouts fail at once, by name.
 #include <gtest/gtest.h>
 
@@ -21,7 +22,7 @@ namespace lt = launch_test;
 namespace fs = std::filesystem;
 
 const std::map<std::string, std::string> kEnv{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
-const std::vector<std::string> kModel{"--layers", "2", "--dim", "64", "--heads", "4", "--context", "32",
+const std::vector<std::string> kModel{"--layers", "4", "--dim", "64", "--heads", "4", "--context", "32",
                                       "--batch", "8", "--dtype", "f64", "--print-every", "1", "--warmup", "5"};
 
 void need_text() {
@@ -60,7 +61,8 @@ std::map<std::string, cohort::NamedTensor> model_at(const std::string& dir) {
     ADD_FAILURE() << "no checkpoint in " << dir;
     return out;
   }
-  for (const auto& t : ck->files.at("model")) out[t.name] = t;
+  for (const auto& [file, tensors] : ck->files)  // "model", or "model-stageN" per pipeline stage
+    for (const auto& t : tensors) out[t.name] = t;
   return out;
 }
 
@@ -103,14 +105,20 @@ TEST(GptParallel, LayoutsTrainAsOneProcess) {
     int nproc;
     std::vector<std::string> args;
   };
-  for (const auto& l : std::vector<Layout>{{2, {"--tp", "2"}},
-                                           {2, {"--tp", "2", "--sequence-parallel"}},
-                                           {4, {"--tp", "2", "--dp", "2"}},
-                                           {4, {"--tp", "4", "--sequence-parallel"}}}) {
+  for (const auto& l : std::vector<Layout>{
+           {2, {"--tp", "2"}},
+           {2, {"--tp", "2", "--sequence-parallel"}},
+           {2, {"--pp", "2", "--micro", "4"}},
+           {2, {"--pp", "2", "--micro", "4", "--schedule", "gpipe"}},
+           {2, {"--pp", "2", "--micro", "4", "--schedule", "interleaved", "--chunks", "2"}},
+           {4, {"--tp", "2", "--dp", "2"}},
+           {4, {"--tp", "4", "--sequence-parallel"}},
+           {8, {"--dp", "2", "--tp", "2", "--pp", "2", "--micro", "2"}}}) {
     std::string name;
     for (const auto& a : l.args) name += a + " ";
     SCOPED_TRACE(name);
-    const std::string dir = base + "/" + std::to_string(l.nproc) + l.args.back();
+    std::string dir = base + "/";
+    for (const auto& a : l.args) dir += a.substr(a.find_first_not_of('-'));
     const Job j = train(l.nproc, l.args, dir, 20);
     EXPECT_LT(loss_error(j, ref), 1e-5);
     EXPECT_LT(rel_error(model_at(dir), ref_model), 1e-5);
@@ -123,15 +131,22 @@ TEST(GptParallel, CheckpointContinuesAtAnotherLayout) {
   const std::string base = lt::temp_dir();
   const Job first = train(2, {"--tp", "2"}, base + "/a", 10);
   ASSERT_EQ(first.losses.size(), 10u) << first.out;
-  // Steps 11-14 from the tp-2 checkpoint: in one process, and at dp 2 x tp 2.
-  fs::create_directories(base + "/b");
-  fs::create_directories(base + "/c");
+  // Steps 11-14 from the tp-2 checkpoint: in one process, at dp 2 x tp 2, and
+  // in a pipeline of 2 stages (which saves one file per stage).
   const Job one = train(1, {}, base + "/b", 14, base + "/a");
   const Job four = train(4, {"--tp", "2", "--dp", "2"}, base + "/c", 14, base + "/a");
+  const Job piped = train(4, {"--tp", "2", "--pp", "2", "--micro", "2"}, base + "/d", 14, base + "/a");
   EXPECT_NE(one.out.find("(step 10)"), std::string::npos) << one.out;
   EXPECT_EQ(one.losses.size(), 4u) << one.out;
   EXPECT_LT(loss_error(four, one), 1e-5);
+  EXPECT_LT(loss_error(piped, one), 1e-5);
   EXPECT_LT(rel_error(model_at(base + "/c"), model_at(base + "/b")), 1e-5);
+  EXPECT_LT(rel_error(model_at(base + "/d"), model_at(base + "/b")), 1e-5);
+  // And back: the pipeline's checkpoint (one file per stage) continues in one process.
+  const Job back = train(1, {}, base + "/e", 16, base + "/d");
+  const Job ref = train(1, {}, base + "/f", 16, base + "/b");
+  EXPECT_EQ(back.losses.size(), 2u) << back.out;
+  EXPECT_LT(loss_error(back, ref), 1e-5);
   fs::remove_all(base);
 }
 
@@ -161,7 +176,12 @@ TEST(GptParallel, BadLayoutsFailAtOnceByName) {
            {4, {"--tp", "2", "--dp", "3"}, "dp 3 x tp 2 x pp 1 = 6 ranks, but the world has 4"},
            {2, {"--tp", "2", "--dim", "66"}, "--dim 66 does not divide by --heads 4"},
            {4, {"--tp", "4", "--sequence-parallel", "--context", "30"}, "--context 30 must divide by --tp 4"},
-           {2, {"--dp", "2", "--batch", "7"}, "--batch 7 does not divide by --dp 2"}}) {
+           {2, {"--dp", "2", "--batch", "7"}, "--batch 7 does not split into --dp 2 x --micro 1"},
+           {2, {"--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--layers", "3", "--micro", "2"},
+            "--layers 3 cannot fill 4 pipeline stages (--pp 2 x --chunks 2)"},
+           {2, {"--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--micro", "3"},
+            "3 micro-batches do not divide by 2 stages"},
+           {2, {"--pp", "2", "--schedule", "zero-bubble"}, "use gpipe, 1f1b or interleaved"}}) {
     std::vector<std::string> args{"run", "--standalone", "--nproc-per-node", std::to_string(b.nproc), COHORT_GPT_BIN,
                                   "--max-steps", "1"};
     args.insert(args.end(), b.args.begin(), b.args.end());
