@@ -219,9 +219,9 @@ struct Trainer {
     std::FILE* f = std::fopen((a.trace + ".rank" + std::to_string(world->rank())).c_str(), "w");
     if (!f) throw std::runtime_error("gpt: cannot write " + a.trace + ".rank" + std::to_string(world->rank()));
     const auto& st = pipe->stats();
-    std::fprintf(f, "# stage %d of %d, dp %d, tp %d, schedule %s, micro %d, chunks %d, step_s %.6f\n",
+    std::fprintf(f, "# stage %d of %d, dp %d, tp %d, schedule %s, micro %d, chunks %d, step_s %.6f, origin_s %.6f\n",
                  mesh.coord(cohort::MeshDim::pp), mesh.shape().pp, mesh.coord(cohort::MeshDim::dp),
-                 mesh.coord(cohort::MeshDim::tp), a.schedule.c_str(), a.micro, a.chunks, st.step_s);
+                 mesh.coord(cohort::MeshDim::tp), a.schedule.c_str(), a.micro, a.chunks, st.step_s, st.origin_s);
     for (const auto& t : st.actions)
       std::fprintf(f, "%c %d %d %.6f %.6f\n", t.action.kind == cohort::torch::pp::Action::Forward ? 'F' : 'B',
                    t.action.micro, t.action.chunk, t.start_s, t.end_s);

@@ -95,6 +95,9 @@ struct COHORT_API PipelineStats {
   };
   std::vector<Timed> actions;
   double step_s = 0;
+  // When step() began, in seconds of std::chrono::steady_clock (one clock for
+  // every process of a host: the stages' timelines line up).
+  double origin_s = 0;
   int peak_in_flight = 0;  // the most activations kept at once in this step
   // The share of the step this rank computed nothing: 1 - busy / step.
   double bubble() const;

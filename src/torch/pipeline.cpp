@@ -302,6 +302,7 @@ double Pipeline::step(const Inputs& inputs, const Loss& loss) {
   loss_sum_ = 0;
   const auto t0 = std::chrono::steady_clock::now();
   const double base = std::chrono::duration<double>(t0.time_since_epoch()).count();
+  stats_.origin_s = base;
   int in_flight = 0;
   for (const Action& a : actions_) {
     if (a.kind == Action::Forward) {
