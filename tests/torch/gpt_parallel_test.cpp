@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <regex>
 #include <string>
 
@@ -160,6 +161,50 @@ TEST(GptParallel, WeightsPerRankAtTp2AreHalfTheModel) {
   ASSERT_TRUE(std::regex_search(j.out, m, std::regex(R"(params=(\d+) params_per_rank=(\d+))"))) << j.out;
   const double whole = std::stod(m[1]), mine = std::stod(m[2]);
   EXPECT_LT(std::abs(mine / (whole / 2) - 1), 0.02) << mine << " of " << whole;
+  fs::remove_all(base);
+}
+
+// `cohort run --nnodes 2` (two launchers on 127.0.0.1 play two nodes of 2
+// processes): the mesh keeps each tp group inside a node, a pipeline runs its
+// stages across the nodes, both train as one process; a tp group that would
+// span the nodes is refused on every rank.
+TEST(GptParallel, TwoNodesKeepTpInsideANode) {
+  need_text();
+  const std::string base = lt::temp_dir();
+  const Job ref = train(1, {}, base + "/ref", 6);
+  auto nodes = [&](const std::vector<std::string>& layout, const std::string& dir) {
+    const int port = lt::free_port_pair();
+    std::vector<std::unique_ptr<lt::Proc>> procs;
+    for (int node : {1, 0}) {
+      std::vector<std::string> args{"run", "--nnodes", "2", "--node_rank", std::to_string(node), "--nproc-per-node", "2",
+                                    "--master-addr", "127.0.0.1", "--master-port", std::to_string(port), COHORT_GPT_BIN,
+                                    "--max-steps", "6", "--save", dir};
+      args.insert(args.end(), kModel.begin(), kModel.end());
+      args.insert(args.end(), layout.begin(), layout.end());
+      auto env = kEnv;
+      env["COHORT_RDZV_TIMEOUT"] = "60s";
+      procs.push_back(std::make_unique<lt::Proc>(args, env));
+    }
+    auto r1 = procs[0]->wait(300), r0 = procs[1]->wait(300);
+    return std::make_pair(r0, r1);
+  };
+  for (const auto& layout : std::vector<std::vector<std::string>>{{"--tp", "2", "--dp", "2"},
+                                                                  {"--tp", "2", "--pp", "2", "--micro", "4"}}) {
+    const auto [r0, r1] = nodes(layout, base + "/" + layout.back());
+    ASSERT_EQ(r0.status, 0) << r0.out << r0.err;
+    ASSERT_EQ(r1.status, 0) << r1.out << r1.err;
+    Job j;
+    j.out = r0.out;
+    const std::regex step(R"(step (\d+) loss ([0-9.eE+-]+))");
+    for (auto it = std::sregex_iterator(r0.out.begin(), r0.out.end(), step); it != std::sregex_iterator(); ++it)
+      j.losses[std::stoi((*it)[1])] = std::stod((*it)[2]);
+    EXPECT_LT(loss_error(j, ref), 1e-5) << layout.back();
+  }
+  const auto [r0, r1] = nodes({"--tp", "4"}, base + "/tp4");
+  EXPECT_NE(r0.status, 0);
+  EXPECT_NE(r0.status, -1) << "hung";
+  EXPECT_NE(r1.status, -1) << "hung";
+  EXPECT_NE((r0.out + r0.err).find("spans nodes 0 and 1 (GROUP_RANK)"), std::string::npos) << r0.out << r0.err;
   fs::remove_all(base);
 }
 
