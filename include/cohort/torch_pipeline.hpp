@@ -46,6 +46,7 @@
 #include "cohort/export.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
 
 namespace cohort::torch::pp {
 
@@ -85,6 +86,12 @@ struct PipelineOptions {
   // chunk but its last micro-batch's runs under no_sync(), so the dp
   // allreduce runs once per step and overlaps the rest of the pipeline.
   std::vector<DistributedDataParallel*> ddp;
+  // Mixed precision: the last stage back-propagates scaler->scale(loss), so
+  // every stage's gradients carry the scale; then call
+  // scaler->step(optimizer, &mesh.world()) on every rank, which unscales,
+  // checks for inf/NaN on every stage and steps (or skips) everywhere alike.
+  // step() still returns the unscaled loss.
+  GradScaler* scaler = nullptr;
 };
 
 // Where the time of a step went on this rank.

@@ -219,6 +219,7 @@ void Pipeline::forward(const Action& a, const Inputs& inputs, const Loss& loss) 
       Tensor l = loss(out, a.micro);
       loss_sum_ += l.item<double>();
       k.output = l / opts_.micro_batches;
+      if (opts_.scaler) k.output = opts_.scaler->scale(k.output);
     } else {
       if (out.sizes().vec() != opts_.activation || out.scalar_type() != opts_.dtype)
         throw InvalidArgument(fmt::format("pipeline: chunk {} of stage {} returned [{}] of {}, but the pipeline sends "

@@ -13,6 +13,7 @@
 #include "cohort/mesh.hpp"
 #include "cohort/torch.hpp"
 #include "cohort/torch_pipeline.hpp"
+#include "cohort/torch_train.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -194,6 +195,39 @@ TEST(Pipeline, InterleavedTwoStagesTwoChunksIsOneProcess) { run_case({Schedule::
 TEST(Pipeline, InterleavedThreeChunksIsOneProcess) { run_case({Schedule::Interleaved, 2, 2, 3}); }
 TEST(Pipeline, WithDdpOverTwoReplicasIsOneProcess) { run_case({Schedule::OneFOneB, 2, 2, 1, 2}); }
 TEST(Pipeline, InterleavedWithDdpIsOneProcess) { run_case({Schedule::Interleaved, 2, 2, 2, 2}); }
+
+// Loss scaling across stages: the scaled gradients, unscaled, are the
+// reference's; an inf on one stage makes every stage skip the step.
+TEST(Pipeline, LossScalingUnscalesOnEveryStageAndSkipsTogether) {
+  double want_loss = 0;
+  const auto want = reference_grads(2, &want_loss);
+  run_ranks(2, "", [&](ProcessGroup& world) {
+    torch::nn::Sequential seq;
+    seq->push_back(layer(world.rank()));
+    seq->push_back(torch::nn::Functional(torch::tanh));
+    cohort::torch::GradScaler scaler({.init_scale = 1024});
+    torch::optim::SGD opt(seq->parameters(), torch::optim::SGDOptions(0.1));
+    pp::Pipeline pipe(borrow(world), {[&](const Tensor& x, int) { return seq->forward(x); }},
+                      {.micro_batches = 2, .activation = {kBatch / 2, kWidth}, .scaler = &scaler});
+    auto step = [&] {
+      return pipe.step([&](int m) { return batch_x().narrow(0, m * 4, 4); },
+                       [&](const Tensor& out, int m) { return torch::mse_loss(out, batch_y().narrow(0, m * 4, 4)); });
+    };
+    EXPECT_NEAR(step(), want_loss, 1e-6 * want_loss);  // unscaled
+    EXPECT_NEAR(seq->parameters()[0].grad().abs().max().item<double>() /
+                    want[2 * world.rank()].abs().max().item<double>(), 1024, 1e-2);
+    EXPECT_TRUE(scaler.unscale(opt, &world));
+    const double err = (seq->parameters()[0].grad() - want[2 * world.rank()]).abs().max().item<double>() /
+                       want[2 * world.rank()].abs().max().item<double>();
+    EXPECT_LT(err, 1e-5);
+    EXPECT_TRUE(scaler.step(opt, &world));
+    opt.zero_grad();
+    step();
+    if (world.rank() == 0) seq->parameters()[0].grad()[0][0] = std::numeric_limits<float>::infinity();
+    EXPECT_FALSE(scaler.step(opt, &world)) << "rank " << world.rank() << " stepped past an inf on stage 0";
+    EXPECT_EQ(scaler.current_scale(), 512);
+  });
+}
 
 TEST(Pipeline, MismatchedMicroBatchCountsFailOnEveryStage) {
   std::mutex mu;
