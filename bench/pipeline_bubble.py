@@ -62,8 +62,8 @@ def picture(traces, width=96):
     return "\n".join(lines)
 
 
-def run_case(build, schedule, m, v, steps, trace, layers):
-    cmd = [f"{build}/cohort", "run", "--standalone", "--nproc-per-node", "2", f"{build}/gpt", "--pp", "2", "--layers", str(layers),
+def run_case(build, schedule, m, v, steps, trace, layers, batch):
+    cmd = [f"{build}/cohort", "run", "--standalone", "--nproc-per-node", "2", f"{build}/gpt", "--pp", "2", "--layers", str(layers), "--batch", str(batch),
            "--schedule", schedule, "--micro", str(m), "--chunks", str(v), "--max-steps", str(steps),
            "--print-every", str(steps), "--val-seqs", "32", "--schedule-trace", trace]
     env = dict(os.environ)
@@ -85,6 +85,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=8,
                     help="blocks (the last stage also runs the head: more blocks make the stages more even)")
+    ap.add_argument("--batch", type=int, default=64,
+                    help="sequences per step: at m = 8 still 8 per micro-batch, so each action outweighs its message")
     ap.add_argument("--build", default=f"{ROOT}/build")
     ap.add_argument("--picture")
     ap.add_argument("--csv")
@@ -95,7 +97,7 @@ def main():
     lines, stamp = [], perf_csv.now_utc()
     for schedule, m, v in CASES:
         trace = f"{tmp}/{schedule}-{m}-{v}"
-        mean, by_stage, traces = run_case(a.build, schedule, m, v, a.steps, trace, a.layers)
+        mean, by_stage, traces = run_case(a.build, schedule, m, v, a.steps, trace, a.layers, a.batch)
         f = formula(schedule, 2, m, v)
         stages = " / ".join(f"{by_stage[s]:.3f}" for s in sorted(by_stage))
         print(f"| {schedule} | 2 | {m} | {v} | {f:.3f} | {mean:.3f} | {stages} |", flush=True)
@@ -104,7 +106,7 @@ def main():
             text = picture(traces)
             print(text)
             with open(a.picture, "w") as out:
-                out.write(f"1F1B, 2 stages, 4 micro-batches: the last of {a.steps} steps of examples/gpt "
+                out.write(f"1F1B, 2 stages, 4 micro-batches of {a.batch // 4}: the last of {a.steps} steps of examples/gpt "
                           f"(measured {stamp} UTC)\n{text}\n")
     if a.csv:
         perf_csv.write(a.csv, CSV_HEADER, lines)
