@@ -83,8 +83,10 @@ TEST(PipelineSchedule, EveryScheduleCompletesInLinkOrder) {
     for (int m = 1; m <= 10; ++m) {
       EXPECT_EQ(simulate(Schedule::GPipe, p, m, 1), "") << "gpipe p=" << p << " m=" << m;
       EXPECT_EQ(simulate(Schedule::OneFOneB, p, m, 1), "") << "1f1b p=" << p << " m=" << m;
-      if (p >= 2 && m % p == 0)
-        for (int v = 2; v <= 4; ++v) EXPECT_EQ(simulate(Schedule::Interleaved, p, m, v), "") << p << m << v;
+      if (p >= 2 && m % p == 0) {
+        for (int v = 2; v <= 4; ++v)
+          EXPECT_EQ(simulate(Schedule::Interleaved, p, m, v), "") << "interleaved p=" << p << " m=" << m << " v=" << v;
+      }
     }
 }
 
