@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 
 #include "cohort/checkpoint.hpp"
 #include "cohort/mesh.hpp"
@@ -39,7 +40,7 @@ struct Args {
   int64_t batch = 32;  // sequences per step, over all dp ranks
   int64_t epochs = 1, epoch_steps = 0, max_steps = 0;
   double lr = 2e-3, clip = 1.0;
-  int64_t warmup = 50;
+  int64_t warmup = 50, decay_steps = 0;
   std::string dtype = "f32", data = "/usr/share/games/fortunes", save, load, trace;
   int64_t val_seqs = 256, print_every = 50, timing_warmup = 5;
 };
@@ -64,6 +65,9 @@ void parse(CLI::App& app, Args& a) {
   app.add_option("--max-steps", a.max_steps, "stop after this many steps (0: run every epoch)")->check(CLI::NonNegativeNumber);
   app.add_option("--lr", a.lr, "peak learning rate (AdamW, warmup then cosine)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", a.warmup, "warmup steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--decay-steps", a.decay_steps, "length of the warmup + cosine schedule (default: the steps this run "
+                                                 "trains to; fix it to stop early and resume exactly)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--clip", a.clip, "clip the global gradient norm (0: off)")->check(CLI::NonNegativeNumber);
   app.add_option("--dtype", a.dtype, "f32 or f64")->check(CLI::IsMember({"f32", "f64"}));
   app.add_option("--data", a.data, "directory of text files (default: Debian's fortunes)");
@@ -71,7 +75,7 @@ void parse(CLI::App& app, Args& a) {
       ->check(CLI::PositiveNumber);
   app.add_option("--print-every", a.print_every, "print the loss every N steps (1: every step, full precision)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--save", a.save, "checkpoint directory: the full model after every epoch");
+  app.add_option("--save", a.save, "checkpoint directory: the full model and AdamW state after every epoch");
   app.add_option("--load", a.load, "start from the newest checkpoint in this directory (any layout)");
   app.add_option("--schedule-trace", a.trace, "write each rank's pipeline actions of the last step to PREFIX.rankR");
 }
@@ -116,7 +120,8 @@ struct Trainer {
                                     std::to_string(dp) + " x --micro " + std::to_string(a.micro) + " equal micro-batches");
     mb = local / a.micro;
     build();
-    if (!a.load.empty()) load();
+    std::optional<cohort::LoadedCheckpoint> ck;
+    if (!a.load.empty()) ck = load();
     std::vector<cohort::torch::pp::Pipeline::ChunkForward> fns;
     cohort::torch::pp::PipelineOptions o{.schedule = cohort::torch::pp::parse_schedule(a.schedule),
                                          .micro_batches = a.micro,
@@ -131,6 +136,10 @@ struct Trainer {
     }
     pipe = std::make_unique<cohort::torch::pp::Pipeline>(mesh.group_ptr(cohort::MeshDim::pp), fns, o);
     opt = std::make_unique<torch::optim::AdamW>(all->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.0));
+    if (ck) {
+      const auto state = files_named(*ck, "optim");
+      for (auto& c : chunks) cohort::torch::tp::load_full_optimizer_state(*c, *opt, state);
+    }
     if (a.epoch_steps == 0) a.epoch_steps = std::max<int64_t>(1, corpus.train.size(0) / (a.batch * a.model.context));
     total_steps = a.epochs * a.epoch_steps;
     if (a.max_steps > 0) total_steps = std::min(total_steps, a.max_steps);
@@ -149,17 +158,25 @@ struct Trainer {
     }
   }
 
-  // Any layout's checkpoint: every file named model* holds some of the full
-  // model's tensors by name.
-  void load() {
+  // The tensors of every file whose name starts with `prefix`: each stage of
+  // the saving run wrote its own.
+  static std::vector<cohort::NamedTensor> files_named(const cohort::LoadedCheckpoint& ck, const std::string& prefix) {
+    std::vector<cohort::NamedTensor> out;
+    for (const auto& [name, tensors] : ck.files)
+      if (name.rfind(prefix, 0) == 0) out.insert(out.end(), tensors.begin(), tensors.end());
+    return out;
+  }
+
+  // Any layout's checkpoint: the files model-stage* hold the full model's
+  // tensors by name (optim-stage* the optimizer's, loaded once it exists).
+  cohort::LoadedCheckpoint load() {
     auto ck = cohort::load_latest_valid(a.load);
     if (!ck) throw cohort::InvalidArgument("gpt: --load " + a.load + " holds no valid checkpoint");
-    std::vector<cohort::NamedTensor> state;
-    for (auto& [name, tensors] : ck->files)
-      if (name.rfind("model", 0) == 0) state.insert(state.end(), tensors.begin(), tensors.end());
+    const auto state = files_named(*ck, "model");
     for (auto& c : chunks) cohort::torch::tp::load_full_module_state(*c, state);
     step = ck->step;
     if (lead) std::printf("loaded %s (step %lld)\n", ck->path.c_str(), static_cast<long long>(step));
+    return *ck;
   }
 
   // The full model: tp rank 0 of dp replica 0 of each stage writes its
@@ -168,8 +185,11 @@ struct Trainer {
     std::map<std::string, std::vector<cohort::NamedTensor>> files;
     for (int c = 0; c < a.chunks; ++c) {
       auto state = cohort::torch::tp::full_module_state(*chunks[c]);  // collective over tp
-      if (mesh.coord(cohort::MeshDim::tp) == 0 && mesh.coord(cohort::MeshDim::dp) == 0)
+      auto optim = cohort::torch::tp::full_optimizer_state(*chunks[c], *opt);
+      if (mesh.coord(cohort::MeshDim::tp) == 0 && mesh.coord(cohort::MeshDim::dp) == 0) {
         files["model-stage" + std::to_string(virtual_stage(c))] = std::move(state);
+        files["optim-stage" + std::to_string(virtual_stage(c))] = std::move(optim);
+      }
     }
     cohort::Manifest m;
     m.world_size = world->size();
@@ -181,7 +201,7 @@ struct Trainer {
   void set_lr() {
     for (auto& g : opt->param_groups())
       static_cast<torch::optim::AdamWOptions&>(g.options())
-          .lr(cohort::torch::warmup_cosine_lr(step, a.warmup, total_steps, a.lr, 0.1));
+          .lr(cohort::torch::warmup_cosine_lr(step, a.warmup, a.decay_steps ? a.decay_steps : total_steps, a.lr, 0.1));
   }
 
   double train_step() {

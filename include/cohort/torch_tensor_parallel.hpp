@@ -226,4 +226,20 @@ COHORT_API std::vector<NamedTensor> full_module_state(::torch::nn::Module& modul
 // tensor or a shape that is not the full one.
 COHORT_API void load_full_module_state(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
 
+// The optimizer's state for `module`'s parameters (SGD's momentum buffers;
+// Adam's and AdamW's moments and step counts, as cohort::torch::
+// optimizer_state saves them), named by parameter ("block3.fc1.weight.exp_avg")
+// and gathered into full tensors as full_module_state does, plus each param
+// group's learning rate ("group0.lr"). Parameters of the optimizer that are
+// not in `module` (another pipeline stage's) are left out, so each stage
+// saves its own. Collective over the tensor-parallel group.
+COHORT_API std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& module,
+                                                         ::torch::optim::Optimizer& optimizer);
+// Loads such a state (from any layout) for `module`'s parameters into
+// `optimizer`: each rank keeps its slices. No communication. Throws
+// InvalidArgument as load_optimizer_state does (another optimizer, a shape
+// that does not fit).
+COHORT_API void load_full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
+                                          const std::vector<NamedTensor>& tensors);
+
 }  // namespace cohort::torch::tp

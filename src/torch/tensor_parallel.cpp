@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <set>
 
@@ -489,6 +490,75 @@ void load_full_module_state(::torch::nn::Module& module, const std::vector<Named
     load(p.key(), p.value(), it == where.end() ? nullptr : &it->second);
   }
   for (auto& b : module.named_buffers(/*recurse=*/true)) load(b.key(), b.value(), nullptr);
+}
+
+namespace {
+
+// Parameter name by tensor, for `module`'s parameters.
+std::map<const void*, std::string> names_of(::torch::nn::Module& module) {
+  std::map<const void*, std::string> out;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) out[p.value().unsafeGetTensorImpl()] = p.key();
+  return out;
+}
+
+constexpr const char* kStateFields[] = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"};
+
+}  // namespace
+
+std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer) {
+  const auto names = names_of(module);
+  const auto where = layouts(module);
+  const auto& groups = optimizer.param_groups();
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& t : optimizer_state(optimizer)) {
+    size_t g = 0, k = 0;
+    int used = 0;
+    if (std::sscanf(t.name.c_str(), "group%zu.param%zu.%n", &g, &k, &used) != 2 || used == 0) {
+      out.push_back(t);  // a group's learning rate
+      continue;
+    }
+    const Tensor& param = groups[g].params()[k];
+    const auto name = names.find(param.unsafeGetTensorImpl());
+    if (name == names.end()) continue;  // another stage's parameter
+    const std::string field = t.name.substr(static_cast<size_t>(used));
+    const auto l = where.find(param.unsafeGetTensorImpl());
+    if (field == "step" || l == where.end()) {
+      out.push_back(NamedTensor{name->second + "." + field, t.dtype, t.shape, t.bytes});
+    } else {
+      out.push_back(to_named(name->second + "." + field, full_of(from_named(t), l->second)));
+    }
+  }
+  return out;
+}
+
+void load_full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
+                               const std::vector<NamedTensor>& tensors) {
+  std::map<std::string, const NamedTensor*> by_name;
+  for (const auto& t : tensors) by_name[t.name] = &t;
+  const auto names = names_of(module);
+  const auto where = layouts(module);
+  const auto& groups = optimizer.param_groups();
+  std::vector<NamedTensor> local;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (auto lr = by_name.find(fmt::format("group{}.lr", g)); lr != by_name.end()) local.push_back(*lr->second);
+    for (size_t k = 0; k < groups[g].params().size(); ++k) {
+      const Tensor& param = groups[g].params()[k];
+      const auto name = names.find(param.unsafeGetTensorImpl());
+      if (name == names.end()) continue;
+      const auto l = where.find(param.unsafeGetTensorImpl());
+      for (const char* field : kStateFields) {
+        const auto it = by_name.find(name->second + "." + field);
+        if (it == by_name.end()) continue;
+        const std::string local_name = fmt::format("group{}.param{}.{}", g, k, field);
+        if (std::string(field) == "step" || l == where.end()) {
+          local.push_back(NamedTensor{local_name, it->second->dtype, it->second->shape, it->second->bytes});
+        } else {
+          local.push_back(to_named(local_name, slice_of(from_named(*it->second), l->second).contiguous()));
+        }
+      }
+    }
+  }
+  load_optimizer_state(optimizer, local);
 }
 
 }  // namespace cohort::torch::tp
