@@ -149,9 +149,10 @@ struct Trainer {
 
   void build() {
     const int64_t stages = int64_t{a.pp} * a.chunks;
+    const auto ranges = cohort::torch::pp::stage_ranges(a.model.layers, stages);  // blocks per virtual stage
     for (int c = 0; c < a.chunks; ++c) {
       const int vs = virtual_stage(c);
-      const auto [first, last] = gpt::stage_layers(a.model.layers, stages, vs);
+      const auto [first, last] = ranges[vs];
       chunks.emplace_back(a.model, mesh.group_ptr(cohort::MeshDim::tp), first, last, vs == 0, vs == stages - 1);
       if (a.dtype == "f64") chunks.back()->to(torch::kDouble);
       all->register_module("chunk" + std::to_string(c), chunks.back().ptr());

@@ -97,14 +97,6 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-// Blocks [first, last) of `layers` for virtual stage `stage` of `stages`:
-// as even as possible, the earlier stages taking one more.
-inline std::pair<int64_t, int64_t> stage_layers(int64_t layers, int64_t stages, int64_t stage) {
-  const int64_t q = layers / stages, r = layers % stages;
-  const int64_t first = stage * q + std::min(stage, r);
-  return {first, first + q + (stage < r ? 1 : 0)};
-}
-
 // A run of the model: the embedding (on the first stage), blocks [first,
 // last), the final norm and the head (on the last stage). The whole model is
 // the one stage that holds everything; a pipeline gives each virtual stage

@@ -73,6 +73,23 @@ COHORT_API std::vector<Action> schedule_actions(Schedule s, int stage, int stage
 // keeps at once: forwards done minus backwards done, at its peak.
 COHORT_API int peak_in_flight(const std::vector<Action>& actions);
 
+// How `layers` layers split into `stages` virtual stages: [first, last) for
+// each. `balance` gives each virtual stage's layer count (GPipe's "balance";
+// it must sum to `layers`); empty splits as evenly as possible, the earlier
+// stages taking one more. InvalidArgument for a split that leaves a stage
+// without a layer (naming it) or a balance that does not add up.
+COHORT_API std::vector<std::pair<int64_t, int64_t>> stage_ranges(int64_t layers, int64_t stages,
+                                                                 const std::vector<int64_t>& balance = {});
+
+// This rank's chunks of a sequential model: chunk c is virtual stage
+// c * stages + stage of stages * chunks (the interleaved placement; chunks 1:
+// one run of consecutive layers per stage), as a Sequential holding the same
+// module objects under their names in `model` ("3", "4", ...), so the chunks'
+// state names are the whole model's. Split as stage_ranges does.
+COHORT_API std::vector<::torch::nn::Sequential> split_sequential(const ::torch::nn::Sequential& model, int stage,
+                                                                 int stages, int chunks = 1,
+                                                                 const std::vector<int64_t>& balance = {});
+
 struct PipelineOptions {
   Schedule schedule = Schedule::OneFOneB;
   int micro_batches = 1;

@@ -105,6 +105,52 @@ int peak_in_flight(const std::vector<Action>& actions) {
   return peak;
 }
 
+std::vector<std::pair<int64_t, int64_t>> stage_ranges(int64_t layers, int64_t stages,
+                                                      const std::vector<int64_t>& balance) {
+  if (stages < 1) throw InvalidArgument(fmt::format("pipeline: {} stages; a pipeline needs at least 1", stages));
+  std::vector<int64_t> counts = balance;
+  if (counts.empty()) {
+    for (int64_t s = 0; s < stages; ++s) counts.push_back(layers / stages + (s < layers % stages ? 1 : 0));
+  } else {
+    if (static_cast<int64_t>(counts.size()) != stages)
+      throw InvalidArgument(fmt::format("pipeline: the balance gives {} stages' layer counts for {} stages",
+                                        counts.size(), stages));
+    int64_t sum = 0;
+    for (int64_t c : counts) sum += c;
+    if (sum != layers)
+      throw InvalidArgument(fmt::format("pipeline: the balance [{}] adds up to {} layers, but the model has {}",
+                                        fmt::join(counts, ", "), sum, layers));
+  }
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t at = 0;
+  for (int64_t s = 0; s < stages; ++s) {
+    if (counts[s] < 1)
+      throw InvalidArgument(fmt::format("pipeline: {} layers over {} stages leave stage {} without a layer; use fewer "
+                                        "stages (or chunks), more layers, or a balance that gives every stage one",
+                                        layers, stages, s));
+    out.emplace_back(at, at + counts[s]);
+    at += counts[s];
+  }
+  return out;
+}
+
+std::vector<::torch::nn::Sequential> split_sequential(const ::torch::nn::Sequential& model, int stage, int stages,
+                                                      int chunks, const std::vector<int64_t>& balance) {
+  if (stage < 0 || stage >= stages || chunks < 1)
+    throw InvalidArgument(fmt::format("split_sequential: stage {} of {} with {} chunks is out of range", stage, stages, chunks));
+  const auto children = model->named_children();
+  const auto ranges = stage_ranges(static_cast<int64_t>(children.size()), int64_t{stages} * chunks, balance);
+  std::vector<::torch::nn::Sequential> out;
+  for (int c = 0; c < chunks; ++c) {
+    ::torch::nn::Sequential chunk;
+    const auto [first, last] = ranges[static_cast<size_t>(c) * stages + stage];
+    // AnyModule copies share the module: the chunk holds the model's own layers.
+    for (int64_t i = first; i < last; ++i) chunk->push_back(children[i].key(), *(model->begin() + i));
+    out.push_back(chunk);
+  }
+  return out;
+}
+
 double PipelineStats::bubble() const {
   if (step_s <= 0) return 0;
   double busy = 0;

@@ -231,6 +231,57 @@ TEST(Pipeline, LossScalingUnscalesOnEveryStageAndSkipsTogether) {
   });
 }
 
+TEST(PipelineSplit, StageRangesAreEvenOrBalancedAndNeverEmpty) {
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(pp::stage_ranges(10, 4), (R{{0, 3}, {3, 6}, {6, 8}, {8, 10}}));
+  EXPECT_EQ(pp::stage_ranges(4, 2, {1, 3}), (R{{0, 1}, {1, 4}}));
+  auto says = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; wanted " << needle;
+    } catch (const cohort::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  says([] { pp::stage_ranges(3, 4); }, "3 layers over 4 stages leave stage 3 without a layer");
+  says([] { pp::stage_ranges(4, 2, {4, 0}); }, "leave stage 1 without a layer");
+  says([] { pp::stage_ranges(4, 2, {1, 2}); }, "adds up to 3 layers, but the model has 4");
+  says([] { pp::stage_ranges(4, 2, {4}); }, "1 stages' layer counts for 2 stages");
+}
+
+// A Sequential split into interleaved chunks keeps the model's own layers and
+// names, and pipelined it trains as the whole.
+TEST(PipelineSplit, SplitSequentialTrainsAsTheWholeModel) {
+  double want_loss = 0;
+  const auto want = reference_grads(4, &want_loss);
+  run_ranks(2, "", [&](ProcessGroup& pg) {
+    torch::nn::Sequential whole;
+    for (int i = 0; i < 4; ++i) {
+      whole->push_back(layer(i));
+      whole->push_back(torch::nn::Functional(torch::tanh));
+    }
+    auto chunks = pp::split_sequential(whole, pg.rank(), 2, 2);  // virtual stages: 2 children each
+    ASSERT_EQ(chunks.size(), 2u);
+    const int first = 2 * pg.rank();  // chunk 0 is virtual stage rank, chunk 1 is rank + 2
+    EXPECT_EQ(chunks[0]->named_parameters().keys(),
+              (std::vector<std::string>{std::to_string(first) + ".weight", std::to_string(first) + ".bias"}));
+    EXPECT_TRUE(chunks[1]->parameters()[0].is_same(whole->parameters()[2 * (pg.rank() + 2)]));
+    std::vector<pp::Pipeline::ChunkForward> fns;
+    for (auto& c : chunks) fns.push_back([c](const Tensor& x, int) mutable { return c->forward(x); });
+    pp::Pipeline pipe(borrow(pg), fns,
+                      {.schedule = Schedule::Interleaved, .micro_batches = 2, .chunks = 2, .activation = {4, kWidth}});
+    const double loss = pipe.step([](int m) { return batch_x().narrow(0, m * 4, 4); },
+                                  [](const Tensor& o, int m) { return torch::mse_loss(o, batch_y().narrow(0, m * 4, 4)); });
+    EXPECT_NEAR(loss, want_loss, 1e-6 * want_loss);
+    for (int c = 0; c < 2; ++c) {
+      const int L = c * 2 + pg.rank();
+      const double err = (chunks[c]->parameters()[0].grad() - want[2 * L]).abs().max().item<double>() /
+                         want[2 * L].abs().max().item<double>();
+      EXPECT_LT(err, 1e-5) << "layer " << L;
+    }
+  });
+}
+
 TEST(Pipeline, MismatchedMicroBatchCountsFailOnEveryStage) {
   std::mutex mu;
   int refused = 0;
