@@ -147,6 +147,30 @@ TEST(PowerSgd, PaddedBucketsAndOddShapesKeepTheirMatrices) {
   });
 }
 
+// A bucket with no elements (here the f64 bucket of a zero-size parameter,
+// last in the plan) is not handed to the hook: the last bucket the hook sees
+// still ends the iteration, so PowerSGD counts iterations and starts
+// compressing at start_iter.
+TEST(PowerSgd, AnEmptyLastBucketStillEndsTheIteration) {
+  run_ranks(2, "shm", [&](ProcessGroup& pg) {
+    std::vector<float> w(40 * 30);
+    double none = 0;
+    auto state = std::make_shared<PowerSgdState>(PowerSgdOptions{.rank = 1, .start_iter = 2});
+    ReducerOptions o;
+    o.comm_hook = powersgd_hook(state);
+    Reducer red(pg, {{"empty", 0, DType::F64, &none, 1}, {"w", w.size(), DType::F32, w.data(), 40}}, o);
+    ASSERT_EQ(red.plan().size(), 2u);
+    ASSERT_EQ(red.plan().back().count, 0u) << "the zero-size parameter's bucket comes last";
+    for (int step = 0; step < 4; ++step) {
+      for (size_t i = 0; i < w.size(); ++i) w[i] = float(pg.rank() + std::cos(0.01 * i));
+      red.mark_ready(1, w.data());
+      red.mark_ready(0, &none);
+      red.finalize();
+    }
+    EXPECT_EQ(state->iteration(), 4);
+  });
+}
+
 TEST(PowerSgd, BadOptionsAndBucketsAreRefusedByName) {
   EXPECT_THROW(PowerSgdState(PowerSgdOptions{.rank = 0}), InvalidArgument);
   try {

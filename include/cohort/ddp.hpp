@@ -145,6 +145,9 @@ class COHORT_API GradBucket {
         rows_(rows) {}
 
   size_t index() const { return index_; }  // position in the plan = launch order
+  // The last bucket the hook is given this iteration (the reducer skips
+  // buckets without elements, so it passes as num_buckets the position after
+  // the last bucket that has some): where a hook ends its iteration.
   bool is_last() const { return index_ + 1 == num_buckets_; }
   // The bucket's flat gradients, all of them (gradients the reducer had left
   // where they were are copied in at the first call). The hook leaves the

@@ -318,7 +318,11 @@ struct COHORT_HIDDEN Reducer::Impl {
       bucket.rows.push_back(params[p].rows);
       bucket.counts.push_back(params[p].count);
     }
-    GradBucket gb(b, buckets.size(), Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
+    // Buckets without elements never reach the hook: the last one that does
+    // is the one is_last() names (hooks end their iteration there).
+    size_t hooked = plan.size();
+    while (hooked > 0 && plan[hooked - 1].count == 0) --hooked;
+    GradBucket gb(b, hooked, Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
                   plan[b].params, *mem, bucket.scratch, &bucket.pieces, plan[b].offsets, bucket.counts, bucket.rows);
     try {
       bucket.future = hook(gb);
