@@ -57,7 +57,8 @@ void parse(CLI::App& app, Args& a) {
   app.add_option("--heads", a.model.heads, "attention heads")->check(CLI::PositiveNumber);
   app.add_option("--context", a.model.context, "tokens per sequence")->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", a.model.sequence_parallel, "split the activations between blocks along the sequence");
-  app.add_option("--seed", a.model.seed, "weights and batches");
+  app.add_option("--dropout", a.model.dropout, "dropout probability (embedding, attention, residual branches)");
+  app.add_option("--seed", a.model.seed, "weights, batches and dropout masks");
   app.add_option("--batch", a.batch, "sequences per step over all data-parallel ranks")->check(CLI::PositiveNumber);
   app.add_option("--epochs", a.epochs, "epochs (an epoch: --epoch-steps steps)")->check(CLI::PositiveNumber);
   app.add_option("--epoch-steps", a.epoch_steps, "steps per epoch (default: the training text's tokens once)")
@@ -153,7 +154,8 @@ struct Trainer {
     for (int c = 0; c < a.chunks; ++c) {
       const int vs = virtual_stage(c);
       const auto [first, last] = ranges[vs];
-      chunks.emplace_back(a.model, mesh.group_ptr(cohort::MeshDim::tp), first, last, vs == 0, vs == stages - 1);
+      const uint64_t replica = static_cast<uint64_t>(mesh.coord(cohort::MeshDim::dp)) * 4096 + static_cast<uint64_t>(vs);
+      chunks.emplace_back(a.model, mesh.group_ptr(cohort::MeshDim::tp), first, last, vs == 0, vs == stages - 1, replica);
       if (a.dtype == "f64") chunks.back()->to(torch::kDouble);
       all->register_module("chunk" + std::to_string(c), chunks.back().ptr());
     }
@@ -223,6 +225,7 @@ struct Trainer {
   }
 
   double validate() {
+    all->eval();  // no dropout
     const int64_t passes = (a.val_seqs + a.batch - 1) / a.batch, total = passes * a.batch;
     double sum = 0;
     for (int64_t i = 0; i < passes; ++i) {
@@ -233,6 +236,7 @@ struct Trainer {
                               return chunks.back()->loss(logits, y.narrow(0, m * mb, mb));
                             });
     }
+    all->train();
     return cohort::torch::allreduce_scalar(mesh.dp(), sum) / static_cast<double>(passes * mesh.shape().dp);
   }
 

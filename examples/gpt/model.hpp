@@ -1,5 +1,6 @@
 // A small decoder-only transformer (GPT-2's layout: pre-norm blocks of causal
-// self-attention and a 4x MLP, learned position embeddings, no dropout) whose
+// self-attention and a 4x MLP, learned position embeddings, dropout off by
+// default) whose
 // matrices are split across a tensor-parallel group with cohort's layers:
 //
 //   ids ─> VocabParallelEmbedding + positions ─> block x L ─> LayerNorm ─> head ─> vocab-parallel loss
@@ -34,6 +35,7 @@ struct Config {
   int64_t heads = 4;
   int64_t layers = 4;
   bool sequence_parallel = false;
+  double dropout = 0.0;  // on the embedding, the attention probabilities and each residual branch
   uint64_t seed = 1234;
   int64_t params() const {  // of the whole (unsharded) model
     const int64_t block = 2 * 2 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + (4 * dim * dim + 4 * dim) +
@@ -58,7 +60,9 @@ inline tp::LinearInit init_linear(const Config& c, uint64_t slot, bool residual 
 }
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(const Config& c, std::shared_ptr<cohort::ProcessGroup> group, int64_t layer) : cfg(c), tp_size(group->size()) {
+  BlockImpl(const Config& c, std::shared_ptr<cohort::ProcessGroup> group, int64_t layer,
+            std::shared_ptr<tp::DropoutRng> rng_)
+      : cfg(c), tp_size(group->size()), rng(std::move(rng_)) {
     const uint64_t slot = 16 * (layer + 1);
     const bool sp = c.sequence_parallel;
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
@@ -84,13 +88,21 @@ struct BlockImpl : torch::nn::Module {
     torch::Tensor att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     const torch::Tensor future = torch::ones({T, T}, torch::dtype(torch::kBool).device(x.device())).triu(1);
     att = torch::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+    att = tp::dropout(att, cfg.dropout, rng->parallel(), is_training());  // this rank's heads
     const torch::Tensor y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, heads * hd});
-    torch::Tensor out = x + proj->forward(y);
-    return out + fc2->forward(torch::gelu(fc1->forward(ln2->forward(out))));
+    torch::Tensor out = x + residual_dropout(proj->forward(y));
+    return out + residual_dropout(fc2->forward(torch::gelu(fc1->forward(ln2->forward(out)))));
+  }
+
+  // The residual stream is replicated over the tp group (the same mask on
+  // every rank), or split along the tokens with sequence parallelism.
+  torch::Tensor residual_dropout(const torch::Tensor& x) {
+    return tp::dropout(x, cfg.dropout, cfg.sequence_parallel ? rng->parallel() : rng->replicated(), is_training());
   }
 
   Config cfg;
   int64_t tp_size;
+  std::shared_ptr<tp::DropoutRng> rng;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   tp::ColumnParallelLinear qkv{nullptr}, fc1{nullptr};
   tp::RowParallelLinear proj{nullptr}, fc2{nullptr};
@@ -105,9 +117,11 @@ TORCH_MODULE(Block);
 // parallelism the embedding's output is split along the tokens (dimension 1)
 // and the head gathers it back.
 struct StageImpl : torch::nn::Module {
+  // `replica` tells the dropout streams of data-parallel replicas and
+  // pipeline stages apart (tp::DropoutRng).
   StageImpl(const Config& c, std::shared_ptr<cohort::ProcessGroup> group, int64_t first, int64_t last, bool embed,
-            bool with_head)
-      : cfg(c), tp_group(group) {
+            bool with_head, uint64_t replica = 0)
+      : cfg(c), tp_group(group), rng(std::make_shared<tp::DropoutRng>(c.seed, *group, replica)) {
     check(c, group->size());
     const bool sp = c.sequence_parallel;
     if (embed) {
@@ -117,7 +131,7 @@ struct StageImpl : torch::nn::Module {
                                                                }}));
       pos = register_parameter("pos", draw({c.context, c.dim}, c.seed, 2, 0.01));
     }
-    for (int64_t l = first; l < last; ++l) blocks.push_back(register_module("block" + std::to_string(l), Block(c, group, l)));
+    for (int64_t l = first; l < last; ++l) blocks.push_back(register_module("block" + std::to_string(l), Block(c, group, l, rng)));
     if (with_head) {
       ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
       head = register_module("head", tp::ColumnParallelLinear(group, c.dim, c.vocab,
@@ -135,6 +149,7 @@ struct StageImpl : torch::nn::Module {
                                 std::to_string(tp) + "; choose --tp among the divisors of the head count");
     need(c.vocab % tp == 0, "gpt: the vocabulary (" + std::to_string(c.vocab) +
                                 ") does not divide by the tensor-parallel degree " + std::to_string(tp));
+    need(c.dropout >= 0 && c.dropout < 1, "gpt: --dropout " + std::to_string(c.dropout) + " is outside [0, 1)");
     need(!c.sequence_parallel || c.context % tp == 0,
          "gpt: with sequence parallelism --context " + std::to_string(c.context) + " must divide by --tp " + std::to_string(tp));
   }
@@ -147,7 +162,7 @@ struct StageImpl : torch::nn::Module {
       x = tok->forward(in);
       torch::Tensor p = pos.narrow(0, 0, in.size(1));
       if (cfg.sequence_parallel) p = p.chunk(tp_group->size(), 0)[tp_group->rank()];
-      x = x + p;
+      x = tp::dropout(x + p, cfg.dropout, cfg.sequence_parallel ? rng->parallel() : rng->replicated(), is_training());
     }
     for (auto& b : blocks) x = b->forward(x);
     return head ? head->forward(ln_f->forward(x)) : x;
@@ -160,6 +175,7 @@ struct StageImpl : torch::nn::Module {
 
   Config cfg;
   std::shared_ptr<cohort::ProcessGroup> tp_group;
+  std::shared_ptr<tp::DropoutRng> rng;
   tp::VocabParallelEmbedding tok{nullptr};
   torch::Tensor pos;
   std::vector<Block> blocks;

@@ -187,6 +187,32 @@ COHORT_TP_MODULE(VocabParallelEmbedding);
 COHORT_API ::torch::Tensor vocab_parallel_cross_entropy(const ::torch::Tensor& local_logits,
                                                         const ::torch::Tensor& targets, ProcessGroup& group);
 
+// ---- dropout ----------------------------------------------------------------
+
+// The random streams dropout draws from in a tensor-parallel model. Where the
+// activations are split across the group (attention heads, the tokens of
+// sequence parallelism) each rank must draw its own mask: parallel(). Where
+// they are replicated (the residual stream without sequence parallelism)
+// every rank of the group must draw the same mask, or the replicas drift
+// apart: replicated(). `seed` is the same on every rank of the job;
+// `replica` differs between the groups that should draw different masks
+// (e.g. dp rank and pipeline stage), so data-parallel replicas do not share
+// masks. (Megatron-LM keeps the same two streams in its "model-parallel RNG
+// tracker".)
+class COHORT_API DropoutRng {
+ public:
+  DropoutRng(uint64_t seed, const ProcessGroup& tp_group, uint64_t replica = 0);
+  at::Generator& replicated() { return replicated_; }
+  at::Generator& parallel() { return parallel_; }
+
+ private:
+  at::Generator replicated_, parallel_;
+};
+
+// Zeroes each element with probability p (mask drawn from `gen`, on the CPU)
+// and scales the rest by 1/(1-p); the identity when !training or p == 0.
+COHORT_API ::torch::Tensor dropout(const ::torch::Tensor& x, double p, at::Generator& gen, bool training);
+
 // ---- the model around the layers -------------------------------------------
 
 // The parameters of `module` split into those the tensor-parallel layers

@@ -343,6 +343,29 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
   return VocabCrossEntropy::apply(local_logits, targets, &group);
 }
 
+namespace {
+// SplitMix64: distinct, well-mixed seeds for the streams.
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+DropoutRng::DropoutRng(uint64_t seed, const ProcessGroup& tp_group, uint64_t replica)
+    : replicated_(at::detail::createCPUGenerator(mix(mix(seed) ^ mix(replica)))),
+      parallel_(at::detail::createCPUGenerator(
+          mix(mix(seed) ^ mix(replica) ^ mix(0x7000 + static_cast<uint64_t>(tp_group.rank()))))) {}
+
+Tensor dropout(const Tensor& x, double p, at::Generator& gen, bool training) {
+  if (!training || p == 0) return x;
+  if (p < 0 || p >= 1) throw InvalidArgument(fmt::format("tp::dropout: p = {} is outside [0, 1)", p));
+  Tensor keep = ::torch::empty(x.sizes(), ::torch::TensorOptions().dtype(x.scalar_type()));
+  keep.bernoulli_(1 - p, gen);
+  return x * keep.to(x.device()).div_(1 - p);
+}
+
 ParameterSplit split_parameters(::torch::nn::Module& module) {
   std::set<const void*> sharded;
   ParameterSplit out;

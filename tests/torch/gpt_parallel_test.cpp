@@ -229,6 +229,22 @@ TEST(GptParallel, TwoNodesKeepTpInsideANode) {
   fs::remove_all(base);
 }
 
+// With dropout the run draws masks (its losses differ from the run without)
+// and still learns, at tp 2 with sequence parallelism too.
+TEST(GptParallel, DropoutTrains) {
+  need_text();
+  const std::string base = lt::temp_dir();
+  const Job plain = train(2, {"--tp", "2"}, base + "/a", 20);
+  for (const auto& layout : std::vector<std::vector<std::string>>{{"--tp", "2", "--dropout", "0.1"},
+                                                                  {"--tp", "2", "--dropout", "0.1", "--sequence-parallel"}}) {
+    const Job j = train(2, layout, base + "/" + layout.back(), 20);
+    ASSERT_EQ(j.losses.size(), 20u) << j.out;
+    EXPECT_GT(std::abs(j.losses.at(20) - plain.losses.at(20)), 1e-6) << "no mask was drawn";
+    EXPECT_LT(j.losses.at(20), j.losses.at(1) - 0.3) << j.out;
+  }
+  fs::remove_all(base);
+}
+
 // Each exits non-zero with the reason, long before any timeout.
 TEST(GptParallel, BadLayoutsFailAtOnceByName) {
   need_text();
@@ -247,7 +263,8 @@ TEST(GptParallel, BadLayoutsFailAtOnceByName) {
             "--layers 3 cannot fill 4 pipeline stages (--pp 2 x --chunks 2)"},
            {2, {"--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--micro", "3"},
             "3 micro-batches do not divide by 2 stages"},
-           {2, {"--pp", "2", "--schedule", "zero-bubble"}, "use gpipe, 1f1b or interleaved"}}) {
+           {2, {"--pp", "2", "--schedule", "zero-bubble"}, "use gpipe, 1f1b or interleaved"},
+           {2, {"--tp", "2", "--dropout", "1.5"}, "--dropout 1.500000 is outside [0, 1)"}}) {
     std::vector<std::string> args{"run", "--standalone", "--nproc-per-node", std::to_string(b.nproc), COHORT_GPT_BIN,
                                   "--max-steps", "1"};
     args.insert(args.end(), b.args.begin(), b.args.end());

@@ -179,6 +179,35 @@ TEST(TensorParallel, ClipGradNormIsTheGlobalNorm) {
   });
 }
 
+// The replicated stream draws the same masks on every rank of the group, the
+// parallel one its own: an MLP with dropout on its split hidden layer and on
+// its replicated output leaves both ranks with the same output.
+TEST(TensorParallel, DropoutKeepsReplicasEqualAndSplitsDrawTheirOwn) {
+  run_ranks(2, "", [](ProcessGroup& pg) {
+    tp::DropoutRng rng(7, pg, /*replica=*/3);
+    auto gathered = [&](const Tensor& t) { return tp::gather(t.unsqueeze(0), pg, 0); };  // [2, ...]
+    const Tensor same = gathered(torch::rand({64}, rng.replicated()));
+    const Tensor own = gathered(torch::rand({64}, rng.parallel()));
+    EXPECT_TRUE(torch::equal(same[0], same[1]));
+    EXPECT_FALSE(torch::equal(own[0], own[1]));
+    tp::DropoutRng other(7, pg, /*replica=*/4);
+    EXPECT_FALSE(torch::equal(torch::rand({64}, other.replicated()), same[0])) << "another replica, another mask";
+
+    tp::ColumnParallelLinear fc1(borrow(pg), 8, 16, {.init = seeded_init(41)});
+    tp::RowParallelLinear fc2(borrow(pg), 16, 8, {.init = seeded_init(43)});
+    const Tensor x = seeded({32, 8}, 45);
+    const Tensor h = tp::dropout(torch::gelu(fc1->forward(x)), 0.3, rng.parallel(), true);
+    const Tensor y = tp::dropout(fc2->forward(h), 0.3, rng.replicated(), true);
+    const Tensor both = gathered(y.detach());
+    EXPECT_TRUE(torch::equal(both[0], both[1])) << "the replicas of the output drifted apart";
+    const double zeros = (y == 0).to(torch::kDouble).mean().item<double>();
+    EXPECT_GT(zeros, 0.2);
+    EXPECT_LT(zeros, 0.4);
+    EXPECT_TRUE(torch::equal(tp::dropout(x, 0.3, rng.parallel(), /*training=*/false), x));
+    EXPECT_THROW(tp::dropout(x, 1.0, rng.parallel(), true), cohort::InvalidArgument);
+  });
+}
+
 TEST(TensorParallel, SizesThatDoNotSplitAreNamed) {
   run_ranks(4, "", [](ProcessGroup& pg) {
     auto g = borrow(pg);
