@@ -99,15 +99,17 @@ TEST(PipelineSchedule, OneFOneBKeepsAtMostPActivationsGPipeKeepsM) {
     }
 }
 
+// `f` throws InvalidArgument whose message contains `needle`.
+void says(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; wanted " << needle;
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 TEST(PipelineSchedule, CountsTheScheduleCannotRunAreNamed) {
-  auto says = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error; wanted " << needle;
-    } catch (const cohort::InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   says([] { pp::schedule_actions(Schedule::Interleaved, 0, 2, 3, 2); }, "3 micro-batches do not divide by 2 stages");
   says([] { pp::schedule_actions(Schedule::Interleaved, 0, 2, 4, 1); }, "at least 2 chunks");
   says([] { pp::schedule_actions(Schedule::OneFOneB, 0, 2, 4, 2); }, "need the interleaved schedule");
@@ -235,14 +237,6 @@ TEST(PipelineSplit, StageRangesAreEvenOrBalancedAndNeverEmpty) {
   using R = std::vector<std::pair<int64_t, int64_t>>;
   EXPECT_EQ(pp::stage_ranges(10, 4), (R{{0, 3}, {3, 6}, {6, 8}, {8, 10}}));
   EXPECT_EQ(pp::stage_ranges(4, 2, {1, 3}), (R{{0, 1}, {1, 4}}));
-  auto says = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error; wanted " << needle;
-    } catch (const cohort::InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   says([] { pp::stage_ranges(3, 4); }, "3 layers over 4 stages leave stage 3 without a layer");
   says([] { pp::stage_ranges(4, 2, {4, 0}); }, "leave stage 1 without a layer");
   says([] { pp::stage_ranges(4, 2, {1, 2}); }, "adds up to 3 layers, but the model has 4");
