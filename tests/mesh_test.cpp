@@ -94,7 +94,9 @@ void expect_refused(int world, const std::function<MeshShape(int)>& shape, const
 
 TEST(Mesh, ProductThatIsNotTheWorldSizeIsRefused) {
   expect_refused(4, [](int) { return MeshShape{.dp = 2, .tp = 3, .pp = 1}; }, "tp,dp,pp",
-                 "dp 2 x tp 3 x pp 1 = 6 ranks, but the world has 4");
+                 "dp 2 x tp 3 x pp 1 = 6 ranks, but the world has 4; choose degrees whose product is the world size "
+                 "(4 ranks do not divide by tp 3 x pp 1");
+  expect_refused(4, [](int) { return MeshShape{.dp = 1, .tp = 2, .pp = 1}; }, "tp,dp,pp", "with tp 2 and pp 1: dp 2");
 }
 
 TEST(Mesh, ZeroDegreeIsRefused) {
@@ -105,6 +107,8 @@ TEST(Mesh, ZeroDegreeIsRefused) {
 TEST(Mesh, BadOrderIsRefused) {
   expect_refused(2, [](int) { return MeshShape{.dp = 2}; }, "tp,dp,dp", "not a permutation of tp, dp and pp");
   expect_refused(2, [](int) { return MeshShape{.dp = 2}; }, "tp,dp", "not a permutation");
+  expect_refused(2, [](int) { return MeshShape{.dp = 2}; }, "tp,dp,pp,xyz", "not a permutation");
+  expect_refused(2, [](int) { return MeshShape{.dp = 2}; }, "tp,dp,pp,", "not a permutation");
 }
 
 TEST(Mesh, RanksThatDisagreeAreNamed) {

@@ -47,14 +47,21 @@ struct MeshOptions {
   // `cohort run` and torchrun), a tp group that spans nodes is refused unless
   // this is true: its allreduces per block would cross the network.
   bool allow_tp_across_nodes = false;
+  // When the world group moves GPU memory only (nccl), a group of the same
+  // ranks that moves host memory (a native group) over which the ranks
+  // compare their shapes and nodes. Without it those checks are skipped (a
+  // warning says so) and ranks that disagree may hang in new_group.
+  std::shared_ptr<ProcessGroup> host_group;
 };
 
 class COHORT_API Mesh {
  public:
-  // Collective over `world`: checks the shape (every degree >= 1, product ==
-  // world size) and the order on every rank alike, then creates every
-  // sub-group once, in the same order on every rank. Throws InvalidArgument
-  // naming what is wrong before any sub-group exists.
+  // Collective over `world`: every rank tells every other its shape, order
+  // and node first (over MeshOptions::host_group on an nccl world), so a bad
+  // shape (a degree below 1, a product that is not the world size), a bad
+  // order, ranks that disagree or a tp group across nodes is the same
+  // InvalidArgument on every rank before any sub-group exists. Then creates
+  // every sub-group once, in the same order on every rank.
   Mesh(std::shared_ptr<ProcessGroup> world, MeshShape shape, MeshOptions opts = {});
 
   const MeshShape& shape() const { return shape_; }

@@ -96,7 +96,9 @@ struct PipelineOptions {
   int chunks = 1;  // per rank; more than one only with Schedule::Interleaved
   // The shape and dtype of the activation every stage sends to the next (the
   // receiver allocates it before the data arrives). A stage whose output has
-  // another shape fails with InvalidArgument naming both.
+  // another shape throws InvalidArgument naming both when it runs (in the
+  // first step); the stages waiting for its message then fail with the
+  // group's TimeoutError.
   std::vector<int64_t> activation;
   ::torch::ScalarType dtype = ::torch::kFloat;
   // One DistributedDataParallel per chunk (or empty): every backward of a
@@ -138,11 +140,16 @@ class COHORT_API Pipeline {
   // every stage, naming the stage that differs), then creates the link groups.
   // `chunks[c]` runs this rank's chunk c (its part of virtual stage c*p + rank).
   Pipeline(std::shared_ptr<ProcessGroup> pp, std::vector<ChunkForward> chunks, PipelineOptions opts);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
 
   // One step: every micro-batch forward and backward in the schedule's order.
   // `inputs` is called on the first virtual stage, `loss` on the last (it
   // returns a scalar). Returns the mean of the micro-batch losses, on every
-  // stage.
+  // stage. Chunks compute on the CPU (a chunk that returns a CUDA tensor is
+  // refused). A step that throws (a peer failed, a timeout, a chunk's error)
+  // leaves the pipeline unusable: later calls throw Error.
   double step(const Inputs& inputs, const Loss& loss);
 
   // The forwards of step() alone, without autograd (validation): returns the
@@ -158,6 +165,7 @@ class COHORT_API Pipeline {
   void forward(const Action& a, const Inputs& inputs, const Loss& loss);
   void backward(const Action& a);
   void finish_sends();
+  void check_usable() const;
   int virtual_stage(int chunk) const;
   int virtual_stages() const;
   bool first_virtual(int chunk) const;
@@ -177,6 +185,7 @@ class COHORT_API Pipeline {
   std::vector<WorkPtr> sends_;
   std::vector<::torch::Tensor> sent_;  // kept alive until their sends complete
   double loss_sum_ = 0;
+  bool broken_ = false;  // a step or evaluate threw
   PipelineStats stats_;
 };
 

@@ -30,7 +30,9 @@
 //
 // Collectives run on the group passed in; every rank of it must run the same
 // layers in the same order (as the same model code does). Tensors may live on
-// the CPU (native, mpi groups) or on the group's GPU (nccl).
+// the CPU (native, mpi groups) or on the group's GPU (nccl). The autograd
+// functions keep a reference to the group for their backward: the group must
+// outlive every graph built through them (the layers hold it).
 #pragma once
 
 #include <torch/torch.h>
@@ -182,8 +184,10 @@ COHORT_TP_MODULE(VocabParallelEmbedding);
 // `local_logits` [N, vocab/tp] are this rank's columns (rank r holds tokens
 // [r*vocab/tp, ...)), `targets` [N] the global token ids. Returns the loss per
 // row [N], as torch::nn::functional::cross_entropy with reduction none would
-// on the full logits; no rank ever holds the full logits (two allreduces of N
-// values each forward, none backward).
+// on the full logits; no rank ever holds the full logits (forward: an
+// allreduce of N row maxima and one of 2N sums; none backward). Targets are
+// int64 ids in [0, vocab): others (ignore_index -100 included) throw
+// InvalidArgument.
 COHORT_API ::torch::Tensor vocab_parallel_cross_entropy(const ::torch::Tensor& local_logits,
                                                         const ::torch::Tensor& targets, ProcessGroup& group);
 
@@ -233,10 +237,16 @@ COHORT_API double clip_grad_norm(::torch::nn::Module& module, double max_norm, P
                                  int tp_rank);
 
 // With sequence parallelism, sums over `group` the gradients of the
-// parameters that see only this rank's tokens: the replicated ones of
-// split_parameters (norms, row-parallel biases). Call after backward, before
-// clipping and the optimizer step. A gradient that is undefined is left so.
+// parameters that see only this rank's tokens. The module form sums every
+// replicated parameter of split_parameters (norms, position table,
+// row-parallel biases): right when all of them are used inside the
+// sequence-parallel region, as in examples/gpt; a replicated parameter used
+// on the whole sequence (a norm after a gathered output) would come out tp
+// times too large: list the right ones with the second form. Call after
+// backward, before clipping and the optimizer step. Undefined gradients are
+// left so.
 COHORT_API void sync_sequence_parallel_grads(::torch::nn::Module& module, ProcessGroup& group);
+COHORT_API void sync_sequence_parallel_grads(const std::vector<::torch::Tensor>& params, ProcessGroup& group);
 
 // ---- checkpoints at any layout -----------------------------------------------
 

@@ -32,22 +32,20 @@ int degree(const MeshShape& s, int d) { return d == 0 ? s.dp : d == 1 ? s.tp : s
 // The permutation "tp,dp,pp" names, or nullopt.
 std::optional<std::array<int, 3>> parse_order(const std::string& text) {
   std::array<int, 3> out{};
-  size_t at = 0;
-  int n = 0;
   std::array<bool, 3> seen{};
-  while (n < 3) {
+  size_t at = 0;
+  for (int n = 0; n < 3; ++n) {
     const size_t comma = text.find(',', at);
+    if ((n < 2) != (comma != std::string::npos)) return std::nullopt;  // exactly two commas
     const std::string name = text.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
     int d = -1;
     for (MeshDim m : kDims)
       if (name == mesh_dim_name(m)) d = static_cast<int>(m);
     if (d < 0 || seen[d]) return std::nullopt;
     seen[d] = true;
-    out[n++] = d;
-    if (comma == std::string::npos) break;
+    out[n] = d;
     at = comma + 1;
   }
-  if (n != 3 || text.find(',', at) != std::string::npos) return std::nullopt;
   return out;
 }
 
@@ -67,17 +65,24 @@ struct Claim {
   int32_t dp, tp, pp, order, node;
 };
 
-std::vector<Claim> exchange(ProcessGroup& world, const Claim& mine) {
-  std::vector<Claim> all(world.size());
-  // Host memory: a group that moves only GPU memory (nccl) skips the
-  // exchange; a shape that differs between ranks then fails new_group's check
-  // of the member lists, by name, instead.
-  if (world.cuda_device() >= 0 || world.size() == 1) {
-    all.assign(world.size(), mine);
+// Every rank's claim, over `world` or, when it moves GPU memory only (nccl),
+// over `host` (a group of the same ranks that moves host memory). With
+// neither, only this rank's own claim is known: the checks across ranks are
+// skipped, and said so.
+std::vector<Claim> exchange(ProcessGroup& world, ProcessGroup* host, const Claim& mine) {
+  std::vector<Claim> all(world.size(), mine);
+  ProcessGroup* via = world.cuda_device() < 0 ? &world : host;
+  if (world.size() == 1) return all;
+  if (!via) {
+    if (world.rank() == 0)
+      COHORT_WARN(kInit, "mesh: the world group moves GPU memory only and MeshOptions::host_group is not set: the "
+                         "ranks' shapes and nodes are not compared (a mismatch may hang in new_group)");
     return all;
   }
+  if (via->size() != world.size() || via->rank() != world.rank())
+    throw InvalidArgument("Mesh: MeshOptions::host_group must hold the world's ranks in the world's order");
   Claim send = mine;
-  world.allgather(Buffer{&send, 5, DType::I32}, Buffer{all.data(), all.size() * 5, DType::I32})->wait();
+  via->allgather(Buffer{&send, 5, DType::I32}, Buffer{all.data(), all.size() * 5, DType::I32})->wait();
   return all;
 }
 
@@ -106,12 +111,16 @@ void check_claims(const std::vector<Claim>& all, const MeshOptions& opts, int wo
       throw InvalidArgument(fmt::format("Mesh: the {} degree is {}; every degree must be at least 1", mesh_dim_name(d), n));
   }
   const int64_t product = int64_t{mine.dp} * mine.tp * mine.pp;
-  if (product != world_size)
-    throw InvalidArgument(fmt::format("Mesh: {} = {} ranks, but the world has {}; choose degrees whose product is the "
-                                      "world size (e.g. --dp {} with tp {} and pp {})",
-                                      shape_text(mine), product, world_size,
-                                      world_size % (mine.tp * mine.pp) == 0 ? world_size / (mine.tp * mine.pp) : 1,
-                                      mine.tp, mine.pp));
+  if (product != world_size) {
+    const int64_t model = int64_t{mine.tp} * mine.pp;
+    throw InvalidArgument(fmt::format(
+        "Mesh: {} = {} ranks, but the world has {}; choose degrees whose product is the world size ({})",
+        shape_text(mine), product, world_size,
+        world_size % model == 0
+            ? fmt::format("with tp {} and pp {}: dp {}", mine.tp, mine.pp, world_size / model)
+            : fmt::format("{} ranks do not divide by tp {} x pp {}: change tp or pp, or the process count",
+                          world_size, mine.tp, mine.pp)));
+  }
 }
 
 }  // namespace
@@ -147,8 +156,8 @@ Mesh::Mesh(std::shared_ptr<ProcessGroup> world, MeshShape shape, MeshOptions opt
     : world_(std::move(world)), shape_(shape) {
   if (!world_) throw InvalidArgument("Mesh: the world group is null");
   const auto order = parse_order(opts.order);
-  const std::vector<Claim> all =
-      exchange(*world_, Claim{shape.dp, shape.tp, shape.pp, order_code(order), env_int("GROUP_RANK")});
+  const std::vector<Claim> all = exchange(*world_, opts.host_group.get(),
+                                          Claim{shape.dp, shape.tp, shape.pp, order_code(order), env_int("GROUP_RANK")});
   check_claims(all, opts, world_->size());
   order_ = *order;
   coord_ = coords_of(world_->rank());

@@ -168,18 +168,20 @@ struct Claim {
 
 std::string claim_text(const Claim& c) {
   std::string shape;
-  for (int64_t i = 0; i < c.rank_count; ++i) shape += (i ? ", " : "") + std::to_string(c.shape[i]);
+  for (int64_t i = 0; i < std::min<int64_t>(c.rank_count, 8); ++i) shape += (i ? ", " : "") + std::to_string(c.shape[i]);
   return fmt::format("{} schedule, {} micro-batches, {} chunks, activation [{}] of {}",
                      schedule_name(static_cast<Schedule>(c.schedule)), c.micro, c.chunks, shape,
                      c10::toString(static_cast<::torch::ScalarType>(c.dtype)));
 }
 
+// Every stage tells every other its options before any of them checks its
+// own: options one stage cannot run then fail on every stage (by the
+// comparison, or by the same local check everywhere), never leaving the
+// others waiting in a collective.
 void check_same_everywhere(ProcessGroup& pp, const PipelineOptions& o) {
-  if (o.activation.size() > 8)
-    throw InvalidArgument(fmt::format("pipeline: activations of {} dimensions; at most 8", o.activation.size()));
   Claim mine{static_cast<int64_t>(o.schedule), o.micro_batches, o.chunks, static_cast<int64_t>(o.dtype),
              static_cast<int64_t>(o.activation.size()), {}};
-  std::copy(o.activation.begin(), o.activation.end(), mine.shape);
+  std::copy_n(o.activation.begin(), std::min<size_t>(o.activation.size(), 8), mine.shape);
   std::vector<Claim> all(pp.size());
   const size_t n = sizeof(Claim) / sizeof(int64_t);
   host_collective(pp, {Buffer{&mine, n, DType::I64}, Buffer{all.data(), n * all.size(), DType::I64}},
@@ -189,6 +191,8 @@ void check_same_everywhere(ProcessGroup& pp, const PipelineOptions& o) {
       throw InvalidArgument(fmt::format("pipeline: stage 0 runs {} but stage {} runs {}; every stage must run the same "
                                         "schedule, micro-batch count, chunk count and activation shape",
                                         claim_text(all[0]), r, claim_text(all[r])));
+  if (o.activation.size() > 8)
+    throw InvalidArgument(fmt::format("pipeline: activations of {} dimensions; at most 8", o.activation.size()));
   if (o.activation.empty() && pp.size() > 1)
     throw InvalidArgument("pipeline: PipelineOptions::activation is empty; give the shape of the tensor each stage "
                           "sends to the next (e.g. {micro_batch, tokens, width})");
@@ -208,6 +212,7 @@ void wait_recv(const WorkPtr& w, const Tensor& keep) {
 Pipeline::Pipeline(std::shared_ptr<ProcessGroup> pp, std::vector<ChunkForward> chunks, PipelineOptions opts)
     : pp_(std::move(pp)), chunks_(std::move(chunks)), opts_(std::move(opts)) {
   if (!pp_) throw InvalidArgument("Pipeline: the group is null (pass Mesh::group_ptr(MeshDim::pp))");
+  check_same_everywhere(*pp_, opts_);
   if (static_cast<int>(chunks_.size()) != opts_.chunks)
     throw InvalidArgument(fmt::format("Pipeline: {} chunk functions for PipelineOptions::chunks = {}", chunks_.size(),
                                       opts_.chunks));
@@ -215,7 +220,6 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> pp, std::vector<ChunkForward> c
     throw InvalidArgument(fmt::format("Pipeline: {} DistributedDataParallel for {} chunks; give one per chunk or none",
                                       opts_.ddp.size(), chunks_.size()));
   check_counts(opts_.schedule, pp_->rank(), pp_->size(), opts_.micro_batches, opts_.chunks);
-  check_same_everywhere(*pp_, opts_);
   actions_ = schedule_actions(opts_.schedule, pp_->rank(), pp_->size(), opts_.micro_batches, opts_.chunks);
   // One group per link and direction, created in the same order on every
   // stage: a send waits only behind earlier sends on its own link.
@@ -230,6 +234,19 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> pp, std::vector<ChunkForward> c
     grad_next_ = grad[r];
   }
   kept_.assign(opts_.chunks, std::vector<InFlight>(opts_.micro_batches));
+}
+
+Pipeline::~Pipeline() {
+  // After a failed step, sends may still be running on the link groups'
+  // threads: their tensors must outlive them (the groups stay alive as long
+  // as those threads hold them), so they are left allocated.
+  if (!sends_.empty()) (void)new std::vector<Tensor>(std::move(sent_));
+}
+
+void Pipeline::check_usable() const {
+  if (broken_)
+    throw Error("pipeline: an earlier step failed (its error was thrown then); the stages no longer agree on which "
+                "messages were sent: build a new Pipeline, or restart the job");
 }
 
 int Pipeline::virtual_stage(int chunk) const { return chunk * pp_->size() + pp_->rank(); }
@@ -261,6 +278,10 @@ void Pipeline::forward(const Action& a, const Inputs& inputs, const Loss& loss) 
     cohort::timeline::Span span("pp forward", "pipeline");
     if (!opts_.ddp.empty()) opts_.ddp[a.chunk]->pre_forward();
     Tensor out = chunks_[a.chunk](k.input, a.micro);
+    if (!out.device().is_cpu())
+      throw InvalidArgument(fmt::format("pipeline: chunk {} of stage {} returned a tensor on {}; the pipeline runner "
+                                        "moves CPU tensors only so far (docs/parallelism.md, Limits)",
+                                        a.chunk, pp_->rank(), out.device().str()));
     if (last_virtual(a.chunk)) {
       Tensor l = loss(out, a.micro);
       loss_sum_ += l.item<double>();
@@ -316,6 +337,8 @@ void Pipeline::backward(const Action& a) {
 }
 
 double Pipeline::evaluate(const Inputs& inputs, const Loss& loss) {
+  check_usable();
+  broken_ = true;  // until the forwards complete
   ::torch::NoGradGuard no_grad;
   const PipelineStats kept = stats_;
   loss_sum_ = 0;
@@ -327,6 +350,7 @@ double Pipeline::evaluate(const Inputs& inputs, const Loss& loss) {
     kept_[a.chunk][a.micro] = InFlight{};
   }
   finish_sends();
+  broken_ = false;
   stats_ = kept;
   const bool last = pp_->rank() == pp_->size() - 1;
   return allreduce_scalar(*pp_, last ? loss_sum_ / opts_.micro_batches : 0.0);
@@ -345,6 +369,8 @@ void Pipeline::finish_sends() {
 }
 
 double Pipeline::step(const Inputs& inputs, const Loss& loss) {
+  check_usable();
+  broken_ = true;  // until every action and send completes
   stats_ = PipelineStats{};
   loss_sum_ = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -361,6 +387,7 @@ double Pipeline::step(const Inputs& inputs, const Loss& loss) {
     }
   }
   finish_sends();
+  broken_ = false;
   for (auto& t : stats_.actions) {
     t.start_s -= base;
     t.end_s -= base;

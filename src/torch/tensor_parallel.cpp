@@ -340,6 +340,17 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
     throw InvalidArgument(fmt::format("vocab_parallel_cross_entropy: expected logits [N, vocab/tp] and targets [N], got "
                                       "[{}] and [{}]",
                                       fmt::join(local_logits.sizes(), ","), fmt::join(targets.sizes(), ",")));
+  if (targets.scalar_type() != ::torch::kLong)
+    throw InvalidArgument(fmt::format("vocab_parallel_cross_entropy: targets are {}; pass token ids as int64 (long)",
+                                      c10::toString(targets.scalar_type())));
+  const int64_t vocab = local_logits.size(1) * group.size();
+  if (targets.numel() > 0) {
+    const int64_t lo = targets.min().item<int64_t>(), hi = targets.max().item<int64_t>();
+    if (lo < 0 || hi >= vocab)
+      throw InvalidArgument(fmt::format("vocab_parallel_cross_entropy: target id {} is outside the vocabulary "
+                                        "[0, {}) (ignore_index is not supported: leave such rows out)",
+                                        lo < 0 ? lo : hi, vocab));
+  }
   return VocabCrossEntropy::apply(local_logits, targets, &group);
 }
 
@@ -407,9 +418,13 @@ double clip_grad_norm(::torch::nn::Module& module, double max_norm, ProcessGroup
 }
 
 void sync_sequence_parallel_grads(::torch::nn::Module& module, ProcessGroup& group) {
+  sync_sequence_parallel_grads(split_parameters(module).replicated, group);
+}
+
+void sync_sequence_parallel_grads(const std::vector<Tensor>& params, ProcessGroup& group) {
   if (group.size() == 1) return;
   std::vector<Tensor> grads;
-  for (const auto& p : split_parameters(module).replicated)
+  for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
   if (grads.empty()) return;
   std::vector<Tensor> flat;
@@ -474,6 +489,21 @@ Tensor slice_of(const Tensor& full, const Layout& l) {
   return part.reshape(shape);
 }
 
+// The full tensor a slice `local` of layout `l` comes from has `local`'s
+// shape with dimension l->dim times the group size: anything else (another
+// model, another width) is named before any slicing.
+void check_full_shape(const char* what, const std::string& name, const Tensor& full, const Tensor& local,
+                      const Layout* l) {
+  std::vector<int64_t> want = local.sizes().vec();
+  if (l) want[static_cast<size_t>(l->dim)] *= l->group->size();
+  if (full.sizes().vec() != want)
+    throw InvalidArgument(fmt::format("{}: \"{}\" is [{}] in the state, but this model's {} [{}]; was the state saved "
+                                      "from another model?",
+                                      what, name, fmt::join(full.sizes(), ", "),
+                                      l ? "full tensor (its slices put together) would be" : "tensor is",
+                                      fmt::join(want, ", ")));
+}
+
 }  // namespace
 
 std::vector<NamedTensor> full_module_state(::torch::nn::Module& module) {
@@ -497,16 +527,8 @@ void load_full_module_state(::torch::nn::Module& module, const std::vector<Named
     if (it == by_name.end())
       throw InvalidArgument(fmt::format("load_full_module_state: the state has no tensor \"{}\"", name));
     const Tensor full = from_named(*it->second);
-    const Tensor part = l ? slice_of(full, *l) : full;
-    if (l && full.size(l->dim) % l->group->size() != 0)
-      throw InvalidArgument(fmt::format("load_full_module_state: \"{}\" has {} rows along dimension {}, which do not split "
-                                        "{} ways",
-                                        name, full.size(l->dim), l->dim, l->group->size()));
-    if (part.sizes() != dst.sizes())
-      throw InvalidArgument(fmt::format("load_full_module_state: \"{}\" is [{}] in the state; this model's {} is [{}]",
-                                        name, fmt::join(full.sizes(), ", "), l ? "slice of it" : "tensor",
-                                        fmt::join(dst.sizes(), ", ")));
-    dst.copy_(part);
+    check_full_shape("load_full_module_state", name, full, dst, l);
+    dst.copy_(l ? slice_of(full, *l) : full);
   };
   for (auto& p : module.named_parameters(/*recurse=*/true)) {
     const auto it = where.find(p.value().unsafeGetTensorImpl());
@@ -573,11 +595,13 @@ void load_full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Opti
         const auto it = by_name.find(name->second + "." + field);
         if (it == by_name.end()) continue;
         const std::string local_name = fmt::format("group{}.param{}.{}", g, k, field);
-        if (std::string(field) == "step" || l == where.end()) {
+        if (std::string(field) == "step") {
           local.push_back(NamedTensor{local_name, it->second->dtype, it->second->shape, it->second->bytes});
-        } else {
-          local.push_back(to_named(local_name, slice_of(from_named(*it->second), l->second).contiguous()));
+          continue;
         }
+        const Tensor full = from_named(*it->second);
+        check_full_shape("load_full_optimizer_state", it->first, full, param, l == where.end() ? nullptr : &l->second);
+        local.push_back(to_named(local_name, l == where.end() ? full : slice_of(full, l->second).contiguous()));
       }
     }
   }

@@ -295,6 +295,49 @@ TEST(Pipeline, MismatchedMicroBatchCountsFailOnEveryStage) {
   EXPECT_EQ(refused, 2);
 }
 
+// Options that only one stage cannot run (interleaved with 3 micro-batches on
+// 2 stages) fail on both, by the comparison, instead of leaving one waiting.
+TEST(Pipeline, OptionsOneStageCannotRunFailOnEveryStage) {
+  std::mutex mu;
+  int refused = 0;
+  run_ranks(2, "", [&](ProcessGroup& pg) {
+    const auto f = [](const Tensor& x, int) { return x; };
+    try {
+      pp::Pipeline pipe(borrow(pg), {f, f},
+                        {.schedule = Schedule::Interleaved, .micro_batches = pg.rank() == 1 ? 3 : 4, .chunks = 2,
+                         .activation = {2, kWidth}});
+      ADD_FAILURE() << "built";
+    } catch (const cohort::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("but stage 1 runs interleaved schedule, 3 micro-batches"), std::string::npos)
+          << e.what();
+      std::lock_guard lock(mu);
+      ++refused;
+    }
+  }, cohort::Millis(5000));
+  EXPECT_EQ(refused, 2);
+}
+
+// A step that failed (here stage 0's chunk throws; stage 1 times out waiting
+// for its activation) leaves the pipeline refusing further steps on both.
+TEST(Pipeline, AFailedStepLeavesThePipelineUnusable) {
+  run_ranks(2, "", [&](ProcessGroup& pg) {
+    auto l = layer(0);
+    pp::Pipeline pipe(borrow(pg), {[&](const Tensor& x, int) -> Tensor {
+                        if (pg.rank() == 0) throw std::runtime_error("chunk failed");
+                        return l->forward(x);
+                      }},
+                      {.micro_batches = 1, .activation = {kBatch, kWidth}});
+    auto step = [&] { pipe.step([](int) { return batch_x(); }, [](const Tensor& o, int) { return o.sum(); }); };
+    EXPECT_ANY_THROW(step());
+    try {
+      step();
+      ADD_FAILURE() << "a second step ran";
+    } catch (const cohort::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("an earlier step failed"), std::string::npos) << e.what();
+    }
+  }, cohort::Millis(1500));
+}
+
 TEST(Pipeline, AnActivationOfAnotherShapeIsNamed) {
   run_ranks(2, "", [&](ProcessGroup& pg) {
     auto l = layer(0);

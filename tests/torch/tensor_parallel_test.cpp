@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "cohort/torch.hpp"
+#include "cohort/torch_train.hpp"
 #include "cohort/torch_tensor_parallel.hpp"
 #include "test_util.hpp"
 
@@ -205,6 +206,36 @@ TEST(TensorParallel, DropoutKeepsReplicasEqualAndSplitsDrawTheirOwn) {
     EXPECT_LT(zeros, 0.4);
     EXPECT_TRUE(torch::equal(tp::dropout(x, 0.3, rng.parallel(), /*training=*/false), x));
     EXPECT_THROW(tp::dropout(x, 1.0, rng.parallel(), true), cohort::InvalidArgument);
+  });
+}
+
+// Full state round trip at tp 3 (a fused q|k|v layer), and states that do not
+// fit are named, never sliced past their end.
+TEST(TensorParallel, FullStateRoundTripsAndAWrongStateIsNamed) {
+  run_ranks(3, "", [](ProcessGroup& pg) {
+    torch::nn::Sequential net;
+    net->push_back(tp::ColumnParallelLinear(borrow(pg), 4, 18, {.blocks = 3, .init = seeded_init(51)}));
+    const auto full = tp::full_module_state(*net);
+    ASSERT_EQ(full.size(), 2u);
+    EXPECT_EQ(full[0].shape, (std::vector<int64_t>{18, 4}));
+    expect_close(cohort::torch::from_named(full[0]), seeded({18, 4}, 51), "gathered weight");
+    torch::nn::Sequential again;
+    again->push_back(tp::ColumnParallelLinear(borrow(pg), 4, 18, {.blocks = 3, .init = seeded_init(99)}));
+    tp::load_full_module_state(*again, full);
+    expect_close(again->parameters()[0].detach(), net->parameters()[0].detach(), "reloaded slice");
+    auto wrong = full;
+    wrong[0] = cohort::torch::to_named(full[0].name, torch::zeros({6, 4}));  // a smaller model's
+    try {
+      tp::load_full_module_state(*again, wrong);
+      ADD_FAILURE() << "loaded a [6, 4] state into an [18, 4] layer";
+    } catch (const cohort::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("\"0.weight\" is [6, 4] in the state"), std::string::npos) << e.what();
+    }
+    // Targets the vocabulary does not have, or of the wrong type, are named.
+    const Tensor logits = torch::zeros({2, 4});
+    EXPECT_THROW(tp::vocab_parallel_cross_entropy(logits, torch::tensor({0, 12}, torch::kLong), pg), cohort::InvalidArgument);
+    EXPECT_THROW(tp::vocab_parallel_cross_entropy(logits, torch::tensor({0, -100}, torch::kLong), pg), cohort::InvalidArgument);
+    EXPECT_THROW(tp::vocab_parallel_cross_entropy(logits, torch::tensor({0, 1}, torch::kInt), pg), cohort::InvalidArgument);
   });
 }
 
