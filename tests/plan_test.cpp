@@ -253,6 +253,14 @@ TEST(Planner, TransformerParametersMatchMegatronTable1) {
   }
 }
 
+// The cost table `cohort plan --cluster` builds from a cluster's datasheet.
+CostTable datasheet_table(const ClusterFlags& cf) {
+  CostTable t;
+  t.source = "test";
+  apply_datasheet(t, cluster_spec(cf));
+  return t;
+}
+
 // ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, mixed-precision Adam (K = 12), 64 devices:
 // 120 GB per device replicated, 31.4 with P_os, 16.6 with P_os+g, 1.9 with P_os+g+p.
 TEST(Planner, ZeroMemoryMatchesThePaper) {
@@ -270,9 +278,7 @@ TEST(Planner, ZeroMemoryMatchesThePaper) {
   c.inter_gbps = 1600;
   ClusterFlags cf;
   cf.spec = c;
-  CostTable t;
-  t.source = "test";
-  apply_datasheet(t, cluster_spec(cf));
+  const CostTable t = datasheet_table(cf);
   const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
   std::map<int, double> gb;
   for (const Layout& L : r.layouts) gb[L.zero] = L.memory_gb;
@@ -288,9 +294,7 @@ TEST(Planner, PipelineBubbleIsPMinusOneOverM) {
   ClusterFlags cf;
   cf.preset = "a100-80g";
   cf.spec.hosts = 64;
-  CostTable t;
-  t.source = "test";
-  apply_datasheet(t, cluster_spec(cf));
+  const CostTable t = datasheet_table(cf);
   const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
   bool seen = false;
   for (const Layout& L : r.layouts) {
@@ -309,9 +313,7 @@ TEST(Planner, NothingFitsSaysWhatTheSmallestLayoutNeeds) {
   ClusterFlags cf;
   cf.preset = "a100-80g";
   cf.spec.hosts = 1;
-  CostTable t;
-  t.source = "test";
-  apply_datasheet(t, cluster_spec(cf));
+  const CostTable t = datasheet_table(cf);
   const std::string e = error_of([&] { plan_layouts(model_spec(f), cluster_spec(cf), t); });
   EXPECT_TRUE(contains(e, "fits no layout on 1 host(s) x 8 device(s) of 85.9 GB")) << e;  // 80 GiB
   EXPECT_TRUE(contains(e, "needs")) << e;
@@ -324,9 +326,7 @@ TEST(Planner, ShardedStagesCommunicatePerMicroBatch) {
   ClusterFlags cf;
   cf.preset = "a100-80g";
   cf.spec.hosts = 2;
-  CostTable t;
-  t.source = "test";
-  apply_datasheet(t, cluster_spec(cf));
+  const CostTable t = datasheet_table(cf);
   std::map<int, std::map<int, double>> dp_ms;  // micro-batch -> zero stage -> data-parallel ms
   for (int mb : {4, 1}) {
     ModelFlags f;

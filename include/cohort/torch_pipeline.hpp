@@ -175,6 +175,7 @@ class COHORT_API Pipeline {
   std::vector<ChunkForward> chunks_;
   PipelineOptions opts_;
   std::vector<Action> actions_;
+  std::vector<int> last_backward_;  // per chunk: the micro-batch of its last backward in actions_
   // Send activations to the next rank / receive them from the previous one;
   // send gradients to the previous rank / receive them from the next one.
   std::shared_ptr<ProcessGroup> act_next_, act_prev_, grad_prev_, grad_next_;

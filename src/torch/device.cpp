@@ -213,6 +213,15 @@ void* current_stream_handle(const ::torch::Device& device) {
   return t.to(want).contiguous();
 }
 
+void wait_keeping(const WorkPtr& work, std::vector<::torch::Tensor> keep) {
+  try {
+    work->wait();
+  } catch (...) {
+    (void)new std::vector<::torch::Tensor>(std::move(keep));
+    throw;
+  }
+}
+
 void host_collective(ProcessGroup& group, const std::vector<Buffer>& host,
                      const std::function<WorkPtr(const std::vector<Buffer>&)>& issue) {
   const int gpu = group.cuda_device();

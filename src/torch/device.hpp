@@ -55,6 +55,10 @@ void* current_stream_handle(const ::torch::Device& device);
 // already, else a contiguous copy on the group's GPU (nccl) or the CPU.
 ::torch::Tensor in_group_memory(const ProcessGroup& group, const ::torch::Tensor& t);
 
+// Waits for `work`, which reads or writes `keep`; if it fails, the tensors
+// are leaked rather than freed under a transfer that may still run.
+void wait_keeping(const WorkPtr& work, std::vector<::torch::Tensor> keep);
+
 // Issues a collective on small host buffers and waits for it; on a group that
 // moves GPU memory only, through tensors on its GPU (copied back after).
 void host_collective(ProcessGroup& group, const std::vector<Buffer>& host,

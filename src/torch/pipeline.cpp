@@ -198,14 +198,8 @@ void check_same_everywhere(ProcessGroup& pp, const PipelineOptions& o) {
                           "sends to the next (e.g. {micro_batch, tokens, width})");
 }
 
-void wait_recv(const WorkPtr& w, const Tensor& keep) {
-  try {
-    w->wait();
-  } catch (...) {
-    (void)new Tensor(keep);  // the transport may still write into it
-    throw;
-  }
-}
+// Seconds on the steady clock (one clock for every process of a host).
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
 
@@ -221,6 +215,9 @@ Pipeline::Pipeline(std::shared_ptr<ProcessGroup> pp, std::vector<ChunkForward> c
                                       opts_.ddp.size(), chunks_.size()));
   check_counts(opts_.schedule, pp_->rank(), pp_->size(), opts_.micro_batches, opts_.chunks);
   actions_ = schedule_actions(opts_.schedule, pp_->rank(), pp_->size(), opts_.micro_batches, opts_.chunks);
+  last_backward_.assign(opts_.chunks, -1);
+  for (const Action& a : actions_)
+    if (a.kind == Action::Backward) last_backward_[a.chunk] = a.micro;
   // One group per link and direction, created in the same order on every
   // stage: a send waits only behind earlier sends on its own link.
   const int p = pp_->size(), r = pp_->rank();
@@ -268,12 +265,12 @@ void Pipeline::forward(const Action& a, const Inputs& inputs, const Loss& loss) 
     k.input = inputs(a.micro);
   } else {
     k.input = ::torch::empty(opts_.activation, ::torch::TensorOptions().dtype(opts_.dtype));
-    wait_recv(act_prev_->recv(Buffer{k.input.data_ptr(), static_cast<size_t>(k.input.numel()), to_dtype(opts_.dtype)},
+    wait_keeping(act_prev_->recv(Buffer{k.input.data_ptr(), static_cast<size_t>(k.input.numel()), to_dtype(opts_.dtype)},
                               other(*act_prev_), {.tag = edge_tag(a.micro, virtual_stage(a.chunk) - 1, virtual_stages())}),
-              k.input);
+              {k.input});
     k.input.requires_grad_(true);
   }
-  const double start = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const double start = now_s();
   {
     cohort::timeline::Span span("pp forward", "pipeline");
     if (!opts_.ddp.empty()) opts_.ddp[a.chunk]->pre_forward();
@@ -300,7 +297,7 @@ void Pipeline::forward(const Action& a, const Inputs& inputs, const Loss& loss) 
       sent_.push_back(send);
     }
   }
-  const double end = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const double end = now_s();
   stats_.actions.push_back({a, start, end});
 }
 
@@ -309,19 +306,16 @@ void Pipeline::backward(const Action& a) {
   Tensor grad;
   if (!last_virtual(a.chunk)) {
     grad = ::torch::empty(opts_.activation, ::torch::TensorOptions().dtype(opts_.dtype));
-    wait_recv(grad_next_->recv(Buffer{grad.data_ptr(), static_cast<size_t>(grad.numel()), to_dtype(opts_.dtype)},
+    wait_keeping(grad_next_->recv(Buffer{grad.data_ptr(), static_cast<size_t>(grad.numel()), to_dtype(opts_.dtype)},
                                other(*grad_next_), {.tag = edge_tag(a.micro, virtual_stage(a.chunk), virtual_stages())}),
-              grad);
+              {grad});
   }
-  const double start = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const double start = now_s();
   {
     cohort::timeline::Span span("pp backward", "pipeline");
     // DDP over dp: only the chunk's last backward of the step synchronises.
-    int last_micro = -1;
-    for (const Action& b : actions_)
-      if (b.kind == Action::Backward && b.chunk == a.chunk) last_micro = b.micro;
     std::optional<ddp::NoSyncGuard> no_sync;
-    if (!opts_.ddp.empty() && a.micro != last_micro) no_sync.emplace(opts_.ddp[a.chunk]->reducer());
+    if (!opts_.ddp.empty() && a.micro != last_backward_[a.chunk]) no_sync.emplace(opts_.ddp[a.chunk]->reducer());
     if (grad.defined()) ::torch::autograd::backward({k.output}, {grad});
     else ::torch::autograd::backward({k.output});
     if (!first_virtual(a.chunk)) {
@@ -332,7 +326,7 @@ void Pipeline::backward(const Action& a) {
     }
   }
   k = InFlight{};
-  const double end = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const double end = now_s();
   stats_.actions.push_back({a, start, end});
 }
 

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <set>
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
@@ -23,17 +22,6 @@ using ::torch::autograd::variable_list;
 namespace {
 
 Buffer buffer_of(const Tensor& t) { return Buffer{t.data_ptr(), static_cast<size_t>(t.numel()), to_dtype(t.scalar_type())}; }
-
-// Waits for a collective that reads and writes `keep`; if it fails, the
-// tensors are leaked rather than freed under a transfer that may still run.
-void wait_keeping(const WorkPtr& work, std::vector<Tensor> keep) {
-  try {
-    work->wait();
-  } catch (...) {
-    (void)new std::vector<Tensor>(std::move(keep));
-    throw;
-  }
-}
 
 // Collectives on the group's memory (host, or the nccl group's GPU), ordered
 // after LibTorch's current stream there; results come back on x's device.
@@ -377,37 +365,50 @@ Tensor dropout(const Tensor& x, double p, at::Generator& gen, bool training) {
   return x * keep.to(x.device()).div_(1 - p);
 }
 
-ParameterSplit split_parameters(::torch::nn::Module& module) {
-  std::set<const void*> sharded;
-  ParameterSplit out;
-  auto add = [&](const Tensor& t) {
-    if (t.defined() && sharded.insert(t.unsafeGetTensorImpl()).second) out.sharded.push_back(t);
-  };
+namespace {
+
+// How a sharded parameter lies in its full tensor: split along `dim` into
+// group-size parts, within each of `blocks` equal blocks along dim 0.
+struct Layout {
+  ProcessGroup* group;
+  int64_t dim, blocks;
+};
+
+std::map<const void*, Layout> layouts(::torch::nn::Module& module) {
+  std::map<const void*, Layout> out;
   for (const auto& m : module.modules(/*include_self=*/true)) {
     if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.get())) {
-      add(c->weight);
-      add(c->bias);
+      for (const Tensor* t : {&c->weight, &c->bias})
+        if (t->defined()) out[t->unsafeGetTensorImpl()] = {&c->group(), 0, c->options().blocks};
     } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m.get())) {
-      add(r->weight);
+      out[r->weight.unsafeGetTensorImpl()] = {&r->group(), 1, 1};
     } else if (auto* e = dynamic_cast<VocabParallelEmbeddingImpl*>(m.get())) {
-      add(e->weight);
+      out[e->weight.unsafeGetTensorImpl()] = {&e->group(), 0, 1};
     }
   }
+  return out;
+}
+
+}  // namespace
+
+ParameterSplit split_parameters(::torch::nn::Module& module) {
+  const auto sharded = layouts(module);
+  ParameterSplit out;
   for (const auto& p : module.parameters())
-    if (!sharded.count(p.unsafeGetTensorImpl())) out.replicated.push_back(p);
+    (sharded.count(p.unsafeGetTensorImpl()) ? out.sharded : out.replicated).push_back(p);
   return out;
 }
 
 double clip_grad_norm(::torch::nn::Module& module, double max_norm, ProcessGroup& model_parallel, int tp_rank) {
   const ParameterSplit split = split_parameters(module);
-  double local = 0;
+  Tensor local = ::torch::zeros({}, ::torch::kDouble);
   auto add = [&](const std::vector<Tensor>& ps) {
     for (const auto& p : ps)
-      if (p.grad().defined()) local += p.grad().to(::torch::kDouble).pow(2).sum().item<double>();
+      if (p.grad().defined()) local += p.grad().to(::torch::kDouble).pow(2).sum().cpu();
   };
   add(split.sharded);
   if (tp_rank == 0) add(split.replicated);
-  const double norm = std::sqrt(allreduce_scalar(model_parallel, local));
+  const double norm = std::sqrt(allreduce_scalar(model_parallel, local.item<double>()));  // one host sync
   if (max_norm > 0 && norm > max_norm) {
     const double coef = max_norm / (norm + 1e-6);
     ::torch::NoGradGuard no_grad;
@@ -439,28 +440,6 @@ void sync_sequence_parallel_grads(const std::vector<Tensor>& params, ProcessGrou
 }
 
 namespace {
-
-// How a sharded parameter lies in its full tensor: split along `dim` into
-// group-size parts, within each of `blocks` equal blocks along dim 0.
-struct Layout {
-  ProcessGroup* group;
-  int64_t dim, blocks;
-};
-
-std::map<const void*, Layout> layouts(::torch::nn::Module& module) {
-  std::map<const void*, Layout> out;
-  for (const auto& m : module.modules(/*include_self=*/true)) {
-    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m.get())) {
-      for (const Tensor* t : {&c->weight, &c->bias})
-        if (t->defined()) out[t->unsafeGetTensorImpl()] = {&c->group(), 0, c->options().blocks};
-    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m.get())) {
-      out[r->weight.unsafeGetTensorImpl()] = {&r->group(), 1, 1};
-    } else if (auto* e = dynamic_cast<VocabParallelEmbeddingImpl*>(m.get())) {
-      out[e->weight.unsafeGetTensorImpl()] = {&e->group(), 0, 1};
-    }
-  }
-  return out;
-}
 
 // [blocks, n / blocks, ...] views of a tensor split along dim 0 in blocks.
 std::vector<int64_t> blocked(const Tensor& t, int64_t blocks) {
