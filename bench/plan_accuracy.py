@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """How close `cohort plan`'s predicted collective times come to measured ones.
 
-1. Calibrates (`cohort bench --calibrate`) the shm class at --calibrate-ranks
-   ranks on this host, and the tcp_cross class on network namespaces joined
-   by veth links (one rank per "host", 2, 4 and 8 hosts).
+1. Calibrates (`cohort bench --calibrate`, powers of 2 from 8 B) the shm
+   class at --calibrate-ranks ranks on this host, and the tcp_cross class on
+   network namespaces joined by veth links (one rank per "host", at
+   --calibrate-hosts hosts).
 2. Measures, in separate runs, allreduce, allgather, reduce_scatter and
-   broadcast with `cohort bench` at 16 B, 64 B, ... 16 MiB and 64 MiB (all
-   but the last sizes the calibration never ran), twice: on shared
-   memory at --shm-ranks ranks, and across 2 namespace hosts with 1, 2 and 4
-   ranks each (2 to 8 ranks: with 2 or more per host the node-aware
-   algorithms, whose phases the model composes from both classes).
+   broadcast with `cohort bench` at 24 B, 96 B, ... 24 MiB (each halfway, in
+   log, between two calibrated sizes) and 64 MiB, twice: on shared memory at
+   --shm-ranks ranks, and across 2 namespace hosts with 1, 2 and 4 ranks each
+   (2 to 8 ranks: with 2 or more per host the node-aware algorithms, whose
+   phases the model composes from both classes).
 3. Prints, per layout and collective, the share of sizes predicted within
-   20% and the worst error, and writes every row (--csv).
+   20% and the worst error, and writes every row (--csv). Then predicts the
+   --leave-out group sizes again from the calibration without them: what the
+   cross-size fit gives for a group size nobody calibrated.
 
 Needs root for the namespaces; never touches the host's own network.
 Benchmarks are not tests: the numbers depend on this machine.
@@ -20,6 +23,7 @@ Benchmarks are not tests: the numbers depend on this machine.
 """
 import argparse
 import csv
+import json
 import os
 import re
 import subprocess
@@ -35,12 +39,13 @@ ROW = re.compile(r"^\s*(?:\[rank0\]:)?\s+(\d+)\s+(\d+)\s+\S+\s+\S+\s+-?\d+\s+([0
 
 
 def sizes(top):
-    """16 B, 64 B, ... by factors of 4 (the calibration runs 8 B, 32 B, ...: none of these), and the top."""
-    out, s = [], 16
-    while s <= top:
+    """24 B, 96 B, ... by factors of 4, and the top: the calibration runs the powers of 2 from 8 B, so
+    each of these but the top lies halfway (in log) between two calibrated sizes."""
+    out, s = [], 24
+    while s < top:
         out.append(s)
         s *= 4
-    return out if out[-1] == top else out + [top]
+    return out + [top]
 
 
 def run(cmd, env=None):
@@ -56,7 +61,7 @@ def measured(text):
     out = {}
     for line in text.splitlines():
         m = ROW.match(line)
-        if m:
+        if m and int(m.group(1)) > 0:  # a size too small to give every rank an element runs as 0 B
             out[int(m.group(1))] = float(m.group(3))
     return out
 
@@ -94,7 +99,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default="build")
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--calibrate-ranks", default="2,4,8")
+    ap.add_argument("--calibrate-ranks", default="2,3,4,6,8", help="shm group sizes to calibrate")
+    ap.add_argument("--calibrate-hosts", default="2,4,8", help="namespace hosts (one rank each) to calibrate")
+    ap.add_argument("--leave-out", default="3,6",
+                    help="also predict these shm group sizes from a copy of the calibration without them (the "
+                         "cross-size fit, for group sizes never calibrated)")
     ap.add_argument("--shm-ranks", default="2,3,4,6,8")
     ap.add_argument("--netns-per-host", default="1,2,4")
     ap.add_argument("--skip-netns", action="store_true")
@@ -129,7 +138,7 @@ def main():
     if not args.skip_netns:
         if os.geteuid() != 0:
             sys.exit("plan_accuracy: the namespace part needs root (or pass --skip-netns)")
-        for hosts in map(int, args.calibrate_ranks.split(",")):
+        for hosts in map(int, args.calibrate_hosts.split(",")):
             print(f"# calibrating tcp_cross on {hosts} namespace hosts", file=sys.stderr, flush=True)
             lab = Lab("", machines=hosts)
             try:
@@ -153,6 +162,22 @@ def main():
         pred = predicted(cohort, cal, coll, sorted(got), hosts, per_host, where != "shm")
         rows += [(where, hosts, per_host, coll, s, got[s], *pred[s]) for s in sorted(got)]
     report(rows, args.csv)
+    leave_out = set(map(int, args.leave_out.split(","))) if args.leave_out else set()
+    if leave_out:
+        without = os.path.join(tmp, "without.json")
+        with open(cal) as f:
+            j = json.load(f)
+        j["classes"]["shm"]["samples"] = [x for x in j["classes"]["shm"]["samples"] if x[2] not in leave_out]
+        with open(without, "w") as f:
+            json.dump(j, f)
+        print(f"\nThe same measurements at {sorted(leave_out)} ranks, predicted from the calibration without "
+              "those group sizes:\n")
+        rows = []
+        for where, hosts, per_host, coll, got in measurements:
+            if where == "shm" and per_host in leave_out:
+                pred = predicted(cohort, without, coll, sorted(got), hosts, per_host, False)
+                rows += [("shm unseen n", hosts, per_host, coll, s, got[s], *pred[s]) for s in sorted(got)]
+        report(rows, args.csv.replace(".csv", "-unseen.csv") if args.csv else None)
 
 
 def predict_again(cohort, cal, old_csv, csv_path):

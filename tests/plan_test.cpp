@@ -239,6 +239,50 @@ TEST(PlanPredict, OrdinaryBuffersRunTheRingWhereSharedOnesWouldSingleCopy) {
 }
 
 // Megatron-LM SC21 (Narayanan et al. 2021), Table 1: parameters from eq. 2 for its configurations.
+TEST(PlanPredict, AMeasuredGroupIsReadFromItsOwnSamples) {
+  // 2 ranks copy fast, 8 ranks on the same 2 cores queue: no one set of coefficients holds both.
+  Calibration cal;
+  cal.cohort_version = "t";
+  ClassSamples& cs = cal.classes[LinkClass::Shm];
+  cs.cores = 2;
+  for (double b : {1.0 * (1 << 20), 4.0 * (1 << 20), 16.0 * (1 << 20)}) {
+    cs.samples.push_back({Coll::Allgather, Algo::Ring, 2, 2, b, 1 + b * 1e-4});
+    cs.samples.push_back({Coll::Allgather, Algo::Ring, 8, 8, b, 200 + b * 3e-3});
+    cal.classes[LinkClass::TcpCross].samples.push_back({Coll::Allgather, Algo::Ring, 2, 2, b, 30 + b * 1e-3});
+  }
+  cal.classes[LinkClass::TcpCross].cores = 2;
+  const CostTable t = cost_table(cal, "test");
+  GroupShape g;
+  g.ranks_per_host = 2;
+  // Between two measured sizes: the alpha-beta line through them; past the last, the last interval's line.
+  Prediction p = predict_collective(t, Coll::Allgather, 2 << 20, g);
+  EXPECT_NEAR(p.us, 1 + (2 << 20) * 1e-4, 1e-6);
+  EXPECT_TRUE(contains(p.how, "(measured group)")) << p.how;
+  EXPECT_NEAR(predict_collective(t, Coll::Allgather, 64 << 20, g).us, 1 + (64 << 20) * 1e-4, 1e-6);
+  g.ranks_per_host = 8;
+  EXPECT_NEAR(predict_collective(t, Coll::Allgather, 8 << 20, g).us, 200 + (8 << 20) * 3e-3, 1e-6);
+  // A group size never measured takes the fit over all of them.
+  g.ranks_per_host = 4;
+  p = predict_collective(t, Coll::Allgather, 8 << 20, g);
+  EXPECT_FALSE(contains(p.how, "(measured group)")) << p.how;
+  const ClassCosts& costs = t.classes.at(LinkClass::Shm);
+  const AlgoCost* fit = costs.find("allgather/ring", 8 << 20);
+  ASSERT_NE(fit, nullptr);
+  EXPECT_NEAR(p.us, cost_us(*fit, algo_shape(Coll::Allgather, Algo::Ring, 8 << 20, 4), Contention{4, 2}), 1e-6);
+  // Ranks of one host among several (a phase of the node-aware algorithms, here on namespaces of one
+  // machine where all 4 ranks share the cores) are not the group that was measured.
+  g.hosts = 2;
+  g.ranks_per_host = 2;
+  g.same_machine = true;
+  p = predict_collective(t, Coll::Allgather, 8 << 20, g);
+  EXPECT_EQ(p.algo, Algo::Hierarchical);
+  EXPECT_FALSE(contains(p.how, "(measured group)")) << p.how;
+  // Two namespaces of one rank each are the tcp_cross group that was measured.
+  g.ranks_per_host = 1;
+  p = predict_collective(t, Coll::Allgather, 2 << 20, g);
+  EXPECT_NEAR(p.us, 30 + (2 << 20) * 1e-3, 1e-6);
+}
+
 TEST(Planner, TransformerParametersMatchMegatronTable1) {
   struct Row {
     const char* preset;

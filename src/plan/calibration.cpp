@@ -121,6 +121,10 @@ ClassCosts fit_class(const ClassSamples& cs) {
   out.single_copy = cs.single_copy;
   out.measured = cs.measured;
   for (auto& [key, samples] : by_key) out.fits[key] = fit_algo(samples, cs.cores, cs.segment);
+  for (const Sample& s : cs.samples)
+    if (s.n > 1 && s.us > 0)
+      out.by_group[group_key(algo_key(s.coll, s.algo), s.n, s.machine_ranks)].emplace_back(s.bytes, s.us);
+  for (auto& [key, pts] : out.by_group) std::sort(pts.begin(), pts.end());
   return out;
 }
 

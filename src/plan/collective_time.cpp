@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "cohort/error.hpp"
 
@@ -36,8 +37,10 @@ class Predictor {
   Predictor(const CostTable& t, const GroupShape& g, const collectives::Thresholds& th) : t_(t), g_(g), th_(th) {}
 
   // One algorithm of one collective among n ranks on one class; `flows` of
-  // them share each host's link when the class crosses hosts.
-  double flat(LinkClass cls, Coll c, Algo a, double bytes, int n, int flows, std::string& how) const {
+  // them share each host's link when the class crosses hosts. `alone`: these
+  // n ranks run as a calibration run would (one host, or one rank per host),
+  // so where the class was measured at this group its samples give the time.
+  double flat(LinkClass cls, Coll c, Algo a, double bytes, int n, int flows, bool alone, std::string& how) const {
     if (n <= 1) return 0;
     auto it = t_.classes.find(cls);
     if (it == t_.classes.end())
@@ -53,7 +56,9 @@ class Predictor {
     const Shape s = algo_shape(c, a, bytes, n);
     const int cores = g_.cores_per_host > 0 ? g_.cores_per_host : std::max(1, it->second.cores);
     const int machine_ranks = g_.same_machine ? g_.nranks() : g_.ranks_per_host;
-    double us = cost_us(*cost, s, Contention{machine_ranks, cores});
+    const std::optional<double> seen =
+        alone ? it->second.at_measured_group(algo_key(c, a), bytes, n, machine_ranks) : std::nullopt;
+    double us = seen ? *seen : cost_us(*cost, s, Contention{machine_ranks, cores});
     if (cls == LinkClass::TcpCross && g_.cross_gbps > 0) {
       // TCP's payload is 1448 bytes of the 1538 a full Ethernet frame takes on the line (MTU 1500 with
       // TCP timestamps; header 14, FCS 4, preamble 8, gap 12): 0.94 of the line rate.
@@ -61,7 +66,8 @@ class Predictor {
       const double wire_us = s.steps * cost->alpha_us + flows * s.bytes / (g_.cross_gbps * payload * 1e9 / 8) * 1e6;
       us = std::max(us, wire_us);
     }
-    how += fmt::format("{}{} on {} x{}", how.empty() ? "" : " + ", algo_key(c, a), link_class_name(cls), n);
+    how += fmt::format("{}{} on {} x{}{}", how.empty() ? "" : " + ", algo_key(c, a), link_class_name(cls), n,
+                       seen ? " (measured group)" : "");
     return us;
   }
 
@@ -91,15 +97,15 @@ class Predictor {
       // Recursive doubling and the binomial tree pair ranks 1, 2, 4, ... apart: with the ranks of a
       // host numbered together, the first log2 L steps stay on the host and the last log2 H cross,
       // each the same step as in a group of L (or H) ranks.
-      p.us = flat(g_.local, c, p.algo, bytes, g_.ranks_per_host, 1, p.how) +
-             flat(g_.cross, c, p.algo, bytes, g_.hosts, g_.ranks_per_host, p.how);
+      p.us = flat(g_.local, c, p.algo, bytes, g_.ranks_per_host, 1, true, p.how) +
+             flat(g_.cross, c, p.algo, bytes, g_.hosts, g_.ranks_per_host, false, p.how);
       return p;
     }
     if (p.algo != Algo::Hierarchical) {
       // Flat: on several hosts every step of the other flat algorithms has a pair across hosts.
       const LinkClass cls = one_host ? g_.local : g_.cross;
       const int flows = p.algo == Algo::Ring || p.algo == Algo::Pipeline ? 1 : g_.ranks_per_host;
-      p.us = flat(cls, c, p.algo, bytes, n, flows, p.how);
+      p.us = flat(cls, c, p.algo, bytes, n, flows, one_host || g_.ranks_per_host == 1, p.how);
       return p;
     }
     p.us = hierarchical(c, bytes, p.how);
@@ -115,19 +121,19 @@ class Predictor {
       case Coll::Allreduce: {
         const double part = bytes / L;
         const Algo cross = part <= double(th_.allreduce_rd_max_tcp) ? Algo::RecursiveDoubling : Algo::Ring;
-        return flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes, L, 1, how) +
-               flat(g_.cross, Coll::Allreduce, cross, part, H, L, how) +
-               flat(g_.local, Coll::Allgather, Algo::Ring, bytes, L, 1, how);
+        return flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes, L, 1, true, how) +
+               flat(g_.cross, Coll::Allreduce, cross, part, H, L, false, how) +
+               flat(g_.local, Coll::Allgather, Algo::Ring, bytes, L, 1, true, how);
       }
       case Coll::Allgather:
-        return flat(g_.cross, Coll::Allgather, Algo::Ring, bytes / L, H, L, how) +
-               flat(g_.local, Coll::Allgather, Algo::Ring, bytes, L, 1, how);
+        return flat(g_.cross, Coll::Allgather, Algo::Ring, bytes / L, H, L, false, how) +
+               flat(g_.local, Coll::Allgather, Algo::Ring, bytes, L, 1, true, how);
       case Coll::ReduceScatter:
-        return flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes, L, 1, how) +
-               flat(g_.cross, Coll::ReduceScatter, Algo::Ring, bytes / L, H, L, how);
+        return flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes, L, 1, true, how) +
+               flat(g_.cross, Coll::ReduceScatter, Algo::Ring, bytes / L, H, L, false, how);
       case Coll::Broadcast:
-        return flat(g_.cross, Coll::Broadcast, bcast_algo(H), bytes, H, 1, how) +
-               flat(g_.local, Coll::Broadcast, bcast_algo(L), bytes, L, 1, how);
+        return flat(g_.cross, Coll::Broadcast, bcast_algo(H), bytes, H, 1, true, how) +
+               flat(g_.local, Coll::Broadcast, bcast_algo(L), bytes, L, 1, true, how);
       default: break;
     }
     throw InvalidArgument(fmt::format("{} has no node-aware algorithm", collectives::coll_name(c)));

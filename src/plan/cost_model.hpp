@@ -75,9 +75,23 @@ int size_band(double bytes);
 const char* band_name(int band);  // "small", "medium", "large", "huge"
 std::string band_key(const std::string& key, int band);  // "allreduce/ring@large"
 
+// The key of one algorithm measured on one group: "allreduce/ring@n4m4"
+// (n ranks, m of them sharing the machine's cores).
+std::string group_key(const std::string& key, int n, int machine_ranks);
+
 // One link class's costs: per algorithm key and band, or "*" for every algorithm.
 struct ClassCosts {
   std::map<std::string, AlgoCost> fits;
+  // The samples themselves, per group_key, sorted by bytes (calibrated
+  // classes only). One set of coefficients over every group size cannot
+  // hold both a core per rank and ranks that wait for a core (on a 2-core
+  // machine 2 ranks copy at cache speed and 8 ranks queue): a group the
+  // class was measured at is read from its own samples instead.
+  std::map<std::string, std::vector<std::pair<double, double>>> by_group;  // bytes -> us
+  // At a measured group with 2 or more sizes of this algorithm: the time on
+  // the alpha-beta line through the two measured sizes around `bytes` (the
+  // first two or the last two outside them). Else nullopt.
+  std::optional<double> at_measured_group(const std::string& key, double bytes, int n, int machine_ranks) const;
   int cores = 0;             // of the machine it was measured on (0: datasheet)
   bool single_copy = false;  // the group could use single copy (shm)
   std::string measured;      // how and when, for people
