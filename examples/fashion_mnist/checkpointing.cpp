@@ -19,13 +19,17 @@
 // after the samples the old world had taken; its sharded optimizer state
 // (--shard) is resharded to the new world (restore_sharded_optimizer), or
 // gathered into a whole one for a run without --shard, and a whole one is cut
-// into shards for a run with it.
+// into shards for a run with it. The same holds for --shard fsdp's sharded
+// model: it loads into a run without FSDP (gathered from every rank's part),
+// and a whole model into an FSDP run (cut into its shards).
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <optional>
 #include <tuple>
 
 #include "parts.hpp"
@@ -61,34 +65,63 @@ void note_earlier_checkpoints(const std::string& dir) {
                 dir.c_str(), static_cast<long long>(steps.back()));
 }
 
-// Rank 0's choice, "" when none fits: with `any_run` (--resume) or no job id,
-// the newest valid checkpoint; else the newest one whose configuration names
-// `run_id`, so that a restart never resumes an earlier run's checkpoints left
-// in the same directory (which may have a higher step). Prints what it skips.
-std::string choose_checkpoint(const std::string& dir, const cohort::LoadOptions& lopts, bool any_run,
-                              const std::string& run_id) {
-  auto latest = cohort::load_latest_valid(dir, lopts);
-  if (!latest) return "";
+// A run configuration's --shard ("none" for one that predates the flag, or no configuration at all).
+std::string shard_of(const nlohmann::json& config) {
+  if (!config.is_object()) return "none";
+  const auto it = config.find("shard");
+  return it != config.end() && it->is_string() ? it->get<std::string>() : "none";
+}
+
+struct Chosen {
+  std::string path;          // "": none fits
+  std::string shard = "none";  // the --shard it was written with
+};
+
+// Rank 0's choice, printing what it skips: with `any_run` (--resume) or no
+// job id, the newest valid checkpoint; else the newest one whose
+// configuration names `run_id`, so that a restart never resumes an earlier run's checkpoints left in the same
+// directory (which may have a higher step). A checkpoint with neither a whole
+// model nor FSDP's parts was not written by this program: skipped too.
+Chosen choose_checkpoint(const std::string& dir, bool any_run, const std::string& run_id) {
+  auto latest = cohort::load_latest_valid(dir);
+  if (!latest) return {};
   for (const auto& s : latest->skipped) std::printf("resume: skipped %s\n", s.c_str());
-  if (any_run || run_id.empty()) return latest->path;
   const auto steps = cohort::list_checkpoint_steps(dir);
   for (auto at = steps.rbegin(); at != steps.rend(); ++at) {
     if (*at > latest->step) continue;
     try {
       auto c = *at == latest->step ? std::move(*latest)
-                                   : cohort::load_checkpoint(fmt::format("{}/step_{:09d}", dir, *at), lopts);
-      if (nlohmann::json::parse(c.manifest.config).value("run", std::string()) == run_id) return c.path;
-      std::printf("resume: skipped %s: written by another run\n", c.path.c_str());
+                                   : cohort::load_checkpoint(fmt::format("{}/step_{:09d}", dir, *at));
+      const auto config = nlohmann::json::parse(c.manifest.config, nullptr, false);
+      const std::string shard = shard_of(config);
+      const auto run = config.is_object() ? config.find("run") : config.end();
+      if (!c.files.contains(shard == "fsdp" ? "model.rank0" : "model"))
+        std::printf("resume: skipped %s: it holds no model of this program\n", c.path.c_str());
+      else if (any_run || run_id.empty() || (run != config.end() && *run == run_id))
+        return Chosen{c.path, shard};
+      else
+        std::printf("resume: skipped %s: written by another run\n", c.path.c_str());
     } catch (const cohort::IoError& e) {
       std::printf("resume: skipped step %lld: %s\n", static_cast<long long>(*at), e.what());
     }
   }
-  return "";
+  return {};
 }
 
-// A run configuration's --shard ("none" for one that predates the flag, or no configuration at all).
-std::string shard_of(const nlohmann::json& config) {
-  return config.is_object() ? config.value("shard", "none") : "none";
+// What a resume does with state written under --shard `then` in a run with --shard `now` ("": nothing to convert).
+std::string conversion_note(const std::string& then, const std::string& now) {
+  const bool sharded_then = then != "none", sharded_now = now != "none";
+  if (then == now || (then != "fsdp" && now != "fsdp" && sharded_then == sharded_now)) return "";
+  if (then == "fsdp")
+    return sharded_now ? "its model and optimizer state are gathered from every rank's part, the optimizer state "
+                         "then cut into this run's shards"
+                       : "its model and optimizer state are gathered from every rank's part";
+  if (now == "fsdp")
+    return sharded_then ? "its optimizer state is gathered from every rank's part, then cut with the model into this "
+                          "run's shards"
+                        : "its model and optimizer state are cut into this run's shards";
+  return sharded_then ? "its optimizer state is gathered from every rank's part"
+                      : "its optimizer state is cut into this run's shards";
 }
 
 // What fixes the data order and the step count, and what the saved state
@@ -114,19 +147,10 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
   differs("train_samples", "{} training samples", "--train-limit", kOrder);
   differs("model", "--model {}", "--model", "its weights do not fit this model");
   differs("optimizer", "--optimizer {}", "--optimizer", "its optimizer state is another optimizer's");
-  // FSDP's checkpoints hold the model in shards: they resume under --shard fsdp
-  // only (at any world size), and it resumes only them.
-  if ((shard_of(saved) == "fsdp") != (shard_of(now) == "fsdp"))
-    throw cohort::InvalidArgument(fmt::format(
-        "cannot resume from {}: it was written with --shard {}, this run has --shard {}; a --shard fsdp checkpoint "
-        "holds the model in per-rank shards that only --shard fsdp reads (at any world size). HINT: resume with "
-        "--shard {}, or start a new run with another --checkpoint-dir",
-        ck.path, shard_of(saved), shard_of(now), shard_of(saved)));
-  // Sharded (zero1, zero2: the same layout) or whole: either loads into the other (restore).
-  if (lead && (shard_of(saved) != "none") != (shard_of(now) != "none"))
-    std::printf("resume: the checkpoint was written with --shard %s, this run has --shard %s: its optimizer state is %s\n",
-                shard_of(saved).c_str(), shard_of(now).c_str(),
-                shard_of(saved) != "none" ? "gathered from every rank's part" : "cut into this run's shards");
+  // Sharded (zero1, zero2: the same layout; fsdp: the model too) or whole: each loads into the others (restore).
+  if (const std::string note = conversion_note(shard_of(saved), shard_of(now)); lead && !note.empty())
+    std::printf("resume: the checkpoint was written with --shard %s, this run has --shard %s: %s\n",
+                shard_of(saved).c_str(), shard_of(now).c_str(), note.c_str());
   constexpr const char* kSchedule = "this run's learning-rate schedule";
   constexpr const char* kValue = "this run's value";
   if (lead && saved.is_object())
@@ -149,20 +173,70 @@ std::vector<cohort::NamedTensor> part_of(const std::string& path, const char* na
   return std::move(ck.files.at(file));
 }
 
-// --shard fsdp: the model's and the optimizer's shards, resharded from the
-// world that wrote them to this one; each rank reads only the files that
-// hold its part. Collective: when any rank fails, every rank throws.
-void restore_fsdp(cohort::torch::FullyShardedDataParallel& fsdp, torch::optim::Optimizer& optimizer,
-                  cohort::ProcessGroup& pg, const std::string& path) {
+// The files of a checkpoint: those already read, and the others read when
+// first asked for.
+class CheckpointFiles {
+ public:
+  explicit CheckpointFiles(const cohort::LoadedCheckpoint& ck) : ck_(ck) {}
+  const std::vector<cohort::NamedTensor>& operator()(const std::string& name) {
+    if (const auto it = ck_.files.find(name); it != ck_.files.end()) return it->second;
+    auto& slot = later_[name];
+    if (slot.empty()) slot = std::move(cohort::load_checkpoint(ck_.path, {.only_files = {name}}).files.at(name));
+    return slot;
+  }
+
+ private:
+  const cohort::LoadedCheckpoint& ck_;
+  std::map<std::string, std::vector<cohort::NamedTensor>> later_;
+};
+
+// The model's and the optimizer's state, whichever --shard wrote them
+// (`saved`) and whichever this run has: --shard fsdp's parts resharded to
+// this world, or gathered into a whole state for a run without FSDP; a whole
+// state (or ZeRO's parts, gathered) cut into an FSDP run's shards. Under
+// --shard zero1/zero2 the optimizer state waits for the ZeroOptimizer
+// (restore_sharded_optimizer). Collective: when any rank fails, every rank
+// throws.
+void restore_state(const cohort::LoadedCheckpoint& ck, const std::string& saved, const TrainConfig& cfg,
+                   cohort::ProcessGroup& pg, Model& model, torch::optim::Optimizer& optimizer,
+                   cohort::torch::FullyShardedDataParallel* fsdp) {
+  namespace ct = cohort::torch;
+  CheckpointFiles file(ck);
+  // Rank k's part of the saving run: already read (a run without --shard reads every file), else read now.
+  const auto part = [&](const char* name, int rank) {
+    const auto it = ck.files.find(fmt::format("{}.rank{}", name, rank));
+    return it != ck.files.end() ? it->second : part_of(ck.path, name, rank);
+  };
+  const auto model_part = [&](int rank) { return part("model", rank); };
+  const auto optim_part = [&](int rank) { return part("optimizer", rank); };
+  // Written with --shard zero1/zero2 or without --shard: the optimizer's per-parameter state. (An FSDP
+  // run with --param-dtype shows bf16 parameters; ZeRO planned its buckets in the fp32 master dtype.)
+  const auto with_whole_optimizer = [&](const auto& load) {
+    if (saved == "none") return load(file("optimizer"));
+    const auto master = fsdp && cfg.param_dtype != "fp32" ? std::optional(torch::kFloat) : std::nullopt;
+    load(ct::zero_state_to_full(*model.module, optim_part, master));
+  };
   std::string error;
   try {
-    fsdp.load_state_shards([&](int rank) { return part_of(path, "model", rank); });
-    fsdp.load_optimizer_state_shards(optimizer, [&](int rank) { return part_of(path, "optimizer", rank); });
+    if (fsdp && saved == "fsdp") {
+      fsdp->load_state_shards(model_part);
+      fsdp->load_optimizer_state_shards(optimizer, optim_part);
+    } else if (fsdp) {
+      fsdp->load_full_state(file("model"));
+      with_whole_optimizer([&](const std::vector<cohort::NamedTensor>& o) { fsdp->load_full_optimizer_state(optimizer, o); });
+    } else {
+      if (saved == "fsdp") ct::load_module_state(*model.module, ct::fsdp_state_to_full(*model.module, model_part));
+      else ct::load_module_state(*model.module, file("model"));
+      if (cfg.shard == "none" && saved == "fsdp")
+        ct::load_optimizer_state(optimizer, ct::fsdp_optimizer_state_to_full(*model.module, optim_part));
+      else if (cfg.shard == "none")
+        with_whole_optimizer([&](const std::vector<cohort::NamedTensor>& o) { ct::load_optimizer_state(optimizer, o); });
+    }
   } catch (const cohort::Error& e) {
     error = e.what();
   }
-  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
-    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of {}", path)
+  if (ct::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
+    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of {}", ck.path)
                                                 : fmt::format("resume: {}", error));
 }
 
@@ -174,28 +248,10 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, coh
                  cohort::torch::FullyShardedDataParallel* fsdp) {
   const int world = pg.size();
   const bool lead = pg.rank() == 0;
-  if (fsdp) restore_fsdp(*fsdp, optimizer, pg, ck.path);
-  else cohort::torch::load_module_state(*model.module, ck.files.at("model"));
-  // Sharded optimizer state (--shard) is loaded once the ZeroOptimizer exists (restore_sharded_optimizer).
-  const bool sharded = shard_of(nlohmann::json::parse(ck.manifest.config, nullptr, false)) != "none";
-  if (fsdp) {
-    // loaded above
-  } else if (cfg.shard == "none" && sharded) {
-    // Written with --shard: every rank's part, gathered into this optimizer's per-parameter state.
-    cohort::torch::load_optimizer_state(
-        optimizer, cohort::torch::zero_state_to_full(*model.module, [&](int rank) {
-          return ck.files.at(fmt::format("optimizer.rank{}", rank));  // a run without --shard reads every file
-        }));
-  } else if (cfg.shard == "none") {
-    const auto it = ck.files.find("optimizer");
-    if (it == ck.files.end())
-      throw cohort::FormatError(fmt::format("checkpoint '{}' has no optimizer.safetensors: it was not written by this "
-                                            "program; start a new run with another --checkpoint-dir",
-                                            ck.path));
-    cohort::torch::load_optimizer_state(optimizer, it->second);
-  }
+  const std::string saved = shard_of(nlohmann::json::parse(ck.manifest.config, nullptr, false));
+  restore_state(ck, saved, cfg, pg, model, optimizer, fsdp);
   Progress at{.step = ck.step, .epoch = ck.manifest.epoch, .position = ck.manifest.sampler_position,
-              .resumed_from = ck.path, .sharded_state = sharded};
+              .resumed_from = ck.path, .saved_shard = saved};
   // The schedule's own step (it differs from `step` after an earlier change of world size).
   if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object()) {
     schedule.offset = sched.value("step", at.step) - at.step;
@@ -266,31 +322,36 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   // optimizer part makes it fall back to an older one); the others then
   // read what they need.
   // --shard fsdp writes no whole model: its checkpoints hold model.rank<r>
-  // and optimizer.rank<r> for every rank r (restore_fsdp reads them).
-  const bool fsdp_run = cfg.shard == "fsdp";
-  const cohort::LoadOptions choose{.required_files = {fsdp_run ? "model.rank0" : "model"}};
-  const cohort::LoadOptions lopts =
-      cfg.shard == "none" ? choose
-                          : cohort::LoadOptions{.required_files = choose.required_files, .only_files = choose.required_files};
-  std::string chosen;
-  if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, choose, cfg.resume, config.at("run").get<std::string>());
-  chosen = cohort::torch::broadcast_string(pg, chosen, 0);
-  if (chosen.empty()) {
-    if (lead)
-      std::printf("resume: no valid checkpoint in %s%s, starting from scratch\n", cfg.ckpt_dir.c_str(),
-                  fsdp_run ? " written with --shard fsdp" : "");
+  // and optimizer.rank<r> for every rank r (restore_state reads them).
+  Chosen chosen;
+  if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, cfg.resume, config.at("run").get<std::string>());
+  chosen.path = cohort::torch::broadcast_string(pg, chosen.path, 0);
+  chosen.shard = cohort::torch::broadcast_string(pg, chosen.shard, 0);
+  if (chosen.path.empty()) {
+    if (lead) std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
     return {};
   }
-  const auto ck = cohort::load_checkpoint(chosen, lopts);
+  // What this rank reads now: the whole model, or (sharded) one small file for the manifest; a run
+  // without --shard reads everything at once.
+  const std::string first = chosen.shard == "fsdp" ? "model.rank0" : "model";
+  const cohort::LoadOptions lopts{.required_files = {first},
+                                  .only_files = cfg.shard == "none" && chosen.shard != "fsdp"
+                                                    ? std::vector<std::string>{}
+                                                    : std::vector<std::string>{first}};
+  const auto ck = cohort::load_checkpoint(chosen.path, lopts);
   check_resumable(ck, config, lead);
   return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule, fsdp);
 }
 
-void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, cohort::ProcessGroup& pg, const Progress& at) {
+void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const Model& model, cohort::ProcessGroup& pg,
+                               const Progress& at) {
   std::string error;
   try {
-    if (at.sharded_state) {
-      zero.load_state_shards([&](int rank) { return part_of(at.resumed_from, "optimizer", rank); });
+    const auto optim_part = [&](int rank) { return part_of(at.resumed_from, "optimizer", rank); };
+    if (at.saved_shard == "fsdp") {
+      zero.load_full_state(cohort::torch::fsdp_optimizer_state_to_full(*model.module, optim_part));
+    } else if (at.saved_shard != "none") {
+      zero.load_state_shards(optim_part);
     } else {
       auto ck = cohort::load_checkpoint(at.resumed_from, {.only_files = {"optimizer"}});
       zero.load_full_state(ck.files.at("optimizer"));

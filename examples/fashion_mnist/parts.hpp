@@ -90,7 +90,7 @@ struct Progress {
   int64_t epoch = 0;     // the epoch under way (0-based)
   int64_t position = 0;  // samples of that epoch this rank has trained on: the sampler's position
   std::string resumed_from;  // the checkpoint this run resumed from ("": it started from scratch)
-  bool sharded_state = false;  // that checkpoint holds the optimizer state in one part per rank (--shard)
+  std::string saved_shard = "none";  // the --shard that checkpoint was written with (none, zero1, zero2, fsdp)
 };
 
 // Linear warmup, then cosine decay to 0 at `total` steps, from `peak` (the
@@ -121,7 +121,9 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
 // chose and skipped. Throws InvalidArgument when the checkpoint does not fit
 // this run (`config`, from run_config()). `per_rank_samples` is the sampler's size.
 // Under --shard fsdp (`fsdp` set) the model's and optimizer's shards load
-// into it, resharded from the world that wrote them.
+// into it, resharded from the world that wrote them. A --shard fsdp
+// checkpoint resumes in a run without FSDP and the other way round: the
+// state is gathered from every rank's part, or cut into this run's.
 Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,
                 int64_t per_rank_samples, Model& model, torch::optim::Optimizer& optimizer,
                 cohort::torch::GradScaler& scaler, LrSchedule& schedule,
@@ -140,9 +142,11 @@ void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Pr
 // --shard after a resume: the optimizer state of the checkpoint `at` resumed
 // from, into this rank's shard: resharded from the world that wrote it to
 // this one when it is sharded (each rank reads only the files that hold its
-// part), cut from the whole state when a run without --shard wrote it.
+// part), cut from the whole state when a run without --shard (or with
+// --shard fsdp: gathered first) wrote it.
 // Collective: when any rank fails, every rank throws.
-void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, cohort::ProcessGroup& pg, const Progress& at);
+void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const Model& model, cohort::ProcessGroup& pg,
+                               const Progress& at);
 
 // ---- loop.cpp ----
 

@@ -138,7 +138,7 @@ int train(const TrainConfig& cfg) {
   const nlohmann::json config = run_config(cfg, device, train_n, world, job_run_id());
   Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule, fsdp.get());
   const auto zero = make_zero(cfg, model, pg, peak_lr);  // --shard: in place of DDP (and of `optimizer`'s step)
-  if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, *pg, at);
+  if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, model, *pg, at);
   const auto ddp = make_ddp(cfg, model, pg, device);
   Trainer t{.cfg = cfg, .pg = *pg, .device = device, .model = model, .optimizer = optimizer, .scaler = scaler,
             .ddp = ddp.get(), .zero = zero.get(), .fsdp = fsdp.get(), .params = model.module->parameters()};

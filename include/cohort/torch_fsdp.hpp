@@ -239,6 +239,12 @@ class COHORT_API FullyShardedDataParallel {
   std::vector<NamedTensor> optimizer_state_shard(::torch::optim::Optimizer& optimizer) const;
   void load_optimizer_state_shards(::torch::optim::Optimizer& optimizer,
                                    const std::function<std::vector<NamedTensor>(int rank)>& read);
+  // A plain optimizer's state, as optimizer_state() saves it (LibTorch's SGD,
+  // Adam or AdamW over the unwrapped model's trainable parameters in
+  // registration order, one param group: what DDP or one process
+  // checkpoints), cut into this rank's shards. Not collective.
+  // InvalidArgument, changing nothing, when it does not fit.
+  void load_full_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& full);
 
   FsdpMemory memory() const;
   ProcessGroup& group() { return *group_; }
@@ -256,5 +262,25 @@ class COHORT_API FullyShardedDataParallel {
   FsdpOptions opts_;
   std::shared_ptr<State> state_;
 };
+
+// The other way round, for a run without FSDP (DDP, one process) resuming
+// a sharded FSDP checkpoint: `module` is the same model with the same
+// FsdpUnit wrapping, not wrapped in FullyShardedDataParallel, and read(k)
+// returns rank k's file of the saving run (any world size). Not collective;
+// every rank's part is read. InvalidArgument when the layout does not fit
+// the module (another model or wrapping) or the files hold the other kind
+// of state.
+//   fsdp_state_to_full: the trainable parameters from state_shard()'s files,
+//     under the module's names, with the module's own frozen parameters and
+//     buffers (FSDP keeps those whole on every rank, not in its shards), as
+//     full_state() gives them: for load_module_state;
+//   fsdp_optimizer_state_to_full: optimizer_state_shard()'s files in
+//     optimizer_state()'s per-parameter naming, for load_optimizer_state into
+//     the same kind of LibTorch optimizer over the module's trainable
+//     parameters in registration order (one param group).
+COHORT_API std::vector<NamedTensor> fsdp_state_to_full(const ::torch::nn::Module& module,
+                                                       const std::function<std::vector<NamedTensor>(int rank)>& read);
+COHORT_API std::vector<NamedTensor> fsdp_optimizer_state_to_full(
+    const ::torch::nn::Module& module, const std::function<std::vector<NamedTensor>(int rank)>& read);
 
 }  // namespace cohort::torch

@@ -43,6 +43,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <variant>
 #include <vector>
 
@@ -181,7 +182,11 @@ class COHORT_API ZeroOptimizer {
 // module's trainable parameters (one param group): plain DDP or one process
 // resuming a sharded checkpoint. Reads every rank's part. Throws
 // InvalidArgument when the layout does not fit the module.
+// `dtype`, when given, is the dtype the saving run's parameters had, for a
+// module whose parameters now show another (an FSDP with param_dtype bf16
+// over fp32 master shards): the buckets are planned in bytes.
 COHORT_API std::vector<NamedTensor> zero_state_to_full(const ::torch::nn::Module& module,
-                                                       const std::function<std::vector<NamedTensor>(int rank)>& read);
+                                                       const std::function<std::vector<NamedTensor>(int rank)>& read,
+                                                       std::optional<::torch::ScalarType> dtype = std::nullopt);
 
 }  // namespace cohort::torch

@@ -494,7 +494,8 @@ size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // The unit a parameter named `name` belongs to: the FsdpUnit with the longest
 // name that prefixes it, else the root (0).
-size_t unit_for(const std::string& name, const std::vector<Unit>& units) {
+template <class U>
+size_t unit_for(const std::string& name, const std::vector<U>& units) {
   size_t best = 0, best_len = 0;
   for (size_t u = 1; u < units.size(); ++u) {
     const std::string& prefix = units[u].name;
@@ -507,7 +508,10 @@ size_t unit_for(const std::string& name, const std::vector<Unit>& units) {
   return best;
 }
 
-std::string unit_label(const Unit& u) { return u.name.empty() ? std::string("the root unit") : fmt::format("unit '{}'", u.name); }
+template <class U>
+std::string unit_label(const U& u) {
+  return u.name.empty() ? std::string("the root unit") : fmt::format("unit '{}'", u.name);
+}
 
 }  // namespace
 
@@ -872,7 +876,8 @@ struct FsdpLayout {
     return l;
   }
   // Throws unless the saved units are this model's.
-  void check_fits(const std::vector<Unit>& mine, const char* who) const {
+  template <class U>
+  void check_fits(const std::vector<U>& mine, const char* who) const {
     if (units.size() != mine.size())
       throw InvalidArgument(fmt::format("{}: the checkpoint has {} FSDP units, this model {} (the root included): "
                                         "another model or another wrapping. HINT: resume with the model and FsdpUnit "
@@ -1096,6 +1101,169 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
     staged.emplace_back(u.shard_param, std::move(s));
   }
   for (auto& [p, s] : staged) shard::install_state(optimizer, p, kind, s);
+}
+
+// ---- Between FSDP's shards and a plain model's state ----
+
+namespace {
+
+// The units FullyShardedDataParallel makes of `module` (as its constructor
+// finds them, without its checks): the root first, then every FsdpUnit in
+// module order; in each, the trainable parameters in registration order, a
+// tensor that appears twice taken once. No group and no sharding: for a
+// model that is not wrapped (DDP, one process).
+struct PlainUnit {
+  std::string name;
+  std::vector<::torch::Tensor> params;
+  std::vector<size_t> offsets;
+  size_t used = 0;
+  ::torch::ScalarType type = ::torch::kFloat;
+};
+
+std::vector<PlainUnit> plain_units(const ::torch::nn::Module& module) {
+  std::vector<PlainUnit> units(1);
+  for (const auto& item : module.named_modules("", /*include_self=*/false))
+    if (dynamic_cast<const FsdpUnitBase*>(item.value().get())) units.push_back(PlainUnit{.name = item.key()});
+  std::set<const void*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const ::torch::Tensor& p = item.value();
+    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    PlainUnit& u = units[unit_for(item.key(), units)];
+    u.type = p.scalar_type();
+    u.params.push_back(p);
+    u.offsets.push_back(u.used);
+    u.used += static_cast<size_t>(p.numel());
+  }
+  return units;
+}
+
+// Unit u's whole tensor `name` (count elements, padding included) from every rank's chunk.
+::torch::Tensor whole_of(shard::ShardFiles& files, const std::string& name, const FsdpLayout& lay, size_t u,
+                         ::torch::ScalarType type, const char* who) {
+  const int64_t chunk = static_cast<int64_t>(lay.units[u].second) / lay.world;
+  std::vector<::torch::Tensor> parts;
+  for (int q = 0; q < lay.world; ++q) parts.push_back(files.chunk(q, name, chunk, type, who));
+  return ::torch::cat(parts);
+}
+
+// The index of every trainable parameter of `module` in a plain optimizer
+// over its parameters() (registration order, each appearance counted), by tensor.
+std::multimap<const void*, size_t> plain_indices(const ::torch::nn::Module& module) {
+  std::multimap<const void*, size_t> out;
+  size_t i = 0;
+  for (const auto& p : module.parameters(/*recurse=*/true))
+    if (p.requires_grad()) out.emplace(p.unsafeGetTensorImpl(), i++);
+  return out;
+}
+
+}  // namespace
+
+std::vector<NamedTensor> fsdp_state_to_full(const ::torch::nn::Module& module,
+                                            const std::function<std::vector<NamedTensor>(int rank)>& read) {
+  constexpr const char* kWho = "fsdp_state_to_full";
+  shard::ShardFiles files(read);
+  const FsdpLayout lay = FsdpLayout::decode(files.get(0), kWho);
+  const std::vector<PlainUnit> units = plain_units(module);
+  lay.check_fits(units, kWho);
+  if (files.get(0).contains("fsdp.optimizer"))
+    throw InvalidArgument(fmt::format("{}: these files hold optimizer state (optimizer_state_shard()); HINT: convert "
+                                      "them with fsdp_optimizer_state_to_full(), and the model's with this",
+                                      kWho));
+  std::map<const void*, ::torch::Tensor> value;  // by tensor: a tied parameter under each of its names
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u].used == 0) continue;
+    const ::torch::Tensor whole = whole_of(files, fmt::format("fsdp.unit{}", u), lay, u, units[u].type, kWho);
+    for (size_t j = 0; j < units[u].params.size(); ++j) {
+      const ::torch::Tensor& p = units[u].params[j];
+      value[p.unsafeGetTensorImpl()] = whole.narrow(0, static_cast<int64_t>(units[u].offsets[j]), p.numel()).view(p.sizes());
+    }
+  }
+  // Frozen parameters and buffers are whole on every rank, not in the shards: the module's own, as full_state().
+  std::vector<NamedTensor> out;
+  for (const auto& item : module.named_parameters(true)) {
+    const auto it = value.find(item.value().unsafeGetTensorImpl());
+    out.push_back(to_named(item.key(), it != value.end() ? it->second : item.value()));
+  }
+  for (const auto& b : module.named_buffers(true)) out.push_back(to_named(b.key(), b.value()));
+  return out;
+}
+
+std::vector<NamedTensor> fsdp_optimizer_state_to_full(const ::torch::nn::Module& module,
+                                                      const std::function<std::vector<NamedTensor>(int rank)>& read) {
+  constexpr const char* kWho = "fsdp_optimizer_state_to_full";
+  shard::ShardFiles files(read);
+  const auto& first = files.get(0);
+  const FsdpLayout lay = FsdpLayout::decode(first, kWho);
+  const std::vector<PlainUnit> units = plain_units(module);
+  lay.check_fits(units, kWho);
+  const auto head_it = first.find("fsdp.optimizer");
+  if (head_it == first.end() || head_it->second->dtype != DType::I64 || head_it->second->numel() != 2)
+    throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"fsdp.optimizer\": it holds the model "
+                                      "(state_shard()), not optimizer state; HINT: convert it with fsdp_state_to_full()",
+                                      kWho));
+  int64_t head[2];
+  std::memcpy(head, head_it->second->bytes.data(), sizeof(head));
+  const auto index = plain_indices(module);
+  std::vector<NamedTensor> out;
+  std::set<size_t> stepped;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const std::string prefix = fmt::format("fsdp.unit{}.", u);
+    for (const auto& [name, t] : first) {
+      if (name.rfind(prefix, 0) != 0 || units[u].used == 0) continue;
+      const ::torch::Tensor whole = whole_of(files, name, lay, u, from_named(*t).scalar_type(), kWho);
+      for (size_t j = 0; j < units[u].params.size(); ++j) {
+        const ::torch::Tensor& p = units[u].params[j];
+        const auto v = whole.narrow(0, static_cast<int64_t>(units[u].offsets[j]), p.numel()).view(p.sizes());
+        const auto [lo, hi] = index.equal_range(p.unsafeGetTensorImpl());
+        for (auto k = lo; k != hi; ++k) {
+          out.push_back(to_named(fmt::format("group0.param{}.{}", k->second, name.substr(prefix.size())), v));
+          stepped.insert(k->second);
+        }
+      }
+    }
+  }
+  if (head[0] != shard::kSgd)
+    for (size_t i : stepped) out.push_back(to_named(fmt::format("group0.param{}.step", i), ::torch::tensor(head[1], ::torch::kLong)));
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_optimizer_state(::torch::optim::Optimizer& optimizer,
+                                                         const std::vector<NamedTensor>& full) {
+  constexpr const char* kWho = "FullyShardedDataParallel::load_full_optimizer_state";
+  const State& st = *state_;
+  check_optimizer_is_ours(optimizer, parameters(), kWho);
+  const shard::Kind kind = shard::kind_of(optimizer);
+  const auto index = plain_indices(*module_);
+  const shard::PlainState plain = shard::parse_plain_state(full, index.size(), kind, kWho);
+  // One shard of a world of 1 (no padding), which load_optimizer_state_shards cuts to this world.
+  FsdpLayout layout{.world = 1, .units = {}};
+  std::vector<NamedTensor> shard;
+  for (size_t u = 0; u < st.units.size(); ++u) {
+    const Unit& unit = st.units[u];
+    layout.units.emplace_back(unit.used, unit.used);
+    std::map<std::string, ::torch::Tensor> fields;
+    for (size_t j = 0; j < unit.params.size(); ++j) {
+      const ::torch::Tensor& p = st.params[unit.params[j]];
+      const auto at = index.find(p.unsafeGetTensorImpl());
+      const auto found = at == index.end() ? plain.by_param.end() : plain.by_param.find(at->second);
+      if (found == plain.by_param.end()) continue;  // not stepped yet: zeros
+      for (const auto& [field, t] : found->second) {
+        auto& flat = fields[field];
+        if (!flat.defined()) flat = ::torch::zeros({static_cast<int64_t>(unit.used)}, ::torch::TensorOptions().dtype(unit.type));
+        const ::torch::Tensor v = from_named(*t);
+        if (v.numel() != p.numel() || v.scalar_type() != unit.type)
+          throw InvalidArgument(fmt::format("{}: \"{}\" has {} elements of {}, its parameter '{}' {} of {}: another "
+                                            "model",
+                                            kWho, t->name, v.numel(), c10::toString(v.scalar_type()),
+                                            st.names[unit.params[j]], p.numel(), c10::toString(unit.type)));
+        flat.narrow(0, static_cast<int64_t>(unit.offsets[j]), v.numel()).copy_(v.reshape({-1}));
+      }
+    }
+    for (const auto& [field, flat] : fields) shard.push_back(to_named(fmt::format("fsdp.unit{}.{}", u, field), flat));
+  }
+  shard.push_back(layout.encode());
+  shard.push_back(make_tensor("fsdp.optimizer", {2}, std::vector<int64_t>{kind, plain.steps}));
+  load_optimizer_state_shards(optimizer, [&](int) { return shard; });
 }
 
 }  // namespace cohort::torch

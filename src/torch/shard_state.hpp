@@ -9,7 +9,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -121,6 +123,60 @@ class ShardFiles {
   std::map<int, std::vector<NamedTensor>> files_;
   std::map<int, std::map<std::string, const NamedTensor*>> by_name_;
 };
+
+// "group0.param<k>.<field>" -> (k, field); nullopt for other names ("group0.lr").
+inline std::optional<std::pair<size_t, std::string>> param_field(const std::string& name, const char* who) {
+  if (name.rfind("group", 0) != 0) return std::nullopt;
+  if (name.rfind("group0.", 0) != 0)
+    throw InvalidArgument(fmt::format("{}: \"{}\" belongs to a second param group; sharded optimizer state has one",
+                                      who, name));
+  constexpr std::string_view kParam = "group0.param";
+  if (name.rfind(kParam, 0) != 0) return std::nullopt;
+  const size_t dot = name.find('.', kParam.size());
+  if (dot == std::string::npos) return std::nullopt;
+  const std::string index = name.substr(kParam.size(), dot - kParam.size());
+  if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos || index.size() > 9)
+    throw InvalidArgument(fmt::format("{}: \"{}\" is not \"group0.param<index>.<field>\": the state is damaged or "
+                                      "not an optimizer's",
+                                      who, name));
+  return std::pair{static_cast<size_t>(std::stoul(index)), name.substr(dot + 1)};
+}
+
+// A plain optimizer's state as optimizer_state() saves it (one param group,
+// over `params` trainable parameters): its tensors by parameter index and
+// field, and the step. Throws InvalidArgument for a parameter index past
+// `params` or the state of another kind of optimizer than `kind`.
+struct PlainState {
+  std::map<size_t, std::map<std::string, const NamedTensor*>> by_param;
+  int64_t steps = 0;
+};
+inline PlainState parse_plain_state(const std::vector<NamedTensor>& full, size_t params, Kind kind, const char* who) {
+  PlainState out;
+  bool sgd_state = false, adam_state = false;
+  for (const auto& t : full) {
+    const auto pf = param_field(t.name, who);
+    if (!pf) continue;
+    if (pf->first >= params)
+      throw InvalidArgument(fmt::format("{}: \"{}\" is for parameter {}, but the module has {} trainable ones: "
+                                        "another model",
+                                        who, t.name, pf->first, params));
+    if (pf->second == "step") {
+      const ::torch::Tensor step = from_named(t);
+      if (step.numel() != 1)
+        throw InvalidArgument(fmt::format("{}: \"{}\" holds {} values; a step is one number", who, t.name, step.numel()));
+      out.steps = std::max(out.steps, step.to(::torch::kLong).item<int64_t>());
+      continue;
+    }
+    sgd_state |= pf->second == "momentum_buffer";
+    adam_state |= pf->second == "exp_avg";
+    out.by_param[pf->first][pf->second] = &t;
+  }
+  if ((kind == kSgd && adam_state) || (kind != kSgd && sgd_state))
+    throw InvalidArgument(fmt::format("{}: the state is {}'s, this optimizer is {}; HINT: resume with the optimizer it "
+                                      "was written with",
+                                      who, sgd_state ? "SGD" : "Adam/AdamW", kKindNames[kind]));
+  return out;
+}
 
 // Installs `s` as the state of shard parameter `p` (none: forgets it, as
 // before the first step).

@@ -551,50 +551,15 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
   }
 }
 
-namespace {
-
-// "group0.param<k>.<field>" -> (k, field); nullopt for other names ("group0.lr").
-std::optional<std::pair<size_t, std::string>> param_field(const std::string& name, const char* who) {
-  if (name.rfind("group", 0) != 0) return std::nullopt;
-  if (name.rfind("group0.", 0) != 0)
-    throw InvalidArgument(fmt::format("{}: \"{}\" belongs to a second param group; ZeroOptimizer has one", who, name));
-  constexpr std::string_view kParam = "group0.param";
-  if (name.rfind(kParam, 0) != 0) return std::nullopt;
-  const size_t dot = name.find('.', kParam.size());
-  if (dot == std::string::npos) return std::nullopt;
-  return std::pair{static_cast<size_t>(std::stoul(name.substr(kParam.size(), dot - kParam.size()))), name.substr(dot + 1)};
-}
-
-}  // namespace
-
 void ZeroOptimizer::load_full_state(const std::vector<NamedTensor>& full) {
   constexpr const char* kWho = "ZeroOptimizer::load_full_state";
   const State& st = *state_;
   const ddp::BucketPlan& plan = ddp_->reducer().plan();
   const std::vector<::torch::Tensor>& params = params_;
-  std::map<size_t, std::map<std::string, const NamedTensor*>> by_param;
-  int64_t steps = 0;
-  bool sgd_state = false, adam_state = false;
-  for (const auto& t : full) {
-    const auto pf = param_field(t.name, kWho);
-    if (!pf) continue;
-    if (pf->first >= params.size())
-      throw InvalidArgument(fmt::format("{}: \"{}\" is for parameter {}, but the module has {} trainable ones: "
-                                        "another model",
-                                        kWho, t.name, pf->first, params.size()));
-    if (pf->second == "step") {
-      steps = std::max(steps, from_named(t).item<int64_t>());
-      continue;
-    }
-    sgd_state |= pf->second == "momentum_buffer";
-    adam_state |= pf->second == "exp_avg";
-    by_param[pf->first][pf->second] = &t;
-  }
   const Kind kind = kind_of(*optimizer_);
-  if ((kind == kSgd && adam_state) || (kind != kSgd && sgd_state))
-    throw InvalidArgument(fmt::format("{}: the state is {}'s, this optimizer is {}; HINT: resume with the optimizer it "
-                                      "was written with",
-                                      kWho, sgd_state ? "SGD" : "Adam/AdamW", kKindNames[kind]));
+  const PlainState plain = parse_plain_state(full, params.size(), kind, kWho);
+  const auto& by_param = plain.by_param;
+  const int64_t steps = plain.steps;
   // One shard of a world of 1 (no padding), which load_state_shards cuts to this world.
   Layout layout{.world = 1, .kind = kind, .steps = steps, .cap_bytes = mib_bytes(opts_.bucket_cap_mb),
                 .first_cap_bytes = mib_bytes(opts_.first_bucket_mb), .buckets = {}};
@@ -626,14 +591,15 @@ void ZeroOptimizer::load_full_state(const std::vector<NamedTensor>& full) {
 }
 
 std::vector<NamedTensor> zero_state_to_full(const ::torch::nn::Module& module,
-                                            const std::function<std::vector<NamedTensor>(int rank)>& read) {
+                                            const std::function<std::vector<NamedTensor>(int rank)>& read,
+                                            std::optional<::torch::ScalarType> dtype) {
   constexpr const char* kWho = "zero_state_to_full";
   ShardFiles files(read);
   const auto& first = files.get(0);
   const Layout lay = Layout::decode(first, kWho);
   const std::vector<::torch::Tensor> params = trainable_of(module);
   std::vector<ddp::ParamSpec> specs;
-  for (const auto& p : params) specs.push_back({"", static_cast<size_t>(p.numel()), to_dtype(p.scalar_type())});
+  for (const auto& p : params) specs.push_back({"", static_cast<size_t>(p.numel()), to_dtype(dtype.value_or(p.scalar_type()))});
   const ddp::BucketPlan plan = ddp::plan_buckets(
       specs, {.cap_bytes = lay.cap_bytes, .first_cap_bytes = lay.first_cap_bytes, .count_multiple = static_cast<size_t>(lay.world)});
   if (plan.size() != lay.buckets.size())

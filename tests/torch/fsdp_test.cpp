@@ -445,6 +445,72 @@ TEST(FsdpCheckpoint, FullStateIsThePlainModelsState) {
   });
 }
 
+// Steps [from, to) of one process on the global batch; each step's loss.
+std::vector<double> plain_steps(FNet& net, torch::optim::AdamW& opt, int from, int to) {
+  std::vector<double> losses;
+  for (int s = from; s < to; ++s) {
+    opt.zero_grad();
+    auto loss = torch::mse_loss(net->forward(inputs(s * kGlobal, kGlobal).to(torch::kDouble)),
+                                targets(s * kGlobal, kGlobal).to(torch::kDouble));
+    losses.push_back(loss.item<double>());
+    loss.backward();
+    opt.step();
+  }
+  return losses;
+}
+
+// FSDP's shards (world 4) resume in one process without FSDP, and that
+// process's plain state resumes in FSDP at world 3: both continue as the run
+// that never stopped.
+TEST(FsdpCheckpoint, ShardsResumeWithoutFsdpAndAPlainStateResumesWithIt) {
+  const SavedRun saved = save_mid_run(4);
+  FNet plain;
+  plain->to(torch::kDouble);
+  torch::optim::AdamW opt(plain->parameters(), adamw());
+  cohort::torch::load_module_state(*plain, cohort::torch::fsdp_state_to_full(*plain, [&](int k) { return saved.model.at(k); }));
+  cohort::torch::load_optimizer_state(
+      opt, cohort::torch::fsdp_optimizer_state_to_full(*plain, [&](int k) { return saved.optim.at(k); }));
+  const auto plain_model = cohort::torch::module_state(*plain);
+  const auto plain_optim = cohort::torch::optimizer_state(opt);
+  const auto losses = plain_steps(plain, opt, 5, 10);
+  for (size_t s = 0; s < 5; ++s) EXPECT_NEAR(losses[s], saved.losses[s], 1e-6 * std::abs(saved.losses[s])) << "step " << s + 5;
+  EXPECT_LT(rel_error(by_name(cohort::torch::module_state(*plain)), saved.want), 1e-6);
+
+  std::vector<std::map<std::string, torch::Tensor>> got(3);
+  std::vector<double> fsdp_losses;
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    torch::optim::AdamW o(fsdp.parameters(), adamw());
+    fsdp.load_full_state(plain_model);
+    fsdp.load_full_optimizer_state(o, plain_optim);
+    const auto l = fsdp_steps(fsdp, o, net, {}, 5, 10);
+    got[pg.rank()] = by_name(fsdp.full_state());
+    if (pg.rank() == 0) fsdp_losses = l;
+  });
+  ASSERT_EQ(fsdp_losses.size(), 5u);
+  for (size_t s = 0; s < 5; ++s) EXPECT_NEAR(fsdp_losses[s], saved.losses[s], 1e-6 * std::abs(saved.losses[s])) << "step " << s + 5;
+  for (int r = 0; r < 3; ++r) EXPECT_LT(rel_error(got[r], saved.want), 1e-6) << "rank " << r;
+
+  // The wrong files, or another model, are named.
+  expect_invalid([&] { (void)cohort::torch::fsdp_optimizer_state_to_full(*plain, [&](int k) { return saved.model.at(k); }); },
+                 "holds the model");
+  expect_invalid([&] { (void)cohort::torch::fsdp_state_to_full(*plain, [&](int k) { return saved.optim.at(k); }); },
+                 "hold optimizer state");
+  ddp_test::Net other;
+  expect_invalid([&] { (void)cohort::torch::fsdp_state_to_full(*other, [&](int k) { return saved.model.at(k); }); },
+                 "FSDP units");
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    torch::optim::SGD sgd(fsdp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    expect_invalid([&] { fsdp.load_full_optimizer_state(sgd, plain_optim); }, "this optimizer is SGD");
+  });
+}
+
 // A layout that is not this model's is refused, and nothing changes.
 TEST(FsdpCheckpoint, AShardLayoutThatDoesNotFitIsRefusedAndChangesNothing) {
   const SavedRun saved = save_mid_run(2);

@@ -141,7 +141,8 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
 // --shard fsdp: every rank saves its shard of the model and of the AdamW
 // state (no rank holds the whole model); a rank killed mid-run, then
 // --resume, gives the uninterrupted run's losses; the same checkpoint
-// reshards to one rank.
+// resumes without FSDP (gathered) and reshards to one rank, and a DDP run's
+// checkpoint resumes under FSDP.
 TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
@@ -157,6 +158,31 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   EXPECT_FALSE(fs::exists(base + "/a/step_000000040/model.safetensors")) << "no rank writes the whole model";
 
   expect_resumes_after_a_kill(base + "/b", fsdp, want);
+
+  // Without --shard (DDP): the model's and the optimizer's parts gathered from
+  // every rank's file; the losses follow the FSDP run's (the same sums, up to
+  // the order of additions).
+  auto ddp = lt::run(job(base + "/b", {"--optimizer", "adamw", "--resume"}, 50), env, 600);
+  ASSERT_EQ(ddp.status, 0) << ddp.err;
+  EXPECT_NE(ddp.out.find("this run has --shard none: its model and optimizer state are gathered from every rank's part"),
+            std::string::npos)
+      << ddp.out;
+  auto gathered = losses(ddp.out);
+  ASSERT_FALSE(gathered.empty());
+  EXPECT_EQ(gathered.begin()->first, 41) << ddp.out;
+  for (auto& [step, v] : gathered) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;
+
+  // And the other way: a DDP run's checkpoint cut into FSDP's shards.
+  auto plain = lt::run(job(base + "/p", {"--optimizer", "adamw"}, 50), env, 600);
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  auto plain_want = losses(plain.out);
+  auto cut = lt::run(job(base + "/p", {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 50), env, 600);
+  ASSERT_EQ(cut.status, 0) << cut.err;
+  EXPECT_NE(cut.out.find("its model and optimizer state are cut into this run's shards"), std::string::npos) << cut.out;
+  auto sharded = losses(cut.out);
+  ASSERT_FALSE(sharded.empty());
+  EXPECT_EQ(sharded.begin()->first, 41) << cut.out;
+  for (auto& [step, v] : sharded) EXPECT_NEAR(v, plain_want.at(step), 1e-4) << "step " << step;
 
   std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 54);
   one[3] = "1";  // --nproc-per-node 1: the two ranks' shards resharded into one
