@@ -25,6 +25,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -93,6 +94,13 @@ void dequantise(const uint8_t* block, size_t len, float* dst, bool add) {
     for (size_t i = 0; i < len; ++i) dst[i] = static_cast<float>(q[i]) * scale;
 }
 
+// Chunk j of a bucket of `count` elements cut into chunks of k: its first element and length (the last
+// chunks may be short or empty).
+std::pair<size_t, size_t> chunk_of(size_t j, size_t count, size_t k) {
+  const size_t first = std::min(count, j * k);
+  return {first, std::min(count, first + k) - first};
+}
+
 }  // namespace
 
 CommHook int8_compress_hook() {
@@ -122,7 +130,7 @@ CommHook int8_compress_hook() {
     auto* g = static_cast<float*>(buf.data);
     std::vector<float> x(k);
     for (int j = 0; j < n; ++j) {
-      const size_t first = std::min(count, j * k), len = std::min(count, first + k) - first;
+      const auto [first, len] = chunk_of(size_t(j), count, k);
       for (size_t i = 0; i < len; ++i) x[i] = g[first + i] + err->worker[first + i];
       quantise(x.data(), len, k, send + j * block, err->worker.data() + first);
     }
@@ -131,7 +139,7 @@ CommHook int8_compress_hook() {
 
     // state keeps *err alive while this step is pending.
     auto reduce_and_gather = [state, err, recv, gathered, g, count, k, block, n, me, timeout, &group]() -> CommFuture {
-      const size_t first = std::min(count, me * k), len = std::min(count, first + k) - first;
+      const size_t len = chunk_of(size_t(me), count, k).second;
       std::vector<float> avg(k, 0.f);
       for (int j = 0; j < n; ++j) dequantise(recv + j * block, len, avg.data(), true);
       for (size_t i = 0; i < len; ++i) avg[i] = avg[i] / static_cast<float>(n) + err->server[i];
@@ -141,7 +149,7 @@ CommHook int8_compress_hook() {
                                        {.timeout = timeout});
       auto unpack = [=] {
         for (int j = 0; j < n; ++j) {
-          const size_t f = std::min(count, j * k), l = std::min(count, f + k) - f;
+          const auto [f, l] = chunk_of(size_t(j), count, k);
           dequantise(gathered + j * block, l, g + f, false);
         }
       };

@@ -190,6 +190,15 @@ collectives::TunerInput NativeGroup::tuner_input(collectives::Coll c, size_t tun
                                  hier_why_.empty() ? layout_.ranks_per_host : 0};
 }
 
+std::pair<collectives::Algo, bool> NativeGroup::algorithm_for(const collectives::TunerInput& in) const {
+  const std::optional<Algo> forced = collectives::forced_algo(in.coll);
+  // COHORT_ALGO is one setting for every group of the process, and
+  // sub-groups often lie on one host: they run the flat choice instead.
+  if (!forced || (*forced == Algo::Hierarchical && !hier_why_.empty()))
+    return {collectives::choose(in, thresholds_), false};
+  return {*forced, true};
+}
+
 // The tuner's choice for d, or COHORT_ALGO's; refuses a forced single copy
 // the group cannot run.
 std::pair<collectives::Algo, bool> NativeGroup::pick_algorithm(const OpDesc& d) {
@@ -198,19 +207,12 @@ std::pair<collectives::Algo, bool> NativeGroup::pick_algorithm(const OpDesc& d) 
   size_t tuner_bytes = d.coll == Coll::Allgather || d.coll == Coll::Gather || d.coll == Coll::Alltoall
                            ? d.send.bytes() / (d.coll == Coll::Alltoall ? n : 1)
                            : d.bytes();
-  const std::optional<Algo> forced = c::forced_algo(d.coll);
-  const c::TunerInput in = tuner_input(d.coll, tuner_bytes);
-  Algo a = forced ? *forced : c::choose(in, thresholds_);
-  bool honoured = forced.has_value();
-  if (a == Algo::Hierarchical && !hier_why_.empty()) {
-    // COHORT_ALGO is one setting for every group of the process, and
-    // sub-groups often lie on one host: they run the flat choice instead.
+  const auto [a, honoured] = algorithm_for(tuner_input(d.coll, tuner_bytes));
+  if (c::forced_algo(d.coll) == Algo::Hierarchical && !hier_why_.empty()) {
     if (!hier_warned_ && n > 1)
       COHORT_WARN(kTuning, "group {}: COHORT_ALGO asks for hierarchical, but {} (it needs 2 or more hosts with as "
                   "many ranks, at least 2, on each): this group runs the flat algorithms", setup_.group_id, hier_why_);
     hier_warned_ = true;
-    a = c::choose(in, thresholds_);
-    honoured = false;
   }
   if (a == Algo::SingleCopy && !single_copy_ && n > 1)
     throw InvalidArgument(fmt::format("COHORT_ALGO asks for single_copy, but this group cannot use it: {}; HINT: unset "

@@ -95,6 +95,9 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   // The algorithm for d, and whether COHORT_ALGO chose it (false also when
   // it asked for hierarchical where the group cannot run it).
   std::pair<collectives::Algo, bool> pick_algorithm(const OpDesc& d);
+  // COHORT_ALGO's algorithm where this group can run hierarchical, else the
+  // tuner's choice; second: COHORT_ALGO's was taken.
+  std::pair<collectives::Algo, bool> algorithm_for(const collectives::TunerInput& in) const;
   void begin_views(const collectives::Comm& comm, core::Deadline deadline);  // local_comm_, cross_comm_ as comm
   void run_p2p(OpDesc& d, core::Deadline deadline);
   void progress_loop();

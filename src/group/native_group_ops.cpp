@@ -19,12 +19,7 @@ std::pair<size_t, size_t> NativeGroup::allreduce_direct_block(size_t count, DTyp
   namespace c = collectives;
   const int n = setup_.size;
   if (n == 1 || !single_copy_ || !dtype_is_valid(dtype)) return {0, 0};
-  std::optional<c::Algo> forced = c::forced_algo(c::Coll::Allreduce);
-  if (forced == c::Algo::Hierarchical && !hier_why_.empty()) forced.reset();  // the group runs the tuner's choice
-  const c::Algo a = forced ? *forced
-                           : c::choose(c::TunerInput{c::Coll::Allreduce, count * dtype_size(dtype), n, all_shm_,
-                                                     single_copy_},
-                                       thresholds_);
+  const c::Algo a = algorithm_for(tuner_input(c::Coll::Allreduce, count * dtype_size(dtype))).first;
   if (a != c::Algo::SingleCopy) return {0, 0};
   return {c::chunk_off(count, n, setup_.rank), c::chunk_len(count, n, setup_.rank)};
 }

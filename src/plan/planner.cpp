@@ -11,7 +11,6 @@
 namespace cohort::plan {
 namespace {
 
-constexpr double kGB = 1e9;
 
 // Megatron-LM SC21 (Narayanan et al. 2021), Tables 1 and 2: heads, hidden, layers, global batch.
 struct GptPreset {

@@ -12,6 +12,8 @@
 
 namespace cohort::plan {
 
+inline constexpr double kGB = 1e9;  // the planner's GB (memory, bandwidth): 10^9 bytes
+
 // A model: a decoder-only transformer (layers > 0: Megatron's formulas for
 // FLOPs, parameters and activations), or any model given by parameters,
 // FLOPs and activation bytes per sample (DP and ZeRO layouts only).

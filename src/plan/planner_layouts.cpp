@@ -11,7 +11,6 @@
 namespace cohort::plan {
 namespace {
 
-constexpr double kGB = 1e9;
 constexpr double kBucketBytes = 25.0 * 1024 * 1024;  // DDP's bucket_cap_mb
 
 struct Evaluator {
