@@ -29,6 +29,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -1029,6 +1030,17 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
 
 namespace {
 
+// Rank 0's "fsdp.optimizer": the optimizer kind and its step. Throws, with `hint`, when the files hold none.
+std::array<int64_t, 2> optimizer_head(const std::map<std::string, const NamedTensor*>& rank0, const char* who,
+                                      const char* hint) {
+  const auto it = rank0.find("fsdp.optimizer");
+  if (it == rank0.end() || it->second->dtype != DType::I64 || it->second->numel() != 2)
+    throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"fsdp.optimizer\": {}", who, hint));
+  std::array<int64_t, 2> head{};
+  std::memcpy(head.data(), it->second->bytes.data(), sizeof(head));
+  return head;
+}
+
 // The optimizer must be over parameters(), in order, in one group, and one
 // whose state is known (kind_of would take any other for SGD).
 void check_optimizer_is_ours(::torch::optim::Optimizer& o, const std::vector<::torch::Tensor>& shards, const char* who) {
@@ -1074,13 +1086,8 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
   const auto& first = files.get(0);
   const FsdpLayout lay = FsdpLayout::decode(first, kWho);
   lay.check_fits(st.units, kWho);
-  const auto kind_it = first.find("fsdp.optimizer");
-  if (kind_it == first.end() || kind_it->second->dtype != DType::I64 || kind_it->second->numel() != 2)
-    throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"fsdp.optimizer\": it holds no optimizer state "
-                                      "(written by state_shard(), not optimizer_state_shard()?)",
-                                      kWho));
-  int64_t head[2];
-  std::memcpy(head, kind_it->second->bytes.data(), sizeof(head));
+  const auto head =
+      optimizer_head(first, kWho, "it holds no optimizer state (written by state_shard(), not optimizer_state_shard()?)");
   const shard::Kind kind = shard::kind_of(optimizer);
   if (head[0] != kind)
     throw InvalidArgument(fmt::format("{}: the checkpoint holds {} state, this optimizer is {}; HINT: resume with the "
@@ -1196,13 +1203,8 @@ std::vector<NamedTensor> fsdp_optimizer_state_to_full(const ::torch::nn::Module&
   const FsdpLayout lay = FsdpLayout::decode(first, kWho);
   const std::vector<PlainUnit> units = plain_units(module);
   lay.check_fits(units, kWho);
-  const auto head_it = first.find("fsdp.optimizer");
-  if (head_it == first.end() || head_it->second->dtype != DType::I64 || head_it->second->numel() != 2)
-    throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"fsdp.optimizer\": it holds the model "
-                                      "(state_shard()), not optimizer state; HINT: convert it with fsdp_state_to_full()",
-                                      kWho));
-  int64_t head[2];
-  std::memcpy(head, head_it->second->bytes.data(), sizeof(head));
+  const auto head = optimizer_head(
+      first, kWho, "it holds the model (state_shard()), not optimizer state; HINT: convert it with fsdp_state_to_full()");
   const auto index = plain_indices(module);
   std::vector<NamedTensor> out;
   std::set<size_t> stepped;

@@ -54,6 +54,24 @@ void expect_resumes_after_a_kill(const std::string& dir, std::vector<std::string
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
 }
 
+// --resume from `dir`'s step-40 checkpoint with `flags` (to step 50), in a
+// run whose --shard differs from the one that wrote it: rank 0 says `note`
+// (how the state is converted), and the losses follow `want` to 1e-4 (the
+// same sums in another order).
+void expect_converted_resume(const std::string& dir, const std::vector<std::string>& flags, const std::string& note,
+                             const std::map<int, double>& want) {
+  const std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  std::vector<std::string> extra = flags;
+  extra.push_back("--resume");
+  auto resumed = lt::run(job(dir, extra, 50), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find(note), std::string::npos) << resumed.out;
+  auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 41) << resumed.out;
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;
+}
+
 TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
@@ -127,14 +145,8 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   // Without --shard: every rank's part gathered into LibTorch's AdamW; the
   // losses follow the sharded run's (DDP's allreduce against ZeRO's
   // reduce-scatter: the same sums, up to the order of additions).
-  auto whole = lt::run(job(base + "/b", {"--optimizer", "adamw", "--resume"}, 50), env, 600);
-  ASSERT_EQ(whole.status, 0) << whole.err;
-  EXPECT_NE(whole.out.find("this run has --shard none: its optimizer state is gathered from every rank's part"),
-            std::string::npos)
-      << whole.out;
-  auto gathered = losses(whole.out);
-  ASSERT_FALSE(gathered.empty());
-  for (auto& [step, v] : gathered) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;
+  expect_converted_resume(base + "/b", {"--optimizer", "adamw"},
+                          "this run has --shard none: its optimizer state is gathered from every rank's part", want);
   fs::remove_all(base);
 }
 
@@ -162,27 +174,15 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   // Without --shard (DDP): the model's and the optimizer's parts gathered from
   // every rank's file; the losses follow the FSDP run's (the same sums, up to
   // the order of additions).
-  auto ddp = lt::run(job(base + "/b", {"--optimizer", "adamw", "--resume"}, 50), env, 600);
-  ASSERT_EQ(ddp.status, 0) << ddp.err;
-  EXPECT_NE(ddp.out.find("this run has --shard none: its model and optimizer state are gathered from every rank's part"),
-            std::string::npos)
-      << ddp.out;
-  auto gathered = losses(ddp.out);
-  ASSERT_FALSE(gathered.empty());
-  EXPECT_EQ(gathered.begin()->first, 41) << ddp.out;
-  for (auto& [step, v] : gathered) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;
+  expect_converted_resume(
+      base + "/b", {"--optimizer", "adamw"},
+      "this run has --shard none: its model and optimizer state are gathered from every rank's part", want);
 
   // And the other way: a DDP run's checkpoint cut into FSDP's shards.
   auto plain = lt::run(job(base + "/p", {"--optimizer", "adamw"}, 50), env, 600);
   ASSERT_EQ(plain.status, 0) << plain.err;
-  auto plain_want = losses(plain.out);
-  auto cut = lt::run(job(base + "/p", {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 50), env, 600);
-  ASSERT_EQ(cut.status, 0) << cut.err;
-  EXPECT_NE(cut.out.find("its model and optimizer state are cut into this run's shards"), std::string::npos) << cut.out;
-  auto sharded = losses(cut.out);
-  ASSERT_FALSE(sharded.empty());
-  EXPECT_EQ(sharded.begin()->first, 41) << cut.out;
-  for (auto& [step, v] : sharded) EXPECT_NEAR(v, plain_want.at(step), 1e-4) << "step " << step;
+  expect_converted_resume(base + "/p", {"--optimizer", "adamw", "--shard", "fsdp"},
+                          "its model and optimizer state are cut into this run's shards", losses(plain.out));
 
   std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 54);
   one[3] = "1";  // --nproc-per-node 1: the two ranks' shards resharded into one
