@@ -171,6 +171,59 @@ TEST(PowerSgd, AnEmptyLastBucketStillEndsTheIteration) {
   });
 }
 
+// A run stopped after step 3 (compressing since step 2) and resumed from
+// state() in a fresh reducer gives the uninterrupted run's averages to the
+// bit: the iteration, the warm-start Q and the error feedback come back.
+// Without them (a fresh state) the resumed run restarts plain averaging.
+TEST(PowerSgd, StateSavedMidRunResumesExactly) {
+  const size_t rows = 24, cols = 20;
+  auto gradient = [&](int rank, int step, std::vector<float>& w) {
+    for (size_t i = 0; i < w.size(); ++i) w[i] = float(std::sin(0.037 * double(i) * (step + 1) + rank) + 0.1 * rank);
+  };
+  // Steps [from, 6) on a reducer over `state`; every step's averaged gradient.
+  auto steps = [&](ProcessGroup& pg, const std::shared_ptr<PowerSgdState>& state, int from) {
+    std::vector<float> w(rows * cols);
+    ReducerOptions o;
+    o.comm_hook = powersgd_hook(state);
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data(), rows}}, o);
+    std::vector<std::vector<float>> out;
+    for (int step = from; step < 6; ++step) {
+      gradient(pg.rank(), step, w);
+      red.mark_ready(0, w.data());
+      red.finalize();
+      out.push_back(w);
+      if (step == 2 && from == 0) break;  // the first half stops here
+    }
+    return out;
+  };
+  const PowerSgdOptions opts{.rank = 2, .start_iter = 2};
+  run_ranks(2, "shm", [&](ProcessGroup& pg) {
+    auto whole = std::make_shared<PowerSgdState>(opts);
+    std::vector<std::vector<float>> want = steps(pg, whole, 0);  // steps 0-2
+    const std::vector<NamedTensor> saved = whole->state();
+    auto rest = steps(pg, whole, 3);                              // steps 3-5, uninterrupted
+    want.insert(want.end(), rest.begin(), rest.end());
+
+    auto resumed = std::make_shared<PowerSgdState>(opts);
+    resumed->load_state(saved);
+    EXPECT_EQ(resumed->iteration(), 3);
+    const auto got = steps(pg, resumed, 3);
+    ASSERT_EQ(got.size(), 3u);
+    for (size_t s = 0; s < 3; ++s) EXPECT_EQ(got[s], want[3 + s]) << "step " << 3 + s;
+
+    // Only the Qs and the iteration (another world size): the same steps, without the error feedback.
+    auto no_error = std::make_shared<PowerSgdState>(opts);
+    no_error->load_state(saved, /*with_error=*/false);
+    EXPECT_NE(steps(pg, no_error, 3).front(), want[3]);
+
+    std::vector<NamedTensor> bad = saved;
+    bad.back().bytes.resize(3);
+    EXPECT_THROW(resumed->load_state(bad), InvalidArgument);
+    EXPECT_THROW(resumed->load_state({saved.begin() + 1, saved.end()}), InvalidArgument);  // no iteration
+    EXPECT_EQ(resumed->iteration(), 6) << "a refused load changes nothing";
+  });
+}
+
 TEST(PowerSgd, BadOptionsAndBucketsAreRefusedByName) {
   EXPECT_THROW(PowerSgdState(PowerSgdOptions{.rank = 0}), InvalidArgument);
   try {

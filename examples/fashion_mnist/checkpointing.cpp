@@ -343,6 +343,28 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule, fsdp);
 }
 
+void restore_powersgd(cohort::ddp::PowerSgdState& state, cohort::ProcessGroup& pg, const Progress& at) {
+  std::string error, note;
+  try {
+    const auto ck0 = cohort::load_checkpoint(at.resumed_from, {.only_files = {"powersgd.rank0"}});
+    const bool same_world = ck0.manifest.world_size == pg.size();
+    const std::string mine = fmt::format("powersgd.rank{}", same_world ? pg.rank() : 0);
+    const auto ck = mine == "powersgd.rank0" ? ck0 : cohort::load_checkpoint(at.resumed_from, {.only_files = {mine}});
+    state.load_state(ck.files.at(mine), /*with_error=*/same_world);
+    if (!same_world)
+      note = "the PowerSGD error feedback is each rank's own and this run has another world size: it restarts at zero";
+  } catch (const cohort::FormatError& e) {
+    note = fmt::format("no PowerSGD state in {} ({}): the hook starts afresh", at.resumed_from, e.what());
+  } catch (const cohort::Error& e) {
+    error = e.what();
+  }
+  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
+    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its PowerSGD state "
+                                                              "from {}", at.resumed_from)
+                                                : fmt::format("resume: {}", error));
+  if (pg.rank() == 0 && !note.empty()) std::printf("resume: %s\n", note.c_str());
+}
+
 void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const Model& model, cohort::ProcessGroup& pg,
                                const Progress& at) {
   std::string error;
@@ -393,7 +415,8 @@ cohort::Manifest manifest_of(cohort::ProcessGroup& pg, const TrainConfig& cfg, c
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
                       torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
                       cohort::torch::FullyShardedDataParallel* fsdp, const cohort::torch::GradScaler& scaler,
-                      const LrSchedule& schedule, const nlohmann::json& config) {
+                      const LrSchedule& schedule, const nlohmann::json& config,
+                      const cohort::ddp::PowerSgdState* powersgd) {
   if (cfg.ckpt_dir.empty()) return;
   // Every rank's last step is complete and its gradient collectives did not
   // fail before rank 0 writes (with DDP's stream-ordered wait a failure
@@ -402,15 +425,19 @@ void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Pr
   const bool lead = pg.rank() == 0;
   const auto started = Clock::now();
   std::string path;
-  if (zero || fsdp) {
+  if (zero || fsdp || powersgd) {
     std::map<std::string, std::vector<cohort::NamedTensor>> files;
     if (fsdp) {  // no rank holds the whole model: each writes its shard of it
       files[fmt::format("model.rank{}", pg.rank())] = fsdp->state_shard();
       files[fmt::format("optimizer.rank{}", pg.rank())] = fsdp->optimizer_state_shard(optimizer);
-    } else {
+    } else if (zero) {
       files[fmt::format("optimizer.rank{}", pg.rank())] = zero->state_shard();
       if (lead) files["model"] = cohort::torch::module_state(*model.module);
+    } else if (lead) {
+      files["model"] = cohort::torch::module_state(*model.module);
+      files["optimizer"] = cohort::torch::optimizer_state(optimizer);
     }
+    if (powersgd) files[fmt::format("powersgd.rank{}", pg.rank())] = powersgd->state();
     path = cohort::save_checkpoint_sharded(pg, cfg.ckpt_dir, at.step, files,
                                            lead ? manifest_of(pg, cfg, at, scaler, schedule, config) : cohort::Manifest{},
                                            {.keep_last = cfg.keep});

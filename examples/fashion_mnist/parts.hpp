@@ -63,9 +63,12 @@ Optimizer make_optimizer(const TrainConfig& cfg, const std::vector<torch::Tensor
 // --no-ddp (which refuses more than one rank). Collective: its constructor
 // broadcasts rank 0's weights, so build it after a resume has loaded them.
 // Rank 0 prints when the gradients cannot be views of the buckets.
-std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConfig& cfg, const Model& model,
-                                                                 const std::shared_ptr<cohort::ProcessGroup>& pg,
-                                                                 const torch::Device& device);
+std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(
+    const TrainConfig& cfg, const Model& model, const std::shared_ptr<cohort::ProcessGroup>& pg,
+    const torch::Device& device, const std::shared_ptr<cohort::ddp::PowerSgdState>& powersgd = nullptr);
+// --comm-hook powersgd: the hook's state (iteration, Qs, error feedback),
+// made before a resume loads it and make_ddp hands it to the hook; else null.
+std::shared_ptr<cohort::ddp::PowerSgdState> make_powersgd_state(const TrainConfig& cfg);
 
 // --shard zero1|zero2: a ZeroOptimizer over the model in place of DDP and
 // the optimizer (the same options as make_optimizer), or nullptr with
@@ -135,10 +138,18 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
 // 0's model (save_checkpoint_sharded). Rank 0 prints.
 // Under --shard fsdp (`fsdp` set) every rank writes "model.rank<r>" and
 // "optimizer.rank<r>" and no rank the whole model.
+// With `powersgd` every rank also writes "powersgd.rank<r>" (its error
+// feedback is its own), so the hook continues exactly after a resume.
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
                       torch::optim::Optimizer& optimizer, cohort::torch::ZeroOptimizer* zero,
                       cohort::torch::FullyShardedDataParallel* fsdp, const cohort::torch::GradScaler& scaler,
-                      const LrSchedule& schedule, const nlohmann::json& config);
+                      const LrSchedule& schedule, const nlohmann::json& config,
+                      const cohort::ddp::PowerSgdState* powersgd = nullptr);
+// --comm-hook powersgd after a resume: the hook's state from the checkpoint
+// `at` resumed from (this rank's file at the same world size; at another,
+// rank 0's iteration and Qs, without error feedback). A checkpoint without
+// it (written without the hook) leaves the state fresh; rank 0 says so.
+void restore_powersgd(cohort::ddp::PowerSgdState& state, cohort::ProcessGroup& pg, const Progress& at);
 // --shard after a resume: the optimizer state of the checkpoint `at` resumed
 // from, into this rank's shard: resharded from the world that wrote it to
 // this one when it is sharded (each rank reads only the files that hold its

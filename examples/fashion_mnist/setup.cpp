@@ -155,9 +155,15 @@ std::unique_ptr<cohort::torch::ZeroOptimizer> make_zero(const TrainConfig& cfg, 
   return std::make_unique<cohort::torch::ZeroOptimizer>(model.module, pg, opt, zo);
 }
 
-std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConfig& cfg, const Model& model,
-                                                                 const std::shared_ptr<cohort::ProcessGroup>& pg,
-                                                                 const torch::Device& device) {
+std::shared_ptr<cohort::ddp::PowerSgdState> make_powersgd_state(const TrainConfig& cfg) {
+  if (cfg.comm_hook != "powersgd") return nullptr;
+  return std::make_shared<cohort::ddp::PowerSgdState>(
+      cohort::ddp::PowerSgdOptions{.rank = cfg.powersgd_rank, .start_iter = cfg.powersgd_start_iter});
+}
+
+std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(
+    const TrainConfig& cfg, const Model& model, const std::shared_ptr<cohort::ProcessGroup>& pg,
+    const torch::Device& device, const std::shared_ptr<cohort::ddp::PowerSgdState>& powersgd) {
   cohort::torch::DistributedDataParallelOptions dopts;
   dopts.bucket_cap_mb = cfg.bucket_cap_mb;
   dopts.first_bucket_mb = cfg.first_bucket_mb;
@@ -177,9 +183,7 @@ std::unique_ptr<cohort::torch::DistributedDataParallel> make_ddp(const TrainConf
                                               "buckets: use --comm-hook fp16 or bf16",
                                               cfg.comm_hook, pg->backend_name()));
   if (cfg.comm_hook == "int8") dopts.comm_hook = cohort::ddp::int8_compress_hook();
-  if (cfg.comm_hook == "powersgd")
-    dopts.comm_hook = cohort::ddp::powersgd_hook(std::make_shared<cohort::ddp::PowerSgdState>(
-        cohort::ddp::PowerSgdOptions{.rank = cfg.powersgd_rank, .start_iter = cfg.powersgd_start_iter}));
+  if (cfg.comm_hook == "powersgd") dopts.comm_hook = cohort::ddp::powersgd_hook(powersgd ? powersgd : make_powersgd_state(cfg));
   // --no-ddp (one rank only): the same program without DDP, the baseline DDP's overhead is measured against.
   if (cfg.no_ddp && pg->size() > 1)
     throw cohort::InvalidArgument(fmt::format("--no-ddp trains one replica; this job has {} ranks (run it with "

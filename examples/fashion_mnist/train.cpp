@@ -139,11 +139,14 @@ int train(const TrainConfig& cfg) {
   Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule, fsdp.get());
   const auto zero = make_zero(cfg, model, pg, peak_lr);  // --shard: in place of DDP (and of `optimizer`'s step)
   if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, model, *pg, at);
-  const auto ddp = make_ddp(cfg, model, pg, device);
+  const auto powersgd = make_powersgd_state(cfg);  // --comm-hook powersgd: saved with the checkpoints
+  if (powersgd && !at.resumed_from.empty()) restore_powersgd(*powersgd, *pg, at);
+  const auto ddp = make_ddp(cfg, model, pg, device, powersgd);
   Trainer t{.cfg = cfg, .pg = *pg, .device = device, .model = model, .optimizer = optimizer, .scaler = scaler,
             .ddp = ddp.get(), .zero = zero.get(), .fsdp = fsdp.get(), .params = model.module->parameters()};
   const auto save = [&](const Progress& p) {
-    write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, zero.get(), fsdp.get(), scaler, schedule, config);
+    write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, zero.get(), fsdp.get(), scaler, schedule, config,
+                     powersgd.get());
   };
 
   // Step breakdown (compute / exposed communication / data wait) and the timeline's "train" track.

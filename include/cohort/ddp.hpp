@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/checkpoint.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/types.hpp"
 #include "cohort/export.hpp"
@@ -269,6 +270,19 @@ class COHORT_API PowerSgdState {
   };
   Bucket& bucket(size_t index) { return buckets_[index]; }
   void next_iteration() { ++iter_; }
+
+  // What a checkpoint needs for the run to continue exactly (PyTorch's
+  // PowerSGDState pickles the same): "powersgd.iteration" (int64, 1 value),
+  // and per bucket b "powersgd.bucket<b>.q" and "powersgd.bucket<b>.error"
+  // (f32). The error feedback is this rank's own: save one file per rank.
+  std::vector<NamedTensor> state() const;
+  // Loads what state() saved, replacing this state; without `with_error`
+  // (another world size: the saving ranks' errors are not this rank's) only
+  // the iteration and the Qs, the same on every rank. A Q or an error whose
+  // size does not fit its bucket is dropped at the bucket's next use (a
+  // fresh Q, zero error). Throws InvalidArgument, changing nothing, when a
+  // tensor is malformed or the iteration is missing.
+  void load_state(const std::vector<NamedTensor>& tensors, bool with_error = true);
 
  private:
   PowerSgdOptions opts_;

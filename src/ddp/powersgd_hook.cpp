@@ -18,8 +18,10 @@
 // double.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -143,6 +145,53 @@ PowerSgdState::PowerSgdState(PowerSgdOptions opts) : opts_(opts) {
         "PowerSgdOptions::start_iter {}: with error feedback or warm start, run at least 2 plain iterations first "
         "(as PyTorch requires: DDP may rebuild its buckets after the first one)",
         opts_.start_iter));
+}
+
+std::vector<NamedTensor> PowerSgdState::state() const {
+  std::vector<NamedTensor> out{make_tensor("powersgd.iteration", {1}, std::vector<int64_t>{iter_})};
+  for (const auto& [b, k] : buckets_) {
+    if (!k.q.empty()) out.push_back(make_tensor(fmt::format("powersgd.bucket{}.q", b), {int64_t(k.q.size())}, k.q));
+    if (!k.error.empty())
+      out.push_back(make_tensor(fmt::format("powersgd.bucket{}.error", b), {int64_t(k.error.size())}, k.error));
+  }
+  return out;
+}
+
+void PowerSgdState::load_state(const std::vector<NamedTensor>& tensors, bool with_error) {
+  constexpr const char* kWho = "PowerSgdState::load_state";
+  std::optional<int64_t> iter;
+  std::map<size_t, Bucket> fresh;
+  for (const NamedTensor& t : tensors) {
+    if (t.name.rfind("powersgd.", 0) != 0) continue;  // other state in the same file
+    if (t.name == "powersgd.iteration") {
+      if (t.dtype != DType::I64 || t.numel() != 1 || t.bytes.size() != sizeof(int64_t))
+        throw InvalidArgument(fmt::format("{}: \"{}\" must be one int64", kWho, t.name));
+      int64_t v = 0;
+      std::memcpy(&v, t.bytes.data(), sizeof(v));
+      iter = v;
+      continue;
+    }
+    size_t b = 0;
+    char field[8] = {0};
+    int used = 0;
+    if (std::sscanf(t.name.c_str(), "powersgd.bucket%zu.%7[a-z]%n", &b, field, &used) != 2 ||
+        size_t(used) != t.name.size() || (std::strcmp(field, "q") != 0 && std::strcmp(field, "error") != 0))
+      throw InvalidArgument(fmt::format("{}: \"{}\" is not PowerSGD state (powersgd.iteration, "
+                                        "powersgd.bucket<b>.q, powersgd.bucket<b>.error)",
+                                        kWho, t.name));
+    if (t.dtype != DType::F32 || t.bytes.size() != t.numel() * sizeof(float))
+      throw InvalidArgument(fmt::format("{}: \"{}\" is not an f32 tensor of its shape ({}, {} bytes)", kWho, t.name,
+                                        dtype_name(t.dtype), t.bytes.size()));
+    std::vector<float> v(t.numel());
+    std::memcpy(v.data(), t.bytes.data(), v.size() * sizeof(float));
+    if (field[0] == 'q') fresh[b].q = std::move(v);
+    else if (with_error) fresh[b].error = std::move(v);
+  }
+  if (!iter)
+    throw InvalidArgument(fmt::format("{}: no \"powersgd.iteration\" among {} tensors: not PowerSgdState::state()", kWho,
+                                      tensors.size()));
+  iter_ = *iter;
+  buckets_ = std::move(fresh);
 }
 
 CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {

@@ -193,6 +193,25 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   fs::remove_all(base);
 }
 
+// --comm-hook powersgd: every rank saves the hook's state (iteration, Qs,
+// its own error feedback) beside the model; a rank killed mid-run, then
+// --resume, gives the uninterrupted run's losses. Without that state the
+// resumed run would average plainly for --powersgd-start-iter steps again.
+TEST(Resume, PowerSgdHookStateResumesWithIdenticalLosses) {
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  const std::vector<std::string> hook{"--comm-hook", "powersgd", "--powersgd-start-iter", "10"};
+  auto full = lt::run(job(base + "/a", hook, 50), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 50u) << full.out;
+  for (const char* file : {"model", "optimizer", "powersgd.rank0", "powersgd.rank1"})
+    EXPECT_TRUE(fs::exists(base + "/a/step_000000040/" + file + ".safetensors")) << file;
+  expect_resumes_after_a_kill(base + "/b", hook, want);
+  fs::remove_all(base);
+}
+
 TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed");
   std::string base = lt::temp_dir();
