@@ -254,11 +254,12 @@ TEST(PlanPredict, AMeasuredGroupIsReadFromItsOwnSamples) {
   const CostTable t = cost_table(cal, "test");
   GroupShape g;
   g.ranks_per_host = 2;
-  // Between two measured sizes: the alpha-beta line through them; past the last, the last interval's line.
+  // Between two measured sizes: the alpha-beta line through them; past the last, the fit.
   Prediction p = predict_collective(t, Coll::Allgather, 2 << 20, g);
   EXPECT_NEAR(p.us, 1 + (2 << 20) * 1e-4, 1e-6);
   EXPECT_TRUE(contains(p.how, "(measured group)")) << p.how;
-  EXPECT_NEAR(predict_collective(t, Coll::Allgather, 64 << 20, g).us, 1 + (64 << 20) * 1e-4, 1e-6);
+  EXPECT_NEAR(predict_collective(t, Coll::Allgather, 16 << 20, g).us, 1 + (16 << 20) * 1e-4, 1e-6);
+  EXPECT_FALSE(contains(predict_collective(t, Coll::Allgather, 64 << 20, g).how, "(measured group)"));
   g.ranks_per_host = 8;
   EXPECT_NEAR(predict_collective(t, Coll::Allgather, 8 << 20, g).us, 200 + (8 << 20) * 3e-3, 1e-6);
   // A group size never measured takes the fit over all of them.

@@ -124,7 +124,18 @@ ClassCosts fit_class(const ClassSamples& cs) {
   for (const Sample& s : cs.samples)
     if (s.n > 1 && s.us > 0)
       out.by_group[group_key(algo_key(s.coll, s.algo), s.n, s.machine_ranks)].emplace_back(s.bytes, s.us);
-  for (auto& [key, pts] : out.by_group) std::sort(pts.begin(), pts.end());
+  for (auto& [key, pts] : out.by_group) {  // sorted by size; one point per size (the mean of repeats)
+    std::sort(pts.begin(), pts.end());
+    std::vector<std::pair<double, double>> merged;
+    for (size_t i = 0; i < pts.size();) {
+      size_t j = i;
+      double sum = 0;
+      for (; j < pts.size() && pts[j].first == pts[i].first; ++j) sum += pts[j].second;
+      merged.emplace_back(pts[i].first, sum / double(j - i));
+      i = j;
+    }
+    pts = std::move(merged);
+  }
   return out;
 }
 

@@ -56,8 +56,10 @@ class Predictor {
     const Shape s = algo_shape(c, a, bytes, n);
     const int cores = g_.cores_per_host > 0 ? g_.cores_per_host : std::max(1, it->second.cores);
     const int machine_ranks = g_.same_machine ? g_.nranks() : g_.ranks_per_host;
+    // A measured group's times hold on the machine it was measured on (its cores).
+    const bool same_cores = g_.cores_per_host <= 0 || g_.cores_per_host == it->second.cores;
     const std::optional<double> seen =
-        alone ? it->second.at_measured_group(algo_key(c, a), bytes, n, machine_ranks) : std::nullopt;
+        alone && same_cores ? it->second.at_measured_group(algo_key(c, a), bytes, n, machine_ranks) : std::nullopt;
     double us = seen ? *seen : cost_us(*cost, s, Contention{machine_ranks, cores});
     if (cls == LinkClass::TcpCross && g_.cross_gbps > 0) {
       // TCP's payload is 1448 bytes of the 1538 a full Ethernet frame takes on the line (MTU 1500 with
@@ -132,7 +134,8 @@ class Predictor {
         return flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes, L, 1, true, how) +
                flat(g_.cross, Coll::ReduceScatter, Algo::Ring, bytes / L, H, L, false, how);
       case Coll::Broadcast:
-        return flat(g_.cross, Coll::Broadcast, bcast_algo(H), bytes, H, 1, true, how) +
+        // (The cross phase's ranks share their hosts with the others': not a group of one rank per host.)
+        return flat(g_.cross, Coll::Broadcast, bcast_algo(H), bytes, H, 1, false, how) +
                flat(g_.local, Coll::Broadcast, bcast_algo(L), bytes, L, 1, true, how);
       default: break;
     }

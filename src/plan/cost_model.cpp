@@ -100,18 +100,17 @@ std::optional<double> ClassCosts::at_measured_group(const std::string& key, doub
   auto it = by_group.find(group_key(key, n, machine_ranks));
   if (it == by_group.end() || it->second.size() < 2) return std::nullopt;
   const auto& pts = it->second;
-  // The interval holding `bytes`: [pts[i-1], pts[i]] with pts[i] the first at or above it, clamped.
+  // Only between the sizes measured: outside them (the tuner picks another algorithm there, or the
+  // calibration stopped) a line through two noisy end points says little; the fit answers.
+  if (bytes < pts.front().first || bytes > pts.back().first) return std::nullopt;
   const auto above = std::lower_bound(pts.begin(), pts.end(), bytes,
                                       [](const std::pair<double, double>& p, double b) { return p.first < b; });
-  size_t i = size_t(above - pts.begin());
-  i = std::clamp<size_t>(i, 1, pts.size() - 1);
+  const size_t i = std::clamp<size_t>(size_t(above - pts.begin()), 1, pts.size() - 1);
   const auto [b0, t0] = pts[i - 1];
   const auto [b1, t1] = pts[i];
   // The group's steps are the same at both sizes (n is fixed), so the line through the two points
-  // is steps * alpha + bytes * beta with alpha and beta of this interval.
-  const double t = b1 > b0 ? t0 + (bytes - b0) * (t1 - t0) / (b1 - b0) : t1;
-  if (!(t > 0)) return bytes < b0 ? t0 : t1;  // a steep line extrapolated below its sizes: the nearest time
-  return t;
+  // is steps * alpha + bytes * beta with the alpha and beta of this interval.
+  return t0 + (bytes - b0) * (t1 - t0) / (b1 - b0);
 }
 
 const AlgoCost* ClassCosts::find(const std::string& key, double bytes) const {

@@ -88,9 +88,9 @@ struct ClassCosts {
   // machine 2 ranks copy at cache speed and 8 ranks queue): a group the
   // class was measured at is read from its own samples instead.
   std::map<std::string, std::vector<std::pair<double, double>>> by_group;  // bytes -> us
-  // At a measured group with 2 or more sizes of this algorithm: the time on
-  // the alpha-beta line through the two measured sizes around `bytes` (the
-  // first two or the last two outside them). Else nullopt.
+  // At a measured group with 2 or more sizes of this algorithm, for `bytes`
+  // between the smallest and the largest of them: the time on the
+  // alpha-beta line through the two measured sizes around it. Else nullopt.
   std::optional<double> at_measured_group(const std::string& key, double bytes, int n, int machine_ranks) const;
   int cores = 0;             // of the machine it was measured on (0: datasheet)
   bool single_copy = false;  // the group could use single copy (shm)
