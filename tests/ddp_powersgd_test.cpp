@@ -220,6 +220,14 @@ TEST(PowerSgd, StateSavedMidRunResumesExactly) {
     bad.back().bytes.resize(3);
     EXPECT_THROW(resumed->load_state(bad), InvalidArgument);
     EXPECT_THROW(resumed->load_state({saved.begin() + 1, saved.end()}), InvalidArgument);  // no iteration
+    for (const char* name : {"powersgd.bucket-1.q", "powersgd.bucket01.q", "powersgd.bucket0.p", "powersgd.x"}) {
+      std::vector<NamedTensor> renamed = saved;
+      renamed.back().name = name;
+      EXPECT_THROW(resumed->load_state(renamed), InvalidArgument) << name;
+    }
+    std::vector<NamedTensor> twice = saved;
+    twice.push_back(saved.back());
+    EXPECT_THROW(resumed->load_state(twice), InvalidArgument);
     EXPECT_EQ(resumed->iteration(), 6) << "a refused load changes nothing";
   });
 }

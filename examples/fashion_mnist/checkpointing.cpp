@@ -250,8 +250,15 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, coh
   const bool lead = pg.rank() == 0;
   const std::string saved = shard_of(nlohmann::json::parse(ck.manifest.config, nullptr, false));
   restore_state(ck, saved, cfg, pg, model, optimizer, fsdp);
+  const auto saved_config = nlohmann::json::parse(ck.manifest.config, nullptr, false);
+  const auto number = [&](const char* key) {
+    const auto it = saved_config.is_object() ? saved_config.find(key) : saved_config.end();
+    return it != saved_config.end() && it->is_number() ? it->get<double>() : -1.0;
+  };
   Progress at{.step = ck.step, .epoch = ck.manifest.epoch, .position = ck.manifest.sampler_position,
-              .resumed_from = ck.path, .saved_shard = saved};
+              .resumed_from = ck.path, .saved_shard = saved, .saved_world = ck.manifest.world_size,
+              .saved_powersgd = ck.file_info.contains("powersgd.rank0"),
+              .same_buckets = number("bucket_cap_mb") == cfg.bucket_cap_mb && number("first_bucket_mb") == cfg.first_bucket_mb};
   // The schedule's own step (it differs from `step` after an earlier change of world size).
   if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object()) {
     schedule.offset = sched.value("step", at.step) - at.step;
@@ -301,7 +308,8 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
                         {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast},
                         {"fp16_autocast", cfg.fp16_autocast}, {"device", device.str()}, {"seed", cfg.seed},
                         {"train_samples", train_samples}, {"world_size", world}, {"run", run_id},
-                        {"shard", cfg.shard}};
+                        {"shard", cfg.shard}, {"bucket_cap_mb", cfg.bucket_cap_mb},
+                        {"first_bucket_mb", cfg.first_bucket_mb}};
 }
 
 Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,
@@ -331,30 +339,34 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
     if (lead) std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
     return {};
   }
-  // What this rank reads now: the whole model, or (sharded) one small file for the manifest; a run
-  // without --shard reads everything at once.
+  // What this rank reads now: the whole model (with the whole optimizer state for a run without
+  // --shard), or FSDP's rank-0 part; the other ranks' parts are read when needed.
   const std::string first = chosen.shard == "fsdp" ? "model.rank0" : "model";
-  const cohort::LoadOptions lopts{.required_files = {first},
-                                  .only_files = cfg.shard == "none" && chosen.shard != "fsdp"
-                                                    ? std::vector<std::string>{}
-                                                    : std::vector<std::string>{first}};
+  std::vector<std::string> read_now{first};
+  if (cfg.shard == "none" && chosen.shard == "none") read_now.push_back("optimizer");
+  const cohort::LoadOptions lopts{.required_files = {first}, .only_files = read_now};
   const auto ck = cohort::load_checkpoint(chosen.path, lopts);
   check_resumable(ck, config, lead);
   return restore(ck, cfg, pg, per_rank_samples, model, optimizer, scaler, schedule, fsdp);
 }
 
 void restore_powersgd(cohort::ddp::PowerSgdState& state, cohort::ProcessGroup& pg, const Progress& at) {
-  std::string error, note;
+  // Every rank decides from the same manifest: all load, or none.
+  const bool lead = pg.rank() == 0;
+  if (!at.saved_powersgd || !at.same_buckets) {
+    if (lead)
+      std::printf("resume: %s %s: the PowerSGD hook starts afresh\n", at.resumed_from.c_str(),
+                  !at.saved_powersgd ? "holds no PowerSGD state (written without --comm-hook powersgd)"
+                                     : "was written with other --bucket-cap-mb/--first-bucket-mb (other buckets)");
+    return;
+  }
+  // The error feedback is each rank's own: at another world size only rank 0's iteration and Qs.
+  const bool same_world = at.saved_world == pg.size();
+  const std::string mine = fmt::format("powersgd.rank{}", same_world ? pg.rank() : 0);
+  std::string error;
   try {
-    const auto ck0 = cohort::load_checkpoint(at.resumed_from, {.only_files = {"powersgd.rank0"}});
-    const bool same_world = ck0.manifest.world_size == pg.size();
-    const std::string mine = fmt::format("powersgd.rank{}", same_world ? pg.rank() : 0);
-    const auto ck = mine == "powersgd.rank0" ? ck0 : cohort::load_checkpoint(at.resumed_from, {.only_files = {mine}});
+    const auto ck = cohort::load_checkpoint(at.resumed_from, {.only_files = {mine}});
     state.load_state(ck.files.at(mine), /*with_error=*/same_world);
-    if (!same_world)
-      note = "the PowerSGD error feedback is each rank's own and this run has another world size: it restarts at zero";
-  } catch (const cohort::FormatError& e) {
-    note = fmt::format("no PowerSGD state in {} ({}): the hook starts afresh", at.resumed_from, e.what());
   } catch (const cohort::Error& e) {
     error = e.what();
   }
@@ -362,7 +374,9 @@ void restore_powersgd(cohort::ddp::PowerSgdState& state, cohort::ProcessGroup& p
     throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its PowerSGD state "
                                                               "from {}", at.resumed_from)
                                                 : fmt::format("resume: {}", error));
-  if (pg.rank() == 0 && !note.empty()) std::printf("resume: %s\n", note.c_str());
+  if (lead && !same_world)
+    std::printf("resume: the PowerSGD error feedback is each rank's own and this run has another world size: it "
+                "restarts at zero\n");
 }
 
 void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const Model& model, cohort::ProcessGroup& pg,

@@ -94,6 +94,9 @@ struct Progress {
   int64_t position = 0;  // samples of that epoch this rank has trained on: the sampler's position
   std::string resumed_from;  // the checkpoint this run resumed from ("": it started from scratch)
   std::string saved_shard = "none";  // the --shard that checkpoint was written with (none, zero1, zero2, fsdp)
+  int saved_world = 0;                // the world size that wrote it
+  bool saved_powersgd = false;        // it holds PowerSGD's state ("powersgd.rank<r>") ...
+  bool same_buckets = false;          // ... for DDP buckets cut as this run's (--bucket-cap-mb, --first-bucket-mb)
 };
 
 // Linear warmup, then cosine decay to 0 at `total` steps, from `peak` (the

@@ -102,13 +102,13 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
                                     path, name, kTensorFileSuffix));
   for (const auto& [file_name, info] : pm.files) {
     std::string name = file_name.substr(0, file_name.size() - kTensorFileSuffix.size());
+    out.file_info[name] = info;  // every file the manifest lists, read or not
     const auto& only = options.only_files;
     if (!only.empty() && std::find(only.begin(), only.end(), name) == only.end()) {
       check_size(fs, join_path(path, file_name), info);
       continue;
     }
     out.files[name] = load_file(fs, join_path(path, file_name), info, options.verify_checksums);
-    out.file_info[name] = info;
   }
   return out;
 }

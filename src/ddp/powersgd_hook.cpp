@@ -17,12 +17,14 @@
 // columns up to sign; P Q^T does not see the signs). Products accumulate in
 // double.
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <optional>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -168,25 +170,38 @@ void PowerSgdState::load_state(const std::vector<NamedTensor>& tensors, bool wit
         throw InvalidArgument(fmt::format("{}: \"{}\" must be one int64", kWho, t.name));
       int64_t v = 0;
       std::memcpy(&v, t.bytes.data(), sizeof(v));
+      if (v < 0) throw InvalidArgument(fmt::format("{}: \"{}\" is {}, a negative iteration", kWho, t.name, v));
       iter = v;
       continue;
     }
+    // "powersgd.bucket<digits>.<q|error>", nothing else.
+    constexpr std::string_view kBucket = "powersgd.bucket";
+    const std::string_view name(t.name);
+    const auto not_state = [&] {
+      return InvalidArgument(fmt::format("{}: \"{}\" is not PowerSGD state (powersgd.iteration, "
+                                         "powersgd.bucket<b>.q, powersgd.bucket<b>.error)",
+                                         kWho, t.name));
+    };
+    if (name.rfind(kBucket, 0) != 0) throw not_state();
+    const size_t dot = name.find('.', kBucket.size());
+    const std::string_view digits = name.substr(kBucket.size(), dot == std::string_view::npos ? 0 : dot - kBucket.size());
+    const std::string_view field = dot == std::string_view::npos ? std::string_view{} : name.substr(dot + 1);
     size_t b = 0;
-    char field[8] = {0};
-    int used = 0;
-    if (std::sscanf(t.name.c_str(), "powersgd.bucket%zu.%7[a-z]%n", &b, field, &used) != 2 ||
-        size_t(used) != t.name.size() || (std::strcmp(field, "q") != 0 && std::strcmp(field, "error") != 0))
-      throw InvalidArgument(fmt::format("{}: \"{}\" is not PowerSGD state (powersgd.iteration, "
-                                        "powersgd.bucket<b>.q, powersgd.bucket<b>.error)",
-                                        kWho, t.name));
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), b);
+    if (digits.empty() || ec != std::errc{} || end != digits.data() + digits.size() ||
+        (digits.size() > 1 && digits.front() == '0') || (field != "q" && field != "error"))
+      throw not_state();
+    std::vector<float>& slot = field == "q" ? fresh[b].q : fresh[b].error;
+    if (!slot.empty()) throw InvalidArgument(fmt::format("{}: \"{}\" appears twice", kWho, t.name));
     if (t.dtype != DType::F32 || t.bytes.size() != t.numel() * sizeof(float))
       throw InvalidArgument(fmt::format("{}: \"{}\" is not an f32 tensor of its shape ({}, {} bytes)", kWho, t.name,
                                         dtype_name(t.dtype), t.bytes.size()));
-    std::vector<float> v(t.numel());
-    std::memcpy(v.data(), t.bytes.data(), v.size() * sizeof(float));
-    if (field[0] == 'q') fresh[b].q = std::move(v);
-    else if (with_error) fresh[b].error = std::move(v);
+    if (field == "error" && !with_error) continue;
+    slot.resize(t.numel());
+    if (!slot.empty()) std::memcpy(slot.data(), t.bytes.data(), slot.size() * sizeof(float));
   }
+  for (auto it = fresh.begin(); it != fresh.end();)  // a bucket of empty tensors holds nothing
+    it = it->second.q.empty() && it->second.error.empty() ? fresh.erase(it) : std::next(it);
   if (!iter)
     throw InvalidArgument(fmt::format("{}: no \"powersgd.iteration\" among {} tensors: not PowerSgdState::state()", kWho,
                                       tensors.size()));
