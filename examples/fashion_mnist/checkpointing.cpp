@@ -173,6 +173,15 @@ std::vector<cohort::NamedTensor> part_of(const std::string& path, const char* na
   return std::move(ck.files.at(file));
 }
 
+// After each rank tried to load its part: every rank throws when any failed
+// (`error`: this rank's message, "" if it succeeded; `what`: the part, for
+// the ranks that did not fail), so that none goes on alone.
+void all_or_none(cohort::ProcessGroup& pg, const std::string& error, const std::string& what) {
+  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
+    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of {}", what)
+                                                : fmt::format("resume: {}", error));
+}
+
 // The files of a checkpoint: those already read, and the others read when
 // first asked for.
 class CheckpointFiles {
@@ -235,9 +244,7 @@ void restore_state(const cohort::LoadedCheckpoint& ck, const std::string& saved,
   } catch (const cohort::Error& e) {
     error = e.what();
   }
-  if (ct::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
-    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of {}", ck.path)
-                                                : fmt::format("resume: {}", error));
+  all_or_none(pg, error, ck.path);
 }
 
 // Loads the checkpoint's state into the model, optimizer and scaler, sets the
@@ -370,10 +377,7 @@ void restore_powersgd(cohort::ddp::PowerSgdState& state, cohort::ProcessGroup& p
   } catch (const cohort::Error& e) {
     error = e.what();
   }
-  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
-    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its PowerSGD state "
-                                                              "from {}", at.resumed_from)
-                                                : fmt::format("resume: {}", error));
+  all_or_none(pg, error, "the PowerSGD state of " + at.resumed_from);
   if (lead && !same_world)
     std::printf("resume: the PowerSGD error feedback is each rank's own and this run has another world size: it "
                 "restarts at zero\n");
@@ -396,10 +400,7 @@ void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const Model& 
     error = e.what();
   }
   // Every rank reads other files: all go on, or all stop, together.
-  if (cohort::torch::allreduce_scalar(pg, error.empty() ? 0.0 : 1.0, cohort::ReduceOp::Max) > 0)
-    throw cohort::InvalidArgument(error.empty() ? fmt::format("resume: another rank could not load its part of the "
-                                                              "optimizer state of {}", at.resumed_from)
-                                                : fmt::format("resume: {}", error));
+  all_or_none(pg, error, "the optimizer state of " + at.resumed_from);
 }
 
 namespace {
