@@ -224,13 +224,15 @@ class COHORT_API FullyShardedDataParallel {
   void load_full_state(const std::vector<NamedTensor>& state);
   // This rank's shard of every unit ("fsdp.unit<u>", padding included) and
   // the layout ("fsdp.layout", int64: world size, unit count, then each
-  // unit's elements without and with padding): one file of a sharded
-  // checkpoint. load_state_shards() reads it back at any world size.
+  // unit's elements without and with padding); on rank 0 also the frozen
+  // parameters and buffers, whole ("fsdp.whole.<name>"): one file of a
+  // sharded checkpoint. load_state_shards() reads it back at any world size.
   std::vector<NamedTensor> state_shard() const;
   // `read(k)` returns the saving run's rank k's state_shard(); called for
   // rank 0 (the layout) and the ranks whose chunks overlap this rank's. Not
   // collective. InvalidArgument, changing nothing, when the layout does not
-  // fit this model.
+  // fit this model or the saved frozen parameters and buffers are not its
+  // own (files without any keep the module's).
   void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
   // The same for an optimizer over parameters() (SGD, Adam or AdamW; others
   // are refused): its state cut by unit ("fsdp.unit<u>.<field>", with
@@ -271,9 +273,9 @@ class COHORT_API FullyShardedDataParallel {
 // the module (another model or wrapping) or the files hold the other kind
 // of state.
 //   fsdp_state_to_full: the trainable parameters from state_shard()'s files,
-//     under the module's names, with the module's own frozen parameters and
-//     buffers (FSDP keeps those whole on every rank, not in its shards), as
-//     full_state() gives them: for load_module_state;
+//     under the module's names, with rank 0's saved frozen parameters and
+//     buffers (the module's own for files without them), as full_state()
+//     gives them: for load_module_state;
 //   fsdp_optimizer_state_to_full: optimizer_state_shard()'s files in
 //     optimizer_state()'s per-parameter naming, for load_optimizer_state into
 //     the same kind of LibTorch optimizer over the module's trainable

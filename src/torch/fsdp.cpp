@@ -36,6 +36,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -902,6 +903,52 @@ FsdpLayout layout_of(const std::vector<Unit>& units, int world) {
   return ::torch::from_blob(data, {static_cast<int64_t>(u.chunk)}, ::torch::TensorOptions().dtype(u.type));
 }
 
+// Frozen parameters and buffers: FSDP keeps them whole on every rank, and
+// rank 0's state_shard() saves them as "fsdp.whole.<name>".
+constexpr std::string_view kWhole = "fsdp.whole.";
+
+// The module's frozen parameters and buffers, by name (a tied one under each of its names).
+std::vector<std::pair<std::string, ::torch::Tensor>> whole_tensors(const ::torch::nn::Module& module) {
+  std::vector<std::pair<std::string, ::torch::Tensor>> out;
+  for (const auto& item : module.named_parameters(true))
+    if (!item.value().requires_grad()) out.emplace_back(item.key(), item.value());
+  for (const auto& b : module.named_buffers(true)) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+// What rank 0 saved of the module's whole tensors: (the module's tensor, the
+// saved value) for each, checked first so that a load changes nothing when
+// one is missing, extra or of another shape or dtype. Empty when the file
+// holds none (written before they were saved): the module keeps its own.
+std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> saved_whole(const ::torch::nn::Module& module,
+                                                                     const std::map<std::string, const NamedTensor*>& rank0,
+                                                                     const char* who) {
+  std::map<std::string, const NamedTensor*> saved;
+  for (const auto& [name, t] : rank0)
+    if (name.rfind(kWhole, 0) == 0) saved.emplace(name.substr(kWhole.size()), t);
+  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> out;
+  if (saved.empty()) return out;
+  for (const auto& [name, mine] : whole_tensors(module)) {
+    const auto it = saved.find(name);
+    if (it == saved.end())
+      throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"{}{}\" for the model's frozen parameter or buffer "
+                                        "'{}': another model (its frozen parameters and buffers differ)",
+                                        who, kWhole, name, name));
+    ::torch::Tensor t = from_named(*it->second);
+    if (t.sizes() != mine.sizes() || t.scalar_type() != mine.scalar_type())
+      throw InvalidArgument(fmt::format("{}: '{}' is {} {} in the checkpoint, {} {} in the model", who, name,
+                                        c10::toString(t.scalar_type()), c10::str(t.sizes()),
+                                        c10::toString(mine.scalar_type()), c10::str(mine.sizes())));
+    out.emplace_back(mine, t);
+    saved.erase(it);
+  }
+  if (!saved.empty())
+    throw InvalidArgument(fmt::format("{}: the checkpoint has frozen parameters or buffers this model does not, e.g. "
+                                      "'{}': another model",
+                                      who, saved.begin()->first));
+  return out;
+}
+
 }  // namespace
 
 std::vector<NamedTensor> FullyShardedDataParallel::full_state() {
@@ -1000,6 +1047,8 @@ std::vector<NamedTensor> FullyShardedDataParallel::state_shard() const {
   for (size_t i = 0; i < st.units.size(); ++i)
     if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard)));
   out.push_back(layout_of(st.units, st.n).encode());
+  if (st.rank == 0)  // the same on every rank (rank 0's buffers are broadcast): saved once
+    for (const auto& [name, t] : whole_tensors(*module_)) out.push_back(to_named(std::string(kWhole) + name, t));
   return out;
 }
 
@@ -1021,9 +1070,11 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
     const int64_t old_chunk = static_cast<int64_t>(lay.units[i].second) / lay.world;
     staged[i] = files.rechunk(fmt::format("fsdp.unit{}", i), u.type, st.rank, u.chunk, u.used, old_chunk, kWho);
   }
+  const auto whole = saved_whole(*module_, files.get(0), kWho);
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i)
     if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard).copy_(staged[i]);
+  for (const auto& [to, from] : whole) to.copy_(from);
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
   st.open = false;
 }
@@ -1185,13 +1236,17 @@ std::vector<NamedTensor> fsdp_state_to_full(const ::torch::nn::Module& module,
       value[p.unsafeGetTensorImpl()] = whole.narrow(0, static_cast<int64_t>(units[u].offsets[j]), p.numel()).view(p.sizes());
     }
   }
-  // Frozen parameters and buffers are whole on every rank, not in the shards: the module's own, as full_state().
+  // Frozen parameters and buffers: rank 0's saved ones, or (files without them) the module's own.
+  for (const auto& [mine, saved] : saved_whole(module, files.get(0), kWho)) value[mine.unsafeGetTensorImpl()] = saved;
   std::vector<NamedTensor> out;
   for (const auto& item : module.named_parameters(true)) {
     const auto it = value.find(item.value().unsafeGetTensorImpl());
     out.push_back(to_named(item.key(), it != value.end() ? it->second : item.value()));
   }
-  for (const auto& b : module.named_buffers(true)) out.push_back(to_named(b.key(), b.value()));
+  for (const auto& b : module.named_buffers(true)) {
+    const auto it = value.find(b.value().unsafeGetTensorImpl());
+    out.push_back(to_named(b.key(), it != value.end() ? it->second : b.value()));
+  }
   return out;
 }
 

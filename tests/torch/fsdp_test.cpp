@@ -511,6 +511,92 @@ TEST(FsdpCheckpoint, ShardsResumeWithoutFsdpAndAPlainStateResumesWithIt) {
   });
 }
 
+// A model with what FSDP keeps whole on every rank: a BatchNorm's running
+// statistics (buffers that training changes) and a frozen layer.
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl() {
+    int k = 0;
+    in = register_module("in", std::make_shared<FsdpUnit<Linear>>(det_linear(8, 7, k)));
+    norm = register_module("norm", torch::nn::BatchNorm1d(7));
+    fixed = register_module("fixed", det_linear(7, 7, k));
+    head = register_module("head", det_linear(7, 4, k));
+    for (auto& p : fixed->parameters()) p.requires_grad_(false);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return head->forward(torch::tanh(fixed->forward(norm->forward(torch::tanh(in->forward(x))))));
+  }
+  std::shared_ptr<FsdpUnit<Linear>> in;
+  torch::nn::BatchNorm1d norm{nullptr};
+  Linear fixed{nullptr}, head{nullptr};
+};
+TORCH_MODULE(NormNet);
+
+// Rank 0's buffers and frozen parameters go into its shard file and come
+// back at another world size, and without FSDP: a resumed BatchNorm keeps
+// its running statistics instead of starting them again.
+TEST(FsdpCheckpoint, BuffersAndFrozenParametersAreSavedAndResumed) {
+  std::vector<std::vector<cohort::NamedTensor>> files(2);
+  std::map<std::string, torch::Tensor> want;  // rank 0's whole state when it saved
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    NormNet net;
+    net->to(torch::kDouble);
+    {
+      torch::NoGradGuard g;
+      net->fixed->weight.fill_(0.25);  // not what a fresh model has
+    }
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    const int64_t local = kGlobal / 2;
+    for (int s = 0; s < 3; ++s) {
+      fsdp.zero_grad();
+      fsdp.pre_forward();
+      const int64_t at = s * kGlobal + pg.rank() * local;
+      torch::mse_loss(net->forward(inputs(at, local).to(torch::kDouble)), targets(at, local).to(torch::kDouble)).backward();
+      opt.step();
+    }
+    files[pg.rank()] = fsdp.state_shard();
+    auto full = by_name(fsdp.full_state());
+    if (pg.rank() == 0) want = full;
+  });
+  ASSERT_EQ(want.at("norm.num_batches_tracked").item<int64_t>(), 3);
+  ASSERT_EQ(want.at("fixed.weight").max().item<double>(), 0.25);
+  for (const auto& t : files[1]) EXPECT_EQ(t.name.rfind("fsdp.whole.", 0), std::string::npos) << "rank 1 saved " << t.name;
+  const auto read = [&](int k) { return files.at(k); };
+
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    NormNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    fsdp.load_state_shards(read);
+    EXPECT_EQ(rel_error(by_name(fsdp.full_state()), want), 0.0) << "rank " << pg.rank();
+  });
+  NormNet plain;
+  plain->to(torch::kDouble);
+  cohort::torch::load_module_state(*plain, cohort::torch::fsdp_state_to_full(*plain, read));
+  EXPECT_EQ(rel_error(by_name(cohort::torch::module_state(*plain)), want), 0.0);
+
+  // A saved buffer of another shape, or one the model lacks: named, and nothing changes.
+  auto reshaped = files;
+  for (auto& t : reshaped[0])
+    if (t.name == "fsdp.whole.norm.running_mean") t = cohort::torch::to_named(t.name, torch::zeros({5}, torch::kDouble));
+  auto extra = files;
+  extra[0].push_back(cohort::torch::to_named("fsdp.whole.norm.spare", torch::zeros({7}, torch::kDouble)));
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    NormNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    const auto before = by_name(fsdp.full_state());
+    expect_invalid([&] { fsdp.load_state_shards([&](int k) { return reshaped.at(k); }); },
+                   "'norm.running_mean' is Double [5] in the checkpoint");
+    expect_invalid([&] { fsdp.load_state_shards([&](int k) { return extra.at(k); }); }, "e.g. 'norm.spare'");
+    EXPECT_EQ(rel_error(by_name(fsdp.full_state()), before), 0.0) << "rank " << pg.rank();
+  });
+  expect_invalid([&] { (void)cohort::torch::fsdp_state_to_full(*plain, [&](int k) { return extra.at(k); }); },
+                 "this model does not");
+}
+
 // A layout that is not this model's is refused, and nothing changes.
 TEST(FsdpCheckpoint, AShardLayoutThatDoesNotFitIsRefusedAndChangesNothing) {
   const SavedRun saved = save_mid_run(2);
