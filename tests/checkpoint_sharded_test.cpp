@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 
 #include "checkpoint/fault_fs.hpp"
 #include "cohort/checkpoint.hpp"
@@ -153,6 +155,97 @@ TEST(CheckpointSharded, ARankKilledMidSaveLeavesThePreviousCheckpoint) {
   run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) { cohort::save_checkpoint_sharded(pg, d.path, 2, part(pg.rank(), 2), {}); });
   EXPECT_FALSE(has_temp_dirs(d.path));
   EXPECT_EQ(cohort::load_latest_valid(d.path)->step, 2);
+}
+
+// posix_filesystem(), counting the bytes each thread (each rank of
+// run_ranks) reads from files.
+class CountingFs final : public cohort::Filesystem {
+ public:
+  static inline thread_local uint64_t read_bytes = 0;
+  std::unique_ptr<cohort::WritableFile> create_file(const std::string& p) override { return real().create_file(p); }
+  std::unique_ptr<cohort::ReadableFile> open_file(const std::string& p) override {
+    struct Counted final : cohort::ReadableFile {
+      std::unique_ptr<cohort::ReadableFile> f;
+      uint64_t size() override { return f->size(); }
+      void read_at(uint64_t off, void* out, size_t n) override {
+        read_bytes += n;
+        f->read_at(off, out, n);
+      }
+    };
+    auto c = std::make_unique<Counted>();
+    c->f = real().open_file(p);
+    return c;
+  }
+  void create_dir(const std::string& p) override { real().create_dir(p); }
+  void sync_dir(const std::string& p) override { real().sync_dir(p); }
+  void rename(const std::string& a, const std::string& b) override { real().rename(a, b); }
+  void remove_file(const std::string& p) override { real().remove_file(p); }
+  void remove_dir(const std::string& p) override { real().remove_dir(p); }
+  std::vector<cohort::DirEntry> list_dir(const std::string& p) override { return real().list_dir(p); }
+  bool exists(const std::string& p) override { return real().exists(p); }
+  bool is_dir(const std::string& p) override { return real().is_dir(p); }
+
+ private:
+  static cohort::Filesystem& real() { return cohort::posix_filesystem(); }
+};
+
+// find_latest_valid: the ranks verify a sharded checkpoint together, each
+// checksumming only its share of the files, and all choose the same one: a
+// file damaged in one rank's share, or a checkpoint `refuse` turns down,
+// sends every rank to the same older one.
+TEST(CheckpointSharded, FindLatestValidSplitsTheChecksumsAndAgrees) {
+  TempDir d;
+  constexpr int64_t kValues = 1 << 18;  // 1 MiB per file: the manifests' reads are small beside it
+  const auto big = [&](int rank, int step) {
+    std::vector<float> v(kValues, static_cast<float>(step * 100 + rank));
+    return Files{{"part.rank" + std::to_string(rank), {cohort::make_tensor("values", {kValues}, v)}}};
+  };
+  for (int step = 1; step <= 3; ++step)
+    run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) { cohort::save_checkpoint_sharded(pg, d.path, step, big(pg.rank(), step), {}); });
+  // part.rank1 is the manifest's second file: rank 1 checks it.
+  {
+    std::fstream f(d.path + "/step_000000003/part.rank1.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+  }
+  CountingFs counting;
+  std::vector<std::optional<cohort::LoadedCheckpoint>> got(3), refused(3);
+  std::vector<uint64_t> read(3);
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    const int r = pg.rank();
+    CountingFs::read_bytes = 0;
+    got[r] = cohort::find_latest_valid(pg, d.path, {}, {.fs = &counting});
+    read[r] = CountingFs::read_bytes;
+    refused[r] = cohort::find_latest_valid(pg, d.path, [](const cohort::LoadedCheckpoint& c) {
+      return c.step == 2 ? std::string("written by another run") : std::string();
+    });
+  });
+  const uint64_t file_bytes = got[0] ? got[0]->file_info.at("part.rank0").size : 0;
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(got[r]) << "rank " << r;
+    EXPECT_EQ(got[r]->step, 2) << "rank " << r;
+    EXPECT_TRUE(got[r]->files.empty());
+    EXPECT_EQ(got[r]->file_info.size(), 3u);
+    ASSERT_EQ(got[r]->skipped.size(), 1u);
+    EXPECT_NE(got[r]->skipped[0].find("step_000000003: "), std::string::npos) << got[r]->skipped[0];
+    EXPECT_NE(got[r]->skipped[0].find("part.rank1.safetensors"), std::string::npos) << got[r]->skipped[0];
+    EXPECT_NE(got[r]->skipped[0].find("CRC32C"), std::string::npos) << got[r]->skipped[0];
+    // One file's checksum in each of the two checkpoints, not three.
+    EXPECT_GE(read[r], 2 * file_bytes) << "rank " << r;
+    EXPECT_LT(read[r], 2 * file_bytes + (256u << 10)) << "rank " << r;
+    ASSERT_TRUE(refused[r]);
+    EXPECT_EQ(refused[r]->step, 1);
+    ASSERT_EQ(refused[r]->skipped.size(), 2u);
+    EXPECT_EQ(refused[r]->skipped[1], "step_000000002: written by another run");
+  }
+  // What each rank then reads of the chosen one is the saved data.
+  const auto mine = cohort::load_checkpoint(got[0]->path, {.only_files = {"part.rank2"}});
+  EXPECT_EQ(first_value(mine, 2), 202.0f);
+
+  // No directory: nothing, on every rank alike.
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    EXPECT_FALSE(cohort::find_latest_valid(pg, d.path + "/absent")) << "rank " << pg.rank();
+  });
 }
 
 }  // namespace

@@ -12,8 +12,8 @@
 //
 // resume: --resume takes the newest valid checkpoint in --checkpoint-dir; a
 // restart by the launcher (TORCHELASTIC_RESTART_COUNT > 0) the newest one this
-// job wrote, unless --no-auto-resume. Rank 0 chooses (choose_checkpoint) and
-// broadcasts the path; every rank loads it, refuses it when the data order,
+// job wrote, unless --no-auto-resume. The ranks choose it together
+// (choose_checkpoint: each verifies a share of its files); every rank loads it, refuses it when the data order,
 // the model or the optimizer would differ (check_resumable), and restores it
 // (restore). A checkpoint written at another world size continues the epoch
 // after the samples the old world had taken; its sharded optimizer state
@@ -77,35 +77,28 @@ struct Chosen {
   std::string shard = "none";  // the --shard it was written with
 };
 
-// Rank 0's choice, printing what it skips: with `any_run` (--resume) or no
-// job id, the newest valid checkpoint; else the newest one whose
-// configuration names `run_id`, so that a restart never resumes an earlier run's checkpoints left in the same
-// directory (which may have a higher step). A checkpoint with neither a whole
-// model nor FSDP's parts was not written by this program: skipped too.
-Chosen choose_checkpoint(const std::string& dir, bool any_run, const std::string& run_id) {
-  auto latest = cohort::load_latest_valid(dir);
-  if (!latest) return {};
-  for (const auto& s : latest->skipped) std::printf("resume: skipped %s\n", s.c_str());
-  const auto steps = cohort::list_checkpoint_steps(dir);
-  for (auto at = steps.rbegin(); at != steps.rend(); ++at) {
-    if (*at > latest->step) continue;
-    try {
-      auto c = *at == latest->step ? std::move(*latest)
-                                   : cohort::load_checkpoint(fmt::format("{}/step_{:09d}", dir, *at));
-      const auto config = nlohmann::json::parse(c.manifest.config, nullptr, false);
-      const std::string shard = shard_of(config);
-      const auto run = config.is_object() ? config.find("run") : config.end();
-      if (!c.files.contains(shard == "fsdp" ? "model.rank0" : "model"))
-        std::printf("resume: skipped %s: it holds no model of this program\n", c.path.c_str());
-      else if (any_run || run_id.empty() || (run != config.end() && *run == run_id))
-        return Chosen{c.path, shard};
-      else
-        std::printf("resume: skipped %s: written by another run\n", c.path.c_str());
-    } catch (const cohort::IoError& e) {
-      std::printf("resume: skipped step %lld: %s\n", static_cast<long long>(*at), e.what());
-    }
-  }
-  return {};
+// The checkpoint every rank resumes from (a collective: the ranks verify it
+// together, each checksumming its share of the files, find_latest_valid),
+// rank 0 printing what it skips: with `any_run` (--resume) or no job id, the
+// newest valid checkpoint; else the newest one whose configuration names
+// `run_id`, so that a restart never resumes an earlier run's checkpoints left
+// in the same directory (which may have a higher step). A checkpoint with
+// neither a whole model nor FSDP's parts was not written by this program:
+// skipped too.
+Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool any_run, const std::string& run_id) {
+  const auto refuse = [&](const cohort::LoadedCheckpoint& c) -> std::string {
+    const auto config = nlohmann::json::parse(c.manifest.config, nullptr, false);
+    const auto run = config.is_object() ? config.find("run") : config.end();
+    if (!c.file_info.contains(shard_of(config) == "fsdp" ? "model.rank0" : "model"))
+      return "it holds no model of this program";
+    if (any_run || run_id.empty() || (run != config.end() && *run == run_id)) return "";
+    return "written by another run";
+  };
+  const auto c = cohort::find_latest_valid(pg, dir, refuse);
+  if (pg.rank() == 0 && c)
+    for (const auto& s : c->skipped) std::printf("resume: skipped %s\n", s.c_str());
+  if (!c) return {};
+  return Chosen{c->path, shard_of(nlohmann::json::parse(c->manifest.config, nullptr, false))};
 }
 
 // What a resume does with state written under --shard `then` in a run with --shard `now` ("": nothing to convert).
@@ -327,21 +320,18 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   const bool resume = wants_resume(cfg, restart_count(), lead);
   if (!resume && !cfg.ckpt_dir.empty() && lead) note_earlier_checkpoints(cfg.ckpt_dir);
   if (!resume || cfg.ckpt_dir.empty()) return {};
-  // Rank 0 picks the checkpoint; everyone loads that one (the directory must be visible to every rank).
+  // The ranks choose one checkpoint together and load it (the directory must be visible to every rank).
   // The optimizer's files are not required here: the state may be stored
   // either way (sharded or whole) and loads into either kind of run. With
   // --shard only the model is read now: every rank's optimizer file is
   // checked to exist with its size, and each rank reads the parts it needs
   // later (restore_sharded_optimizer).
-  // Rank 0 verifies every file of the checkpoint it chooses (a damaged
-  // optimizer part makes it fall back to an older one); the others then
-  // read what they need.
+  // Every file of the chosen checkpoint is verified, each rank checksumming
+  // its share (a damaged optimizer part makes all fall back to an older
+  // one); then each rank reads what it needs.
   // --shard fsdp writes no whole model: its checkpoints hold model.rank<r>
   // and optimizer.rank<r> for every rank r (restore_state reads them).
-  Chosen chosen;
-  if (lead) chosen = choose_checkpoint(cfg.ckpt_dir, cfg.resume, config.at("run").get<std::string>());
-  chosen.path = cohort::torch::broadcast_string(pg, chosen.path, 0);
-  chosen.shard = cohort::torch::broadcast_string(pg, chosen.shard, 0);
+  const Chosen chosen = choose_checkpoint(pg, cfg.ckpt_dir, cfg.resume, config.at("run").get<std::string>());
   if (chosen.path.empty()) {
     if (lead) std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
     return {};

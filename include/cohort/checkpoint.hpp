@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -188,6 +189,26 @@ COHORT_API LoadedCheckpoint load_checkpoint(const std::string& path, const LoadO
 // checkpoint, or no `dir` at all: std::nullopt. Never throws for a broken
 // checkpoint; may throw IoError if `dir` itself cannot be listed.
 COHORT_API std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const LoadOptions& options = {});
+
+// load_latest_valid for the ranks of a job that resume together, without
+// any rank reading the whole checkpoint: a collective over `group` (a host
+// group; `dir` visible to every rank). It takes the newest step_* directory
+// of `dir`, as rank 0 lists it, whose manifest reads, whose files all exist
+// with their sizes (and LoadOptions::required_files), and whose files' CRC32C
+// all match; each rank streams the checksum of its share only (the
+// manifest's k-th file on rank k mod size, through a 4 MiB buffer), so a
+// sharded checkpoint is verified in parallel and no rank holds more than a
+// few MiB of it. `refuse`, if given, sees each checkpoint that verified on
+// this rank and may skip it with a reason (written by another run, say); it
+// must answer alike on every rank (they see the same manifest), and it must
+// not throw. Every rank returns the same: the checkpoint with path, step,
+// manifest and file_info, `files` left empty (each rank then reads its part
+// with load_checkpoint(path, {.only_files = ...})), and `skipped` naming the
+// newer ones passed over ("step_X: why"); or std::nullopt. Never throws for a
+// broken checkpoint; IoError on every rank if rank 0 cannot list `dir`.
+COHORT_API std::optional<LoadedCheckpoint> find_latest_valid(
+    ProcessGroup& group, const std::string& dir,
+    const std::function<std::string(const LoadedCheckpoint&)>& refuse = {}, const LoadOptions& options = {});
 
 // The steps of the step_* directories in `dir`, ascending (valid or not; *.tmp-* excluded).
 COHORT_API std::vector<int64_t> list_checkpoint_steps(const std::string& dir, Filesystem* fs = nullptr);

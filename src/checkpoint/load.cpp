@@ -10,10 +10,12 @@
 
 #include <algorithm>
 
+#include "checkpoint/agree.hpp"
 #include "checkpoint/dir_scan.hpp"
 #include "checkpoint/layout.hpp"
 #include "checkpoint/safetensors.hpp"
 #include "cohort/checkpoint.hpp"
+#include "cohort/process_group.hpp"
 #include "core/log.hpp"
 
 namespace cohort {
@@ -70,10 +72,10 @@ std::vector<NamedTensor> load_file(Filesystem& fs, const std::string& path, cons
   return std::move(r.file.tensors);
 }
 
-}  // namespace
-
-LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
-  Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
+// The manifest of the checkpoint at `path`, checked against its directory's
+// name and options.required_files; the head of `out` filled from it.
+ParsedManifest checked_manifest(Filesystem& fs, const std::string& path, const LoadOptions& options,
+                                LoadedCheckpoint& out) {
   if (!fs.is_dir(path))
     throw IoError(fmt::format("checkpoint '{}' does not exist or is not a directory; pass a step_* directory, or use "
                               "load_latest_valid on the directory holding them", path));
@@ -90,18 +92,28 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
                                     "program or edited",
                                     path, name, kTensorFileSuffix, have.empty() ? "no files" : have));
     }
-  LoadedCheckpoint out;
   out.path = path;
   out.step = pm.step;
   out.format_version = pm.format_version;
   out.manifest = std::move(pm.manifest);
+  return pm;
+}
+
+std::string name_of(const std::string& file_name) { return file_name.substr(0, file_name.size() - kTensorFileSuffix.size()); }
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
+  Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
+  LoadedCheckpoint out;
+  ParsedManifest pm = checked_manifest(fs, path, options, out);
   for (const std::string& name : options.only_files)
     if (!pm.files.contains(name + std::string(kTensorFileSuffix)))
       throw FormatError(fmt::format("checkpoint '{}' has no {}{}, which was asked for (LoadOptions::only_files): it "
                                     "was written by another program, at another world size, or edited",
                                     path, name, kTensorFileSuffix));
   for (const auto& [file_name, info] : pm.files) {
-    std::string name = file_name.substr(0, file_name.size() - kTensorFileSuffix.size());
+    const std::string name = name_of(file_name);
     out.file_info[name] = info;  // every file the manifest lists, read or not
     const auto& only = options.only_files;
     if (!only.empty() && std::find(only.begin(), only.end(), name) == only.end()) {
@@ -134,6 +146,68 @@ std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const 
   if (!skipped.empty())
     COHORT_WARN(kInit, "checkpoint: no valid checkpoint in '{}': all {} failed to verify (see above); starting from "
                        "scratch is up to the caller", dir, skipped.size());
+  return std::nullopt;
+}
+
+std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std::string& dir,
+                                                  const std::function<std::string(const LoadedCheckpoint&)>& refuse,
+                                                  const LoadOptions& options) {
+  Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
+  const int rank = group.rank();
+  const size_t n = static_cast<size_t>(group.size());
+  // Rank 0's listing, so that every rank walks the same directories.
+  std::string listing, error;
+  if (rank == 0) {
+    try {
+      for (const StepDir& d : list_step_dirs(fs, dir)) listing += d.name + "\n";
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  if (const auto [who, why] = first_error(group, error); who >= 0) throw IoError(why);
+  listing = allgather_strings(group, listing).at(0);
+  std::vector<std::string> names;
+  for (size_t at = 0, end; (end = listing.find('\n', at)) != std::string::npos; at = end + 1)
+    names.push_back(listing.substr(at, end - at));
+
+  std::vector<std::string> skipped;
+  for (auto it = names.rbegin(); it != names.rend(); ++it) {
+    const std::string path = join_path(dir, *it);
+    LoadedCheckpoint c;
+    std::string mine;  // "F<why>": it failed here; "R<why>": refused
+    try {
+      const ParsedManifest pm = checked_manifest(fs, path, options, c);
+      size_t k = 0;
+      for (const auto& [file_name, info] : pm.files) {
+        c.file_info[name_of(file_name)] = info;
+        const auto f = check_size(fs, join_path(path, file_name), info);
+        if (options.verify_checksums && k++ % n == static_cast<size_t>(rank)) {
+          const uint32_t got = whole_file_crc(*f);
+          if (got != info.crc32c) throw FormatError(checksum_message(join_path(path, file_name), got, info.crc32c));
+        }
+      }
+    } catch (const std::exception& e) {  // every rank must reach the agreement below
+      mine = std::string("F") + e.what();
+    }
+    if (mine.empty() && refuse) {
+      const std::string why = refuse(c);
+      if (!why.empty()) mine = "R" + why;
+    }
+    const auto [who, why] = first_error(group, mine);
+    if (who < 0) {
+      if (!skipped.empty() && rank == 0)
+        COHORT_WARN(kInit, "checkpoint: chose step {} from '{}' after skipping {} newer checkpoint(s)", c.step, path,
+                    skipped.size());
+      c.skipped = std::move(skipped);
+      return c;
+    }
+    const std::string reason = why.substr(1);
+    if (why.front() == 'F' && rank == 0) COHORT_WARN(kInit, "checkpoint: skipping '{}': {}", path, reason);
+    skipped.push_back(fmt::format("{}: {}", *it, reason));
+  }
+  if (!skipped.empty() && rank == 0)
+    COHORT_WARN(kInit, "checkpoint: no checkpoint in '{}' was chosen: all {} were skipped (see above)", dir,
+                skipped.size());
   return std::nullopt;
 }
 

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <set>
 
+#include "checkpoint/agree.hpp"
 #include "checkpoint/layout.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/save_steps.hpp"
@@ -32,31 +33,6 @@ namespace cohort {
 namespace {
 
 using namespace ckpt;
-
-// Every rank's string, by rank (a collective).
-std::vector<std::string> allgather_strings(ProcessGroup& group, const std::string& mine) {
-  const size_t n = static_cast<size_t>(group.size());
-  int64_t my_len = static_cast<int64_t>(mine.size());
-  std::vector<int64_t> lens(n);
-  group.allgather(Buffer{&my_len, 1, DType::I64}, Buffer{lens.data(), n, DType::I64})->wait();
-  const size_t longest = static_cast<size_t>(*std::max_element(lens.begin(), lens.end()));
-  std::vector<std::string> out(n);
-  if (longest == 0) return out;
-  std::vector<uint8_t> send(longest), all(longest * n);
-  std::copy(mine.begin(), mine.end(), send.begin());
-  group.allgather(Buffer{send.data(), longest, DType::U8}, Buffer{all.data(), longest * n, DType::U8})->wait();
-  for (size_t r = 0; r < n; ++r)
-    out[r].assign(reinterpret_cast<const char*>(all.data() + r * longest), static_cast<size_t>(lens[r]));
-  return out;
-}
-
-// The first rank's error, "" when no rank had one (a collective).
-std::pair<int, std::string> first_error(ProcessGroup& group, const std::string& mine) {
-  const std::vector<std::string> all = allgather_strings(group, mine);
-  for (size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) return {static_cast<int>(r), all[r]};
-  return {-1, {}};
-}
 
 template <class E>
 void throw_if_any(ProcessGroup& group, const std::string& mine) {

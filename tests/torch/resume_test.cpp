@@ -218,19 +218,22 @@ TEST(Resume, CorruptNewestCheckpointFallsBackToTheOneBefore) {
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto first = lt::run(job(base + "/c", {}, 40), env, 600);
   ASSERT_EQ(first.status, 0) << first.err;
-  // Flip a byte in the newest checkpoint's model file.
+  // Flip a byte in the newest checkpoint's optimizer file: the manifest's
+  // second file, which rank 1 checksums (find_latest_valid), so rank 0 learns
+  // of the damage from rank 1 and both fall back.
   fs::path newest;
   for (auto& e : fs::directory_iterator(base + "/c"))
     if (e.path().filename().string().rfind("step_", 0) == 0 && e.path() > newest) newest = e.path();
   ASSERT_FALSE(newest.empty());
   {
-    std::fstream f(newest / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(newest / "optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-10, std::ios::end);
     f.put('\x5a');
   }
   auto resumed = lt::run(job(base + "/c", {"--resume"}, 45), env, 600);
   ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_NE(resumed.out.find("skipped"), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("resume: skipped " + newest.filename().string() + ": "), std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("optimizer.safetensors': its CRC32C is"), std::string::npos) << resumed.out;
   EXPECT_NE(resumed.out.find("step 20"), std::string::npos) << resumed.out;
   fs::remove_all(base);
 }
