@@ -34,16 +34,26 @@ struct BenchFlags {
   std::string plot, plot_peers;  // --plot FILE.svg, --plot-peers FILE.csv
 };
 
+}  // namespace
+
+std::vector<uint64_t> parse_size_list(const std::string& list) {
+  std::vector<uint64_t> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto b = core::parse_bytes(item);
+    if (!b) throw InvalidArgument(fmt::format("--sizes: '{}' is not a byte size (use e.g. 8,1K,1M,64M)", item));
+    out.push_back(*b);
+  }
+  return out;
+}
+
+namespace {
+
 std::vector<size_t> size_list(const BenchFlags& f) {
   std::vector<size_t> out;
   if (!f.sizes.empty()) {
-    std::stringstream ss(f.sizes);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      auto b = core::parse_bytes(item);
-      if (!b) throw InvalidArgument(fmt::format("--sizes: '{}' is not a byte size (use e.g. 8,1K,1M,64M)", item));
-      out.push_back(*b);
-    }
+    for (const uint64_t b : parse_size_list(f.sizes)) out.push_back(static_cast<size_t>(b));
     return out;
   }
   auto lo = core::parse_bytes(f.min_bytes), hi = core::parse_bytes(f.max_bytes);

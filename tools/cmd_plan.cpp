@@ -30,18 +30,6 @@ struct PlanFlags {
   int top = 10;
 };
 
-std::vector<double> parse_sizes(const std::string& list) {
-  std::vector<double> out;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    auto b = core::parse_bytes(item);
-    if (!b) throw InvalidArgument(fmt::format("--sizes: '{}' is not a byte size (use e.g. 8,1K,1M,64M)", item));
-    out.push_back(double(*b));
-  }
-  return out;
-}
-
 plan::CostTable load_costs(const PlanFlags& f) {
   if (f.calibration.empty()) return plan::CostTable{"no calibration file (--calibration)", {}};
   return plan::cost_table(plan::read_calibration(f.calibration, COHORT_VERSION), "calibration file " + f.calibration);
@@ -111,7 +99,7 @@ int plan_collective(const PlanFlags& f) {
   else
     std::printf("# %s on %d host(s) x %d rank(s), %s\n#%11s  %12s  %s\n", f.collective.c_str(), g.hosts, g.ranks_per_host,
                 table.source.c_str(), "size (B)", "time (us)", "algorithm (phases)");
-  for (double bytes : parse_sizes(f.sizes)) {
+  for (const double bytes : parse_size_list(f.sizes)) {
     const plan::Prediction p = plan::predict_collective(table, *coll, bytes, g, collectives::thresholds_from_env());
     if (f.csv)
       std::printf("%s,%d,%d,%.0f,%.3f,%s\n", f.collective.c_str(), g.hosts, g.ranks_per_host, bytes, p.us,

@@ -4,6 +4,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 namespace cohort::tools {
 
 void add_run_command(CLI::App& app, int& exit_code);    // cmd_run.cpp: the launcher
@@ -13,5 +17,9 @@ void add_topo_command(CLI::App& app, int& exit_code);   // cmd_topo.cpp: hwloc t
 void add_doctor_command(CLI::App& app, int& exit_code);  // cmd_doctor.cpp: environment, connectivity, bandwidth check
 void add_trace_command(CLI::App& app, int& exit_code);   // cmd_trace.cpp: merge and summarise timelines
 void add_plan_command(CLI::App& app, int& exit_code);    // cmd_plan.cpp: the cost model and layout planner
+
+// --sizes: a comma list of byte sizes ("8,1K,1M,64M"); InvalidArgument naming
+// the item that is not one (cmd_bench.cpp and cmd_plan.cpp share the flag).
+std::vector<uint64_t> parse_size_list(const std::string& list);
 
 }  // namespace cohort::tools

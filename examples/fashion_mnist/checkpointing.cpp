@@ -180,11 +180,18 @@ void all_or_none(cohort::ProcessGroup& pg, const std::string& error, const std::
 class CheckpointFiles {
  public:
   explicit CheckpointFiles(const cohort::LoadedCheckpoint& ck) : ck_(ck) {}
+  // A whole file ("model", "optimizer"), kept once read.
   const std::vector<cohort::NamedTensor>& operator()(const std::string& name) {
     if (const auto it = ck_.files.find(name); it != ck_.files.end()) return it->second;
     auto& slot = later_[name];
     if (slot.empty()) slot = std::move(cohort::load_checkpoint(ck_.path, {.only_files = {name}}).files.at(name));
     return slot;
+  }
+  // The saving run's rank `rank`'s part `name` ("<name>.rank<rank>"), not
+  // kept: the sharded loaders hold what they need.
+  std::vector<cohort::NamedTensor> part(const char* name, int rank) const {
+    const auto it = ck_.files.find(fmt::format("{}.rank{}", name, rank));
+    return it != ck_.files.end() ? it->second : part_of(ck_.path, name, rank);
   }
 
  private:
@@ -204,13 +211,8 @@ void restore_state(const cohort::LoadedCheckpoint& ck, const std::string& saved,
                    cohort::torch::FullyShardedDataParallel* fsdp) {
   namespace ct = cohort::torch;
   CheckpointFiles file(ck);
-  // Rank k's part of the saving run: already read (a run without --shard reads every file), else read now.
-  const auto part = [&](const char* name, int rank) {
-    const auto it = ck.files.find(fmt::format("{}.rank{}", name, rank));
-    return it != ck.files.end() ? it->second : part_of(ck.path, name, rank);
-  };
-  const auto model_part = [&](int rank) { return part("model", rank); };
-  const auto optim_part = [&](int rank) { return part("optimizer", rank); };
+  const auto model_part = [&](int rank) { return file.part("model", rank); };
+  const auto optim_part = [&](int rank) { return file.part("optimizer", rank); };
   // Written with --shard zero1/zero2 or without --shard: the optimizer's per-parameter state. (An FSDP
   // run with --param-dtype shows bf16 parameters; ZeRO planned its buckets in the fp32 master dtype.)
   const auto with_whole_optimizer = [&](const auto& load) {

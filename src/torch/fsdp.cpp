@@ -877,6 +877,8 @@ struct FsdpLayout {
     }
     return l;
   }
+  // Unit u's elements per saving rank.
+  int64_t chunk(size_t u) const { return static_cast<int64_t>(units[u].second) / world; }
   // Throws unless the saved units are this model's.
   template <class U>
   void check_fits(const std::vector<U>& mine, const char* who) const {
@@ -1067,8 +1069,7 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
   for (size_t i = 0; i < st.units.size(); ++i) {
     const Unit& u = st.units[i];
     if (u.chunk == 0) continue;
-    const int64_t old_chunk = static_cast<int64_t>(lay.units[i].second) / lay.world;
-    staged[i] = files.rechunk(fmt::format("fsdp.unit{}", i), u.type, st.rank, u.chunk, u.used, old_chunk, kWho);
+    staged[i] = files.rechunk(fmt::format("fsdp.unit{}", i), u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho);
   }
   const auto whole = saved_whole(*module_, files.get(0), kWho);
   ::torch::NoGradGuard no_grad;
@@ -1149,13 +1150,12 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
   for (size_t i = 0; i < st.units.size(); ++i) {
     const Unit& u = st.units[i];
     if (u.chunk == 0) continue;
-    const int64_t old_chunk = static_cast<int64_t>(lay.units[i].second) / lay.world;
     shard::ShardState s{.fields = {}, .step = head[1]};
     const std::string prefix = fmt::format("fsdp.unit{}.", i);
     for (const auto& [name, t] : first)
       if (name.rfind(prefix, 0) == 0)
         s.fields.emplace_back(name.substr(prefix.size()),
-                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, old_chunk, kWho));
+                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho));
     staged.emplace_back(u.shard_param, std::move(s));
   }
   for (auto& [p, s] : staged) shard::install_state(optimizer, p, kind, s);
@@ -1195,15 +1195,6 @@ std::vector<PlainUnit> plain_units(const ::torch::nn::Module& module) {
   return units;
 }
 
-// Unit u's whole tensor `name` (count elements, padding included) from every rank's chunk.
-::torch::Tensor whole_of(shard::ShardFiles& files, const std::string& name, const FsdpLayout& lay, size_t u,
-                         ::torch::ScalarType type, const char* who) {
-  const int64_t chunk = static_cast<int64_t>(lay.units[u].second) / lay.world;
-  std::vector<::torch::Tensor> parts;
-  for (int q = 0; q < lay.world; ++q) parts.push_back(files.chunk(q, name, chunk, type, who));
-  return ::torch::cat(parts);
-}
-
 // The index of every trainable parameter of `module` in a plain optimizer
 // over its parameters() (registration order, each appearance counted), by tensor.
 std::multimap<const void*, size_t> plain_indices(const ::torch::nn::Module& module) {
@@ -1230,7 +1221,7 @@ std::vector<NamedTensor> fsdp_state_to_full(const ::torch::nn::Module& module,
   std::map<const void*, ::torch::Tensor> value;  // by tensor: a tied parameter under each of its names
   for (size_t u = 0; u < units.size(); ++u) {
     if (units[u].used == 0) continue;
-    const ::torch::Tensor whole = whole_of(files, fmt::format("fsdp.unit{}", u), lay, u, units[u].type, kWho);
+    const ::torch::Tensor whole = files.whole(fmt::format("fsdp.unit{}", u), lay.world, lay.chunk(u), units[u].type, kWho);
     for (size_t j = 0; j < units[u].params.size(); ++j) {
       const ::torch::Tensor& p = units[u].params[j];
       value[p.unsafeGetTensorImpl()] = whole.narrow(0, static_cast<int64_t>(units[u].offsets[j]), p.numel()).view(p.sizes());
@@ -1267,7 +1258,7 @@ std::vector<NamedTensor> fsdp_optimizer_state_to_full(const ::torch::nn::Module&
     const std::string prefix = fmt::format("fsdp.unit{}.", u);
     for (const auto& [name, t] : first) {
       if (name.rfind(prefix, 0) != 0 || units[u].used == 0) continue;
-      const ::torch::Tensor whole = whole_of(files, name, lay, u, from_named(*t).scalar_type(), kWho);
+      const ::torch::Tensor whole = files.whole(name, lay.world, lay.chunk(u), from_named(*t).scalar_type(), kWho);
       for (size_t j = 0; j < units[u].params.size(); ++j) {
         const ::torch::Tensor& p = units[u].params[j];
         const auto v = whole.narrow(0, static_cast<int64_t>(units[u].offsets[j]), p.numel()).view(p.sizes());

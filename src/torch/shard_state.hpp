@@ -100,6 +100,13 @@ class ShardFiles {
     return t.reshape({count});
   }
 
+  // The whole tensor `name` (world x chunk elements, padding included) joined from every saving rank's chunk.
+  ::torch::Tensor whole(const std::string& name, int world, int64_t chunk, ::torch::ScalarType type, const char* who) {
+    std::vector<::torch::Tensor> parts;
+    for (int q = 0; q < world; ++q) parts.push_back(this->chunk(q, name, chunk, type, who));
+    return ::torch::cat(parts);
+  }
+
   // This rank's `chunk` elements of a tensor split into chunks of `old_chunk`
   // by the saving run (its first `used` elements are data; the rest, the
   // padding, stays zero), read from the old chunks that overlap them.

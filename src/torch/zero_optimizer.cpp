@@ -616,9 +616,7 @@ std::vector<NamedTensor> zero_state_to_full(const ::torch::nn::Module& module,
     for (const auto& [name, t] : first) {
       if (name.rfind(prefix, 0) != 0 || chunk == 0) continue;
       const ::torch::ScalarType type = from_named(*t).scalar_type();
-      std::vector<::torch::Tensor> parts;
-      for (int q = 0; q < lay.world; ++q) parts.push_back(files.chunk(q, name, chunk, type, kWho));
-      const ::torch::Tensor whole = ::torch::cat(parts);
+      const ::torch::Tensor whole = files.whole(name, lay.world, chunk, type, kWho);
       for (size_t j = 0; j < plan[b].params.size(); ++j) {
         const size_t i = plan[b].params[j];
         const auto v = whole.narrow(0, static_cast<int64_t>(plan[b].offsets[j]), params[i].numel()).view(params[i].sizes());
