@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "cohort/torch.hpp"
+#include "backward_callback.hpp"
 #include "device.hpp"
 
 namespace cohort::torch {
@@ -184,7 +185,7 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   // never runs its callbacks: queueing one there could leave the flag set and
   // skip the next synced backward's finalize (gradients never averaged).
   if (!reducer_->in_no_sync() && !callback_queued_.exchange(true)) {
-    ::torch::autograd::Engine::get_default_engine().queue_callback([this] {
+    detail::queue_backward_callback([this] {
       callback_queued_.store(false);
       finalize();
     });

@@ -40,6 +40,7 @@
 
 #include <fmt/format.h>
 
+#include "backward_callback.hpp"
 #include "cohort/error.hpp"
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
@@ -208,7 +209,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   void queue_end_of_backward(const std::shared_ptr<State>& self) {
     if (callback_queued) return;
     callback_queued = true;
-    ::torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr<State>(self)] {
+    detail::queue_backward_callback([weak = std::weak_ptr<State>(self)] {
       if (auto s = weak.lock()) s->end_backward();
     });
   }
@@ -463,7 +464,14 @@ void FsdpUnitBase::built() {
 // ---- FsdpUnitBase ----
 
 void FsdpUnitBase::enter() {
-  if (fsdp_) fsdp_->state_->enter(unit_);
+  if (!fsdp_) return;
+  if (detail::in_recompute())
+    throw InvalidArgument(fmt::format("FullyShardedDataParallel: unit '{}' runs inside recompute(); FSDP gathers and "
+                                      "frees a unit around its own forward and backward, which a recomputation "
+                                      "would run twice. HINT: recompute inside the unit (in the forward of the "
+                                      "module FsdpUnit wraps), or do not recompute this part",
+                                      fsdp_->state_->units[unit_].name));
+  fsdp_->state_->enter(unit_);
 }
 
 ::torch::Tensor FsdpUnitBase::cast_input(::torch::Tensor t) const {
