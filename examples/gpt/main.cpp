@@ -15,6 +15,7 @@
 // the tokens/s; --save writes the full (unsharded) model as a cohort
 // checkpoint, which --load reads at any layout.
 #include <CLI/CLI.hpp>
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
@@ -57,6 +58,8 @@ void parse(CLI::App& app, Args& a) {
   app.add_option("--heads", a.model.heads, "attention heads")->check(CLI::PositiveNumber);
   app.add_option("--context", a.model.context, "tokens per sequence")->check(CLI::PositiveNumber);
   app.add_flag("--sequence-parallel", a.model.sequence_parallel, "split the activations between blocks along the sequence");
+  app.add_flag("--recompute", a.model.recompute,
+               "activation recomputation: keep each block's input only and run the block again in backward");
   app.add_option("--dropout", a.model.dropout, "dropout probability (embedding, attention, residual branches)");
   app.add_option("--seed", a.model.seed, "weights, batches and dropout masks");
   app.add_option("--batch", a.batch, "sequences per step over all data-parallel ranks")->check(CLI::PositiveNumber);
@@ -294,12 +297,16 @@ void Trainer::run() {
     std::fflush(stdout);
   }
   if (!a.trace.empty()) write_trace();
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  const double peak_mb = cohort::torch::allreduce_scalar(*world, usage.ru_maxrss / 1024.0, cohort::ReduceOp::Max);
   if (lead)
-    std::printf("RESULT gpt dp=%d tp=%d pp=%d sp=%d schedule=%s micro=%d chunks=%d params=%lld params_per_rank=%lld "
-                "steps=%lld tokens_per_s=%.0f bubble=%.3f val_loss=%.4f\n",
-                mesh.shape().dp, mesh.shape().tp, mesh.shape().pp, a.model.sequence_parallel ? 1 : 0, a.schedule.c_str(),
-                a.micro, a.chunks, static_cast<long long>(a.model.params()), static_cast<long long>(params),
-                static_cast<long long>(step), rate(), timed ? bubble_sum / static_cast<double>(timed) : 0.0, val);
+    std::printf("RESULT gpt dp=%d tp=%d pp=%d sp=%d recompute=%d schedule=%s micro=%d chunks=%d params=%lld "
+                "params_per_rank=%lld steps=%lld tokens_per_s=%.0f bubble=%.3f val_loss=%.4f peak_rss_mb=%.1f\n",
+                mesh.shape().dp, mesh.shape().tp, mesh.shape().pp, a.model.sequence_parallel ? 1 : 0,
+                a.model.recompute ? 1 : 0, a.schedule.c_str(), a.micro, a.chunks, static_cast<long long>(a.model.params()),
+                static_cast<long long>(params), static_cast<long long>(step), rate(),
+                timed ? bubble_sum / static_cast<double>(timed) : 0.0, val, peak_mb);
 }
 
 // Whether a launcher (cohort run, torchrun, mpirun, srun) started this process.

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 
+#include "cohort/torch_recompute.hpp"
 #include "cohort/torch_tensor_parallel.hpp"
 
 namespace gpt {
@@ -35,6 +36,7 @@ struct Config {
   int64_t heads = 4;
   int64_t layers = 4;
   bool sequence_parallel = false;
+  bool recompute = false;  // keep each block's input only, run the block again in backward
   double dropout = 0.0;  // on the embedding, the attention probabilities and each residual branch
   uint64_t seed = 1234;
   int64_t params() const {  // of the whole (unsharded) model
@@ -164,7 +166,15 @@ struct StageImpl : torch::nn::Module {
       if (cfg.sequence_parallel) p = p.chunk(tp_group->size(), 0)[tp_group->rank()];
       x = tp::dropout(x + p, cfg.dropout, cfg.sequence_parallel ? rng->parallel() : rng->replicated(), is_training());
     }
-    for (auto& b : blocks) x = b->forward(x);
+    for (auto& b : blocks) {
+      if (!cfg.recompute) {
+        x = b->forward(x);
+        continue;
+      }
+      // The block's tp collectives run again in backward, and its dropout draws the same masks.
+      x = cohort::torch::recompute([b](const torch::Tensor& t) mutable { return b->forward(t); }, x,
+                                   {rng->replicated(), rng->parallel()});
+    }
     return head ? head->forward(ln_f->forward(x)) : x;
   }
 

@@ -192,7 +192,8 @@ COHORT_API std::optional<LoadedCheckpoint> load_latest_valid(const std::string& 
 
 // load_latest_valid for the ranks of a job that resume together, without
 // any rank reading the whole checkpoint: a collective over `group` (a host
-// group; `dir` visible to every rank). It takes the newest step_* directory
+// group, native or mpi: InvalidArgument for nccl; `dir` visible to every
+// rank). It takes the newest step_* directory
 // of `dir`, as rank 0 lists it, whose manifest reads, whose files all exist
 // with their sizes (and LoadOptions::required_files), and whose files' CRC32C
 // all match; each rank streams the checksum of its share only (the

@@ -152,6 +152,11 @@ std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const 
 std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std::string& dir,
                                                   const std::function<std::string(const LoadedCheckpoint&)>& refuse,
                                                   const LoadOptions& options) {
+  if (group.cuda_device() >= 0)
+    throw InvalidArgument(fmt::format("find_latest_valid: the {} backend moves GPU memory only, and the ranks agree "
+                                      "over host memory. HINT: pass a host group (native or mpi), or let one rank "
+                                      "choose with load_latest_valid and broadcast its path",
+                                      group.backend_name()));
   Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
   const int rank = group.rank();
   const size_t n = static_cast<size_t>(group.size());
@@ -190,8 +195,12 @@ std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std
       mine = std::string("F") + e.what();
     }
     if (mine.empty() && refuse) {
-      const std::string why = refuse(c);
-      if (!why.empty()) mine = "R" + why;
+      try {
+        const std::string why = refuse(c);
+        if (!why.empty()) mine = "R" + why;
+      } catch (const std::exception& e) {  // the same: no rank may leave the agreement
+        mine = std::string("F") + e.what();
+      }
     }
     const auto [who, why] = first_error(group, mine);
     if (who < 0) {

@@ -245,6 +245,29 @@ TEST(GptParallel, DropoutTrains) {
   fs::remove_all(base);
 }
 
+// --recompute runs every block again in backward (its tp collectives and
+// dropout masks included): the same losses and weights as without, with
+// dropout on, with tensor parallelism and through a pipeline with DDP.
+TEST(GptParallel, RecomputeTrainsAsWithout) {
+  need_text();
+  const std::string base = lt::temp_dir();
+  for (const auto& layout : std::vector<std::vector<std::string>>{
+           {"--tp", "2", "--dropout", "0.1", "--sequence-parallel"}, {"--pp", "2", "--dp", "2", "--micro", "2"}}) {
+    const int nproc = layout.front() == "--tp" ? 2 : 4;
+    const Job plain = train(nproc, layout, base + "/plain", 6);
+    auto with = layout;
+    with.push_back("--recompute");
+    const Job again = train(nproc, with, base + "/again", 6);
+    ASSERT_EQ(again.losses.size(), 6u) << again.out;
+    EXPECT_EQ(loss_error(again, plain), 0.0) << again.out;
+    EXPECT_EQ(rel_error(model_at(base + "/again"), model_at(base + "/plain")), 0.0);
+    EXPECT_NE(again.out.find("recompute=1"), std::string::npos) << again.out;
+    fs::remove_all(base + "/plain");
+    fs::remove_all(base + "/again");
+  }
+  fs::remove_all(base);
+}
+
 // Each exits non-zero with the reason, long before any timeout.
 TEST(GptParallel, BadLayoutsFailAtOnceByName) {
   need_text();
