@@ -122,7 +122,7 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
                           const std::string& run_id);
 // Where this run starts: from scratch, or where the checkpoint that --resume
 // or a restart chooses left off, with the model, optimizer, scaler, schedule
-// offset and CPU RNG restored. Collective (rank 0 chooses, every rank loads;
+// offset and CPU RNG restored. Collective (the ranks verify and choose together, every rank loads;
 // --checkpoint-dir must be visible to every rank); rank 0 prints what it
 // chose and skipped. Throws InvalidArgument when the checkpoint does not fit
 // this run (`config`, from run_config()). `per_rank_samples` is the sampler's size.

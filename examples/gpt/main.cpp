@@ -182,7 +182,40 @@ struct Trainer {
     for (auto& c : chunks) cohort::torch::tp::load_full_module_state(*c, state);
     step = ck->step;
     if (lead) std::printf("loaded %s (step %lld)\n", ck->path.c_str(), static_cast<long long>(step));
+    load_dropout_streams(*ck);
     return *ck;
+  }
+
+  // dp, tp, pp and chunks: a rank's dropout streams belong to its place in them.
+  std::string layout() const {
+    return "dp" + std::to_string(mesh.shape().dp) + ".tp" + std::to_string(mesh.shape().tp) + ".pp" +
+           std::to_string(mesh.shape().pp) + ".chunks" + std::to_string(a.chunks);
+  }
+  std::string rng_file() const { return "rng.rank" + std::to_string(world->rank()); }
+
+  // Each rank's dropout generators as it saved them, when the checkpoint was
+  // written at this layout: the masks then continue as in a run never
+  // stopped. At another layout the ranks' streams do not map onto these, and
+  // they start afresh from --seed.
+  void load_dropout_streams(const cohort::LoadedCheckpoint& ck) {
+    const bool same = ck.manifest.config.find("\"layout\":\"" + layout() + "\"") != std::string::npos;
+    const auto it = ck.files.find(rng_file());
+    if (!same || it == ck.files.end()) {
+      if (lead && a.model.dropout > 0)
+        std::printf("note: %s was written at another layout (this one: %s): the dropout masks start afresh\n",
+                    ck.path.c_str(), layout().c_str());
+      return;
+    }
+    std::map<std::string, torch::Tensor> saved;
+    for (const auto& t : it->second) saved[t.name] = cohort::torch::from_named(t);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const std::string at = "chunk" + std::to_string(c);
+      if (!saved.count(at + ".replicated") || !saved.count(at + ".parallel"))
+        throw cohort::InvalidArgument("gpt: " + ck.path + "'s " + rng_file() + " lacks " + at +
+                                      "'s dropout streams: the checkpoint is damaged or from another program");
+      chunks[c]->rng->replicated().set_state(saved.at(at + ".replicated"));
+      chunks[c]->rng->parallel().set_state(saved.at(at + ".parallel"));
+    }
   }
 
   // The full model: tp rank 0 of dp replica 0 of each stage writes its
@@ -197,9 +230,16 @@ struct Trainer {
         files["optim-stage" + std::to_string(virtual_stage(c))] = std::move(optim);
       }
     }
+    // Every rank's dropout streams, for a resume at this layout.
+    auto& rng = files[rng_file()];
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const std::string at = "chunk" + std::to_string(c);
+      rng.push_back(cohort::torch::to_named(at + ".replicated", chunks[c]->rng->replicated().get_state()));
+      rng.push_back(cohort::torch::to_named(at + ".parallel", chunks[c]->rng->parallel().get_state()));
+    }
     cohort::Manifest m;
     m.world_size = world->size();
-    m.config = "{\"model\":\"gpt\"}";
+    m.config = "{\"model\":\"gpt\",\"layout\":\"" + layout() + "\"}";
     const std::string dir = cohort::save_checkpoint_sharded(*world, a.save, step, files, m, {.keep_last = 2});
     if (lead) std::printf("saved %s\n", dir.c_str());
   }

@@ -245,6 +245,25 @@ TEST(GptParallel, DropoutTrains) {
   fs::remove_all(base);
 }
 
+// With dropout, a resume at the layout that saved restores every rank's
+// dropout streams: the masks, so the losses, continue as in a run never
+// stopped. At another layout they start afresh, and it says so.
+TEST(GptParallel, DropoutResumesExactlyAtTheSameLayout) {
+  need_text();
+  const std::string base = lt::temp_dir();
+  const std::vector<std::string> layout{"--tp", "2", "--dropout", "0.1", "--decay-steps", "12"};
+  const Job ref = train(2, layout, base + "/ref", 12);
+  ASSERT_EQ(ref.losses.size(), 12u) << ref.out;
+  const Job first = train(2, layout, base + "/a", 6);
+  const Job again = train(2, layout, base + "/b", 12, base + "/a");
+  ASSERT_EQ(again.losses.size(), 6u) << again.out;
+  for (const auto& [s, l] : again.losses) EXPECT_EQ(l, ref.losses.at(s)) << "step " << s << "\n" << again.out;
+  EXPECT_EQ(again.out.find("start afresh"), std::string::npos) << again.out;
+  const Job other = train(1, {"--dropout", "0.1", "--decay-steps", "12"}, base + "/c", 8, base + "/a");
+  EXPECT_NE(other.out.find("the dropout masks start afresh"), std::string::npos) << other.out;
+  fs::remove_all(base);
+}
+
 // --recompute runs every block again in backward (its tp collectives and
 // dropout masks included): the same losses and weights as without, with
 // dropout on, with tensor parallelism and through a pipeline with DDP.
