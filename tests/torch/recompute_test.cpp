@@ -94,35 +94,46 @@ TEST(Recompute, EvaluationAndAnInputWithoutGradient) {
     EXPECT_TRUE(torch::allclose(net->parameters()[i].grad(), plain->parameters()[i].grad(), 1e-6, 1e-7)) << i;
 }
 
+// Runs train(pg, with) on 2 thread-ranks without recomputation, then with
+// it: every rank's tensors with it must equal rank 0's without (1e-12).
+void expect_same_with_and_without(
+    const std::function<std::vector<torch::Tensor>(cohort::ProcessGroup&, bool with)>& train, const std::string& what) {
+  std::vector<std::vector<torch::Tensor>> got(2), want(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    want[pg.rank()] = train(pg, false);
+    got[pg.rank()] = train(pg, true);
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[r].size(), want[0].size()) << what;
+    for (size_t i = 0; i < got[r].size(); ++i)
+      EXPECT_TRUE(torch::allclose(got[r][i], want[0][i], 1e-12, 1e-14)) << what << " rank " << r << " tensor " << i;
+  }
+}
+
 // DDP queues its finalize() when the first gradient arrives. When that is
 // inside a recomputed part, the nested backward ends first: finalize must
 // still wait for the outer one (the whole model, then its last layer only,
 // recomputed), and every gradient comes out averaged.
 TEST(Recompute, DdpAveragesEveryGradientWhenBackwardStartsInsideARecomputedPart) {
   for (bool whole : {true, false}) {
-    std::vector<std::vector<torch::Tensor>> got(2), want(2);
-    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
-      torch::set_num_threads(1);
-      for (bool with : {false, true}) {
-        ddp_test::Net net;
-        net->to(torch::kDouble);
-        cohort::torch::DistributedDataParallel ddp(net.ptr(), ddp_test::borrowed(pg));
-        ddp.pre_forward();
-        auto x = ddp_test::inputs(pg.rank() * 6, 6).to(torch::kDouble);
-        torch::Tensor y;
-        if (!with) y = net->forward(x);
-        else if (whole) y = recompute([net](const torch::Tensor& t) mutable { return net->forward(t); }, x);
-        else y = recompute([net](const torch::Tensor& t) mutable { return net->fc2->forward(t); }, torch::tanh(net->fc1->forward(x)));
-        torch::mse_loss(y, ddp_test::targets(pg.rank() * 6, 6).to(torch::kDouble)).backward();
-        auto& out = with ? got[pg.rank()] : want[pg.rank()];
-        for (const auto& p : net->parameters()) out.push_back(p.grad().clone());
-      }
-    });
-    for (int r = 0; r < 2; ++r) {
-      ASSERT_EQ(got[r].size(), want[r].size());
-      for (size_t i = 0; i < got[r].size(); ++i)
-        EXPECT_TRUE(torch::allclose(got[r][i], want[0][i], 1e-12, 1e-14)) << (whole ? "whole" : "last layer") << " rank " << r << " param " << i;
-    }
+    expect_same_with_and_without(
+        [whole](cohort::ProcessGroup& pg, bool with) {
+          ddp_test::Net net;
+          net->to(torch::kDouble);
+          cohort::torch::DistributedDataParallel ddp(net.ptr(), ddp_test::borrowed(pg));
+          ddp.pre_forward();
+          auto x = ddp_test::inputs(pg.rank() * 6, 6).to(torch::kDouble);
+          torch::Tensor y;
+          if (!with) y = net->forward(x);
+          else if (whole) y = recompute([net](const torch::Tensor& t) mutable { return net->forward(t); }, x);
+          else y = recompute([net](const torch::Tensor& t) mutable { return net->fc2->forward(t); }, torch::tanh(net->fc1->forward(x)));
+          torch::mse_loss(y, ddp_test::targets(pg.rank() * 6, 6).to(torch::kDouble)).backward();
+          std::vector<torch::Tensor> grads;
+          for (const auto& p : net->parameters()) grads.push_back(p.grad().clone());
+          return grads;
+        },
+        whole ? "whole model" : "last layer");
   }
 }
 
@@ -131,31 +142,28 @@ TEST(Recompute, DdpAveragesEveryGradientWhenBackwardStartsInsideARecomputedPart)
 // (the first gradients come from the nested backward), three steps give the
 // parameters they give without recomputation.
 TEST(Recompute, Zero2StepsAsWithout) {
-  std::vector<std::vector<torch::Tensor>> got(2), want(2);
-  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
-    torch::set_num_threads(1);
-    for (bool with : {false, true}) {
-      ddp_test::Net net;
-      net->to(torch::kDouble);
-      cohort::torch::ZeroOptimizer opt(net.ptr(), ddp_test::borrowed(pg), torch::optim::AdamWOptions(1e-2),
-                                       {.stage = cohort::torch::ZeroStage::Two, .bucket_cap_mb = 0.0005, .first_bucket_mb = 0.0005});
-      for (int step = 0; step < 3; ++step) {
-        opt.zero_grad();
-        opt.pre_forward();
-        const int64_t at = step * 12 + pg.rank() * 6;
-        auto h = torch::tanh(net->fc1->forward(ddp_test::inputs(at, 6).to(torch::kDouble)));
-        auto y = with ? recompute([net](const torch::Tensor& t) mutable { return net->fc2->forward(t); }, h)
-                      : net->fc2->forward(h);
-        torch::mse_loss(y, ddp_test::targets(at, 6).to(torch::kDouble)).backward();
-        opt.step();
-      }
-      auto& out = with ? got[pg.rank()] : want[pg.rank()];
-      for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
-    }
-  });
-  for (int r = 0; r < 2; ++r)
-    for (size_t i = 0; i < want[0].size(); ++i)
-      EXPECT_TRUE(torch::allclose(got[r][i], want[0][i], 1e-12, 1e-14)) << "rank " << r << " param " << i;
+  expect_same_with_and_without(
+      [](cohort::ProcessGroup& pg, bool with) {
+        ddp_test::Net net;
+        net->to(torch::kDouble);
+        cohort::torch::ZeroOptimizer opt(net.ptr(), ddp_test::borrowed(pg), torch::optim::AdamWOptions(1e-2),
+                                         {.stage = cohort::torch::ZeroStage::Two, .bucket_cap_mb = 0.0005,
+                                          .first_bucket_mb = 0.0005});
+        for (int step = 0; step < 3; ++step) {
+          opt.zero_grad();
+          opt.pre_forward();
+          const int64_t at = step * 12 + pg.rank() * 6;
+          auto h = torch::tanh(net->fc1->forward(ddp_test::inputs(at, 6).to(torch::kDouble)));
+          auto y = with ? recompute([net](const torch::Tensor& t) mutable { return net->fc2->forward(t); }, h)
+                        : net->fc2->forward(h);
+          torch::mse_loss(y, ddp_test::targets(at, 6).to(torch::kDouble)).backward();
+          opt.step();
+        }
+        std::vector<torch::Tensor> params;
+        for (const auto& p : net->parameters()) params.push_back(p.detach().clone());
+        return params;
+      },
+      "ZeRO-2");
 }
 
 template <class F>
