@@ -95,7 +95,7 @@ Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool 
     return "written by another run";
   };
   if (pg.cuda_device() < 0) {
-    const auto c = cohort::find_latest_valid(pg, dir, refuse);
+    const auto c = cohort::find_latest_valid(pg, dir, refuse);  // each skipped one also in a WARN line
     if (pg.rank() == 0 && c)
       for (const auto& s : c->skipped) std::printf("resume: skipped %s\n", s.c_str());
     if (!c) return {};
@@ -105,8 +105,13 @@ Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool 
   // rank 0 verifies each candidate alone (its checkpoints are whole, not
   // sharded: ZeRO and FSDP run on the CPU) and broadcasts its choice.
   Chosen chosen;
+  std::vector<int64_t> steps;
   if (pg.rank() == 0) {
-    const auto steps = cohort::list_checkpoint_steps(dir);
+    try {
+      steps = cohort::list_checkpoint_steps(dir);
+    } catch (const cohort::IoError& e) {  // no return before the broadcasts below: the others wait there
+      std::printf("resume: cannot list %s: %s\n", dir.c_str(), e.what());
+    }
     for (auto at = steps.rbegin(); at != steps.rend() && chosen.path.empty(); ++at) {
       std::string why;
       try {
@@ -358,7 +363,10 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   // and optimizer.rank<r> for every rank r (restore_state reads them).
   const Chosen chosen = choose_checkpoint(pg, cfg.ckpt_dir, cfg.resume, config.at("run").get<std::string>());
   if (chosen.path.empty()) {
-    if (lead) std::printf("resume: no valid checkpoint in %s, starting from scratch\n", cfg.ckpt_dir.c_str());
+    if (lead)
+      std::printf("resume: no usable checkpoint in %s (none valid, or none of this run: see above), starting from "
+                  "scratch\n",
+                  cfg.ckpt_dir.c_str());
     return {};
   }
   // What this rank reads now: the whole model (with the whole optimizer state for a run without

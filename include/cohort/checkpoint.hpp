@@ -194,10 +194,10 @@ COHORT_API std::optional<LoadedCheckpoint> load_latest_valid(const std::string& 
 // any rank reading the whole checkpoint: a collective over `group` (a host
 // group, native or mpi: InvalidArgument for nccl; `dir` visible to every
 // rank). It takes the newest step_* directory
-// of `dir`, as rank 0 lists it, whose manifest reads, whose files all exist
-// with their sizes (and LoadOptions::required_files), and whose files' CRC32C
-// all match; each rank streams the checksum of its share only (the
-// manifest's k-th file on rank k mod size, through a 4 MiB buffer), so a
+// of `dir`, as rank 0 lists it, whose manifest reads (with
+// LoadOptions::required_files), and whose files all exist with their sizes
+// and CRC32C; each rank checks its share only (the manifest's k-th file on
+// rank k mod size, its checksum streamed through a 4 MiB buffer), so a
 // sharded checkpoint is verified in parallel and no rank holds more than a
 // few MiB of it. `refuse`, if given, sees each checkpoint that verified on
 // this rank and may skip it with a reason (written by another run, say); it

@@ -15,10 +15,18 @@
 // the second, then put back. The default generator of x's device is always
 // included; pass the others (tp::DropoutRng's) in `generators`.
 //
+// The second run also has the autocast state of the first (an Autocast
+// scope around the forward), so both compute in the same dtypes.
+//
 // Works under DistributedDataParallel, ZeroOptimizer and tensor parallelism
 // (the collectives of tp layers inside fn run again in backward, on every
 // rank alike). Not around FsdpUnit modules: FSDP gathers and frees a unit
-// around its own forward and backward (refused by name).
+// around its own forward and backward (refused by name). fn may read x and
+// leaf tensors (the parameters, buffers, constants), all on x's device: a
+// captured tensor that has a history of its own would be backpropagated
+// through in the nested backward, and a parameter on another device would
+// have its gradient hook run on another thread than the nested backward's.
+// Backward with create_graph (a gradient of a gradient) is refused.
 #pragma once
 
 #include <torch/torch.h>

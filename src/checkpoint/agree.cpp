@@ -21,6 +21,14 @@ std::vector<std::string> allgather_strings(ProcessGroup& group, const std::strin
   return out;
 }
 
+std::string broadcast_string(ProcessGroup& group, const std::string& mine, int root) {
+  int64_t len = static_cast<int64_t>(mine.size());
+  group.broadcast(Buffer{&len, 1, DType::I64}, {.root = root})->wait();
+  std::string out = group.rank() == root ? mine : std::string(static_cast<size_t>(len), '\0');
+  if (len > 0) group.broadcast(Buffer{out.data(), static_cast<size_t>(len), DType::U8}, {.root = root})->wait();
+  return out;
+}
+
 std::pair<int, std::string> first_error(ProcessGroup& group, const std::string& mine) {
   const std::vector<std::string> all = allgather_strings(group, mine);
   for (size_t r = 0; r < all.size(); ++r)

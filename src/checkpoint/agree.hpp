@@ -14,6 +14,9 @@ namespace cohort::ckpt {
 // Every rank's string, by rank.
 std::vector<std::string> allgather_strings(ProcessGroup& group, const std::string& mine);
 
+// `root`'s string, on every rank.
+std::string broadcast_string(ProcessGroup& group, const std::string& mine, int root);
+
 // The lowest rank with a non-empty string and that string; {-1, ""} when every rank's is empty.
 std::pair<int, std::string> first_error(ProcessGroup& group, const std::string& mine);
 

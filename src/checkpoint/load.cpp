@@ -165,12 +165,12 @@ std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std
   if (rank == 0) {
     try {
       for (const StepDir& d : list_step_dirs(fs, dir)) listing += d.name + "\n";
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // every rank must reach the agreement below
       error = e.what();
     }
   }
   if (const auto [who, why] = first_error(group, error); who >= 0) throw IoError(why);
-  listing = allgather_strings(group, listing).at(0);
+  listing = broadcast_string(group, listing, 0);
   std::vector<std::string> names;
   for (size_t at = 0, end; (end = listing.find('\n', at)) != std::string::npos; at = end + 1)
     names.push_back(listing.substr(at, end - at));
@@ -185,11 +185,11 @@ std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std
       size_t k = 0;
       for (const auto& [file_name, info] : pm.files) {
         c.file_info[name_of(file_name)] = info;
+        if (k++ % n != static_cast<size_t>(rank)) continue;  // another rank's share
         const auto f = check_size(fs, join_path(path, file_name), info);
-        if (options.verify_checksums && k++ % n == static_cast<size_t>(rank)) {
-          const uint32_t got = whole_file_crc(*f);
-          if (got != info.crc32c) throw FormatError(checksum_message(join_path(path, file_name), got, info.crc32c));
-        }
+        if (!options.verify_checksums) continue;
+        const uint32_t got = whole_file_crc(*f);
+        if (got != info.crc32c) throw FormatError(checksum_message(join_path(path, file_name), got, info.crc32c));
       }
     } catch (const std::exception& e) {  // every rank must reach the agreement below
       mine = std::string("F") + e.what();
@@ -211,7 +211,8 @@ std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std
       return c;
     }
     const std::string reason = why.substr(1);
-    if (why.front() == 'F' && rank == 0) COHORT_WARN(kInit, "checkpoint: skipping '{}': {}", path, reason);
+    if (rank == 0)
+      COHORT_WARN(kInit, "checkpoint: skipping '{}': {}{}", path, why.front() == 'R' ? "refused: " : "", reason);
     skipped.push_back(fmt::format("{}: {}", *it, reason));
   }
   if (!skipped.empty() && rank == 0)

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <set>
@@ -916,29 +917,42 @@ FsdpLayout layout_of(const std::vector<Unit>& units, int world) {
 // Frozen parameters and buffers: FSDP keeps them whole on every rank, and
 // rank 0's state_shard() saves them as "fsdp.whole.<name>".
 constexpr std::string_view kWhole = "fsdp.whole.";
+constexpr const char* kWholeCount = "fsdp.whole";  // int64 [count]: rank 0 wrote them (absent in older files)
+
+// Whether a parameter is one FSDP shards (the others stay whole on every rank).
+using IsSharded = std::function<bool(const ::torch::Tensor&)>;
 
 // The module's frozen parameters and buffers, by name (a tied one under each of its names).
-std::vector<std::pair<std::string, ::torch::Tensor>> whole_tensors(const ::torch::nn::Module& module) {
+std::vector<std::pair<std::string, ::torch::Tensor>> whole_tensors(const ::torch::nn::Module& module,
+                                                                   const IsSharded& sharded) {
   std::vector<std::pair<std::string, ::torch::Tensor>> out;
   for (const auto& item : module.named_parameters(true))
-    if (!item.value().requires_grad()) out.emplace_back(item.key(), item.value());
+    if (!sharded(item.value())) out.emplace_back(item.key(), item.value());
   for (const auto& b : module.named_buffers(true)) out.emplace_back(b.key(), b.value());
   return out;
+}
+
+// Rank 0's part of state_shard(): the whole tensors and their count.
+void append_whole(std::vector<NamedTensor>& out, const ::torch::nn::Module& module, const IsSharded& sharded) {
+  const auto whole = whole_tensors(module, sharded);
+  for (const auto& [name, t] : whole) out.push_back(to_named(std::string(kWhole) + name, t));
+  out.push_back(make_tensor(kWholeCount, {1}, std::vector<int64_t>{static_cast<int64_t>(whole.size())}));
 }
 
 // What rank 0 saved of the module's whole tensors: (the module's tensor, the
 // saved value) for each, checked first so that a load changes nothing when
 // one is missing, extra or of another shape or dtype. Empty when the file
-// holds none (written before they were saved): the module keeps its own.
+// has no "fsdp.whole" (written before they were saved): the module keeps its own.
 std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> saved_whole(const ::torch::nn::Module& module,
+                                                                     const IsSharded& sharded,
                                                                      const std::map<std::string, const NamedTensor*>& rank0,
                                                                      const char* who) {
+  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> out;
+  if (!rank0.contains(kWholeCount)) return out;
   std::map<std::string, const NamedTensor*> saved;
   for (const auto& [name, t] : rank0)
     if (name.rfind(kWhole, 0) == 0) saved.emplace(name.substr(kWhole.size()), t);
-  std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> out;
-  if (saved.empty()) return out;
-  for (const auto& [name, mine] : whole_tensors(module)) {
+  for (const auto& [name, mine] : whole_tensors(module, sharded)) {
     const auto it = saved.find(name);
     if (it == saved.end())
       throw InvalidArgument(fmt::format("{}: rank 0's shard has no \"{}{}\" for the model's frozen parameter or buffer "
@@ -955,7 +969,7 @@ std::vector<std::pair<::torch::Tensor, ::torch::Tensor>> saved_whole(const ::tor
   if (!saved.empty())
     throw InvalidArgument(fmt::format("{}: the checkpoint has frozen parameters or buffers this model does not, e.g. "
                                       "'{}': another model",
-                                      who, saved.begin()->first));
+      who, saved.begin()->first));
   return out;
 }
 
@@ -1057,8 +1071,8 @@ std::vector<NamedTensor> FullyShardedDataParallel::state_shard() const {
   for (size_t i = 0; i < st.units.size(); ++i)
     if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard)));
   out.push_back(layout_of(st.units, st.n).encode());
-  if (st.rank == 0)  // the same on every rank (rank 0's buffers are broadcast): saved once
-    for (const auto& [name, t] : whole_tensors(*module_)) out.push_back(to_named(std::string(kWhole) + name, t));
+  if (st.rank == 0)  // whole on every rank: rank 0's (the buffers broadcast_buffers spreads) are saved
+    append_whole(out, *module_, [&st](const ::torch::Tensor& p) { return st.index_of.contains(p.unsafeGetTensorImpl()); });
   return out;
 }
 
@@ -1079,7 +1093,9 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
     if (u.chunk == 0) continue;
     staged[i] = files.rechunk(fmt::format("fsdp.unit{}", i), u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho);
   }
-  const auto whole = saved_whole(*module_, files.get(0), kWho);
+  const auto whole = saved_whole(
+      *module_, [&st](const ::torch::Tensor& p) { return st.index_of.contains(p.unsafeGetTensorImpl()); }, files.get(0),
+      kWho);
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i)
     if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard).copy_(staged[i]);
@@ -1236,7 +1252,8 @@ std::vector<NamedTensor> fsdp_state_to_full(const ::torch::nn::Module& module,
     }
   }
   // Frozen parameters and buffers: rank 0's saved ones, or (files without them) the module's own.
-  for (const auto& [mine, saved] : saved_whole(module, files.get(0), kWho)) value[mine.unsafeGetTensorImpl()] = saved;
+  const auto trained = [](const ::torch::Tensor& p) { return p.requires_grad(); };  // as FSDP's constructor shards
+  for (const auto& [mine, saved] : saved_whole(module, trained, files.get(0), kWho)) value[mine.unsafeGetTensorImpl()] = saved;
   std::vector<NamedTensor> out;
   for (const auto& item : module.named_parameters(true)) {
     const auto it = value.find(item.value().unsafeGetTensorImpl());

@@ -29,6 +29,7 @@
 #include <string>
 #include <utility>
 
+#include "autocast_state.hpp"
 #include "backward_callback.hpp"
 #include "cohort/error.hpp"
 
@@ -57,6 +58,38 @@ class Swap {
 
 using GeneratorStates = std::vector<std::pair<at::Generator, Tensor>>;
 
+// Autocast as the first run had it, for the CPU and CUDA, so that the second
+// run computes in the same dtypes (backward runs outside the user's
+// Autocast scope, as in PyTorch).
+struct AutocastState {
+  bool on[2] = {false, false};
+  ::torch::ScalarType dtype[2] = {::torch::kBFloat16, ::torch::kHalf};
+  static constexpr c10::DeviceType kDevices[2] = {c10::DeviceType::CPU, c10::DeviceType::CUDA};
+  static AutocastState now() {
+    AutocastState s;
+    for (int d = 0; d < 2; ++d) {
+      s.on[d] = detail::autocast_on(kDevices[d]);
+      s.dtype[d] = detail::autocast_dtype(kDevices[d]);
+    }
+    return s;
+  }
+};
+
+// Sets an autocast state for a scope, then puts back the one before.
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& s) : before_(AutocastState::now()) { set(s); }
+  ~AutocastScope() { set(before_); }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  static void set(const AutocastState& s) {
+    for (int d = 0; d < 2; ++d) detail::set_autocast(AutocastState::kDevices[d], s.on[d], s.dtype[d]);
+  }
+  AutocastState before_;
+};
+
 GeneratorStates states_of(std::vector<at::Generator> generators) {
   GeneratorStates out;
   for (auto& g : generators) {
@@ -75,13 +108,22 @@ void set_states(const GeneratorStates& states) {
 
 class RecomputeBackward final : public ::torch::autograd::Node {
  public:
-  RecomputeBackward(RecomputeFn fn, const Tensor& x, GeneratorStates rng)
-      : fn_(std::move(fn)), input_(x.detach()), version_(x._version()), input_grad_(x.requires_grad()), rng_(std::move(rng)) {}
+  RecomputeBackward(RecomputeFn fn, const Tensor& x, GeneratorStates rng, AutocastState autocast)
+      : fn_(std::move(fn)),
+        input_(x.detach()),
+        version_(x._version()),
+        input_grad_(x.requires_grad()),
+        rng_(std::move(rng)),
+        autocast_(autocast) {}
 
   std::string name() const override { return "cohort::torch::RecomputeBackward"; }
 
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (::torch::GradMode::is_enabled())
+      throw Error("recompute: backward with create_graph (a gradient of a gradient) is not supported: the nested "
+                  "backward that recompute() runs builds no graph, so the higher-order terms would be lost. HINT: "
+                  "do not recompute what is differentiated twice");
     if (!fn_)
       throw Error("recompute: a second backward through the same recompute() call (retain_graph, or autograd::grad "
                   "then backward); its function is run again once, in the first. HINT: call recompute() again for "
@@ -101,6 +143,7 @@ class RecomputeBackward final : public ::torch::autograd::Node {
       {
         Swap<int> running(t_running, t_running + 1);
         ::torch::AutoGradMode grad_mode(true);
+        AutocastScope autocast(autocast_);
         try {
           out = fn(x);
         } catch (...) {
@@ -135,6 +178,7 @@ class RecomputeBackward final : public ::torch::autograd::Node {
   uint32_t version_;
   bool input_grad_;
   GeneratorStates rng_;  // before the first run
+  AutocastState autocast_;  // during the first run
 };
 
 }  // namespace
@@ -163,6 +207,7 @@ Tensor recompute(RecomputeFn fn, const Tensor& x, std::vector<at::Generator> gen
     if (!seen) unique.push_back(g);
   }
   GeneratorStates rng = states_of(unique);
+  const AutocastState autocast = AutocastState::now();
   Tensor out;
   {
     Swap<int> running(t_running, t_running + 1);
@@ -173,10 +218,12 @@ Tensor recompute(RecomputeFn fn, const Tensor& x, std::vector<at::Generator> gen
       throw InvalidArgument(fmt::format("recompute: the function returned a {} tensor; only a floating-point result "
                                         "carries gradients. HINT: recompute the part that computes in floating point",
                                         c10::toString(out.scalar_type())));
-    // The node becomes the output's grad_fn: the output must be a tensor of its own, not x or a view.
-    if (out.is_alias_of(x) || out.is_view()) out = out.clone();
+    // The node becomes the output's grad_fn: the output must be a tensor of
+    // its own, not x, a view, or a tensor fn returned from elsewhere (a
+    // parameter, a buffer: someone else holds it).
+    if (out.is_alias_of(x) || out.is_view() || out.requires_grad() || out.use_count() > 1) out = out.clone();
   }
-  auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(std::move(fn), x, std::move(rng)),
+  auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(std::move(fn), x, std::move(rng), autocast),
                                                  ::torch::autograd::deleteNode);
   node->set_next_edges(::torch::autograd::collect_next_edges(x));
   ::torch::autograd::set_history(out, node);

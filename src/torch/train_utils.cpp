@@ -7,6 +7,7 @@
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "autocast_state.hpp"
 
 namespace cohort::torch {
 
@@ -77,7 +78,7 @@ bool GradScaler::step(::torch::optim::Optimizer& optimizer, ProcessGroup* group)
   return true;
 }
 
-namespace {
+namespace detail {
 
 // LibTorch 2.4 on: one autocast API per device type; before: the CPU and
 // CUDA ones by name (deprecated since).
@@ -106,7 +107,11 @@ void set_autocast(c10::DeviceType device, bool enabled, ::torch::ScalarType dtyp
 }
 #endif
 
-}  // namespace
+}  // namespace detail
+
+using detail::autocast_dtype;
+using detail::autocast_on;
+using detail::set_autocast;
 
 namespace {
 // Checked before the previous state is read (LibTorch throws its own error for other devices).

@@ -595,6 +595,20 @@ TEST(FsdpCheckpoint, BuffersAndFrozenParametersAreSavedAndResumed) {
   });
   expect_invalid([&] { (void)cohort::torch::fsdp_state_to_full(*plain, [&](int k) { return extra.at(k); }); },
                  "this model does not");
+
+  // Files written before the whole tensors were saved (no "fsdp.whole"):
+  // they load, and the module keeps its own.
+  auto older = files;
+  std::erase_if(older[0], [](const cohort::NamedTensor& t) { return t.name.rfind("fsdp.whole", 0) == 0; });
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    NormNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    fsdp.load_state_shards([&](int k) { return older.at(k); });
+    const auto got = by_name(fsdp.full_state());
+    EXPECT_EQ(got.at("norm.num_batches_tracked").item<int64_t>(), 0) << "rank " << pg.rank();
+    EXPECT_EQ(rel_error(got, {{"in.weight", want.at("in.weight")}}), 0.0);
+  });
 }
 
 // A layout that is not this model's is refused, and nothing changes.

@@ -266,12 +266,14 @@ TEST(GptParallel, DropoutResumesExactlyAtTheSameLayout) {
 
 // --recompute runs every block again in backward (its tp collectives and
 // dropout masks included): the same losses and weights as without, with
-// dropout on, with tensor parallelism and through a pipeline with DDP.
+// dropout on, with tensor parallelism and through an interleaved pipeline
+// with DDP.
 TEST(GptParallel, RecomputeTrainsAsWithout) {
   need_text();
   const std::string base = lt::temp_dir();
   for (const auto& layout : std::vector<std::vector<std::string>>{
-           {"--tp", "2", "--dropout", "0.1", "--sequence-parallel"}, {"--pp", "2", "--dp", "2", "--micro", "2"}}) {
+           {"--tp", "2", "--dropout", "0.1", "--sequence-parallel"},
+           {"--pp", "2", "--dp", "2", "--micro", "2", "--schedule", "interleaved", "--chunks", "2", "--dropout", "0.1"}}) {
     const int nproc = layout.front() == "--tp" ? 2 : 4;
     const Job plain = train(nproc, layout, base + "/plain", 6);
     auto with = layout;

@@ -9,6 +9,7 @@
 #include "cohort/torch_fsdp.hpp"
 #include "cohort/torch_recompute.hpp"
 #include "cohort/torch_tensor_parallel.hpp"
+#include "cohort/torch_train.hpp"
 #include "cohort/torch_zero.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
@@ -74,6 +75,28 @@ TEST(Recompute, GradientsAndDropoutMasksAreThoseOfThePlainRun) {
   EXPECT_TRUE(torch::equal(again.input_grad, plain.input_grad));
   EXPECT_EQ(again.next_default, plain.next_default);
   EXPECT_EQ(again.next_own, plain.next_own);
+}
+
+// The second run computes under the autocast of the first (CPU bfloat16),
+// although backward runs outside the Autocast scope: the gradients are
+// those of the bfloat16 computation.
+TEST(Recompute, TheSecondRunHasTheFirstRunsAutocast) {
+  std::vector<torch::Tensor> grads[2];
+  for (bool with : {false, true}) {
+    ddp_test::Net net;
+    auto x = ddp_test::inputs(0, 8);
+    torch::Tensor loss;
+    {
+      cohort::torch::Autocast autocast(torch::kBFloat16);
+      auto y = with ? recompute([net](const torch::Tensor& t) mutable { return net->forward(t); }, x) : net->forward(x);
+      EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+      loss = torch::mse_loss(y.to(torch::kFloat), ddp_test::targets(0, 8));
+    }
+    loss.backward();
+    for (const auto& p : net->parameters()) grads[with].push_back(p.grad().clone());
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(torch::equal(grads[1][i], grads[0][i])) << "param " << i;
+  EXPECT_FALSE(cohort::torch::autocast_enabled(c10::DeviceType::CPU));
 }
 
 // Without grad mode it is the function itself; an input without gradient
@@ -195,6 +218,11 @@ TEST(Recompute, MisuseIsNamed) {
   auto z = recompute(f, x);
   z.sum().backward({}, /*retain_graph=*/true);
   expect_error([&] { z.sum().backward(); }, "a second backward through the same recompute() call");
+
+  auto w = torch::ones({4, 8}, torch::requires_grad());
+  auto second = recompute([w](const torch::Tensor& t) { return (t * w).sum(1).pow(2); }, x);
+  expect_error([&] { (void)torch::autograd::grad({second.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true); },
+               "create_graph");
 
   // The identity is a tensor of its own, so x keeps its history.
   auto same = recompute([](const torch::Tensor& t) { return t; }, x);
