@@ -109,7 +109,7 @@ Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool 
   if (pg.rank() == 0) {
     try {
       steps = cohort::list_checkpoint_steps(dir);
-    } catch (const cohort::IoError& e) {  // no return before the broadcasts below: the others wait there
+    } catch (const std::exception& e) {  // no return before the broadcasts below: the others wait there
       std::printf("resume: cannot list %s: %s\n", dir.c_str(), e.what());
     }
     for (auto at = steps.rbegin(); at != steps.rend() && chosen.path.empty(); ++at) {
@@ -118,7 +118,7 @@ Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool 
         const auto c = cohort::load_checkpoint(fmt::format("{}/step_{:09d}", dir, *at));  // every file verified
         why = refuse(c);
         if (why.empty()) chosen = Chosen{c.path, shard_of(nlohmann::json::parse(c.manifest.config, nullptr, false))};
-      } catch (const cohort::IoError& e) {
+      } catch (const std::exception& e) {
         why = e.what();
       }
       if (!why.empty()) std::printf("resume: skipped step %lld: %s\n", static_cast<long long>(*at), why.c_str());

@@ -19,6 +19,7 @@
 // pass once the nested one has returned.
 #include "cohort/torch_recompute.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -75,11 +76,20 @@ struct AutocastState {
   }
 };
 
-// Sets an autocast state for a scope, then puts back the one before.
+// Sets an autocast state for a scope, then puts back the one before. Like
+// Autocast, it counts as a nesting level, so that the casts of the weights
+// cached during the scope are dropped when the outermost level ends (else
+// the next step's forward would reuse casts made before the optimizer step).
 class AutocastScope {
  public:
-  explicit AutocastScope(const AutocastState& s) : before_(AutocastState::now()) { set(s); }
-  ~AutocastScope() { set(before_); }
+  explicit AutocastScope(const AutocastState& s) : before_(AutocastState::now()) {
+    set(s);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    set(before_);
+  }
   AutocastScope(const AutocastScope&) = delete;
   AutocastScope& operator=(const AutocastScope&) = delete;
 
@@ -212,7 +222,19 @@ Tensor recompute(RecomputeFn fn, const Tensor& x, std::vector<at::Generator> gen
   {
     Swap<int> running(t_running, t_running + 1);
     ::torch::NoGradGuard no_grad;
-    out = fn(x);
+    // Autocast caches the cast of each weight for its scope; a cast made
+    // here, without a gradient history, would be reused by the weight's
+    // next use with gradients in the same scope (LibTorch 1.13), which would
+    // then get no gradient.
+    const bool cache = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
+    try {
+      out = fn(x);
+    } catch (...) {
+      at::autocast::set_autocast_cache_enabled(cache);
+      throw;
+    }
+    at::autocast::set_autocast_cache_enabled(cache);
     if (!out.defined()) throw InvalidArgument("recompute: the function returned an undefined tensor");
     if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type()))
       throw InvalidArgument(fmt::format("recompute: the function returned a {} tensor; only a floating-point result "
