@@ -28,6 +28,7 @@
 
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "autocast_state.hpp"
@@ -58,6 +59,17 @@ class Swap {
 };
 
 using GeneratorStates = std::vector<std::pair<at::Generator, Tensor>>;
+
+// How the autograd graph holds its nodes: std::shared_ptr in LibTorch 1.x,
+// c10::intrusive_ptr in 2.x (Node derives from intrusive_ptr_target there).
+using NodePtr = std::decay_t<decltype(std::declval<const Tensor&>().grad_fn())>;
+template <class T, class... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<::torch::autograd::Node>>)
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  else
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+}
 
 // Autocast as the first run had it, for the CPU and CUDA, so that the second
 // run computes in the same dtypes (backward runs outside the user's
@@ -245,8 +257,7 @@ Tensor recompute(RecomputeFn fn, const Tensor& x, std::vector<at::Generator> gen
     // parameter, a buffer: someone else holds it).
     if (out.is_alias_of(x) || out.is_view() || out.requires_grad() || out.use_count() > 1) out = out.clone();
   }
-  auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(std::move(fn), x, std::move(rng), autocast),
-                                                 ::torch::autograd::deleteNode);
+  NodePtr node = make_node<RecomputeBackward>(std::move(fn), x, std::move(rng), autocast);
   node->set_next_edges(::torch::autograd::collect_next_edges(x));
   ::torch::autograd::set_history(out, node);
   return out;
