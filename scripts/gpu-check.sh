@@ -19,6 +19,7 @@
 #              (--ddp-wait-on-stream), cohort's default (a lone rank
 #              skips the reduction), cohort without DDP (--no-ddp), and
 #              PyTorch DDP (nccl)
+#   timeline   (no verdict) a timeline of DDP reducing and of no DDP, 600 steps each
 #   bench      cohort bench --device cuda -c 1: every collective, then
 #              allreduce in every dtype with sum, avg and max (0 wrong)
 # and prints one summary table; exits non-zero if any step failed.
@@ -29,8 +30,9 @@
 #   scripts/gpu-check.sh --prepare [DIR]     (default DIR: gpu-deps/)
 # downloads on a development machine (Debian 12, apt). The check unpacks them
 # into a private prefix. Run it with
-#   scripts/gpu-check.sh [--deps DIR] [--quick]
-# (--quick: 2 epochs instead of 10 and shorter speed runs).
+#   scripts/gpu-check.sh [--deps DIR] [--quick] [--reps N] [--only STEP,...]
+# (--quick: 2 epochs instead of 10 and shorter speed runs; --reps: speed
+# repetitions, 3 by default; --only: just these steps, after the build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -50,13 +52,24 @@ deps=gpu-deps
 epochs=10
 speed_steps=2500
 speed_reps=3
+only=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --deps) deps=$2; shift 2 ;;
     --quick) epochs=2; speed_steps=600; speed_reps=1; shift ;;
-    *) echo "gpu-check: unknown option $1 (use --prepare [DIR], --deps DIR, --quick)" >&2; exit 2 ;;
+    --reps) speed_reps=$2; shift 2 ;;
+    --only) only=",$2,"; shift 2 ;;
+    *) echo "gpu-check: unknown option $1 (use --prepare [DIR], --deps DIR, --quick, --reps N, --only STEP,...)" >&2
+       exit 2 ;;
   esac
 done
+[[ $speed_reps =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: --reps wants a whole number >= 1, not '$speed_reps'" >&2; exit 2; }
+steps=nccl,ddp,errors,accuracy,speed,timeline,bench
+for s in ${only//,/ }; do
+  [[ ,$steps, == *,$s,* ]] || { echo "gpu-check: --only: no step '$s' (the steps: $steps; build always runs)" >&2; exit 2; }
+done
+# wanted STEP: whether --only (if given) names it.
+wanted() { [[ -z $only || $only == *,$1,* ]]; }
 if [[ -n ${OUT:-} ]]; then logs=${TMPDIR:-/tmp}/gpu-check-logs; rm -rf "$logs"; else logs=$ROOT/gpu-check-logs; fi
 mkdir -p "$logs"
 start=$(date +%s)
@@ -129,16 +142,25 @@ run build 420 cmake --build "$build" -j "$(nproc)" --target cohort_cli nccl_back
 if [[ $? -eq 0 ]]; then record build ok "LibTorch $torch_version, $(($(date +%s) - start)) s"; else record build FAIL "$logs/build.log"; fi
 cohort=$build/cohort
 
+if wanted nccl; then
 # ---- the NCCL backend ----
 run nccl 180 "$build/tests/nccl_backend_test"
-if [[ $? -eq 0 ]]; then record nccl ok "$(grep -oE '[0-9]+ tests?' "$logs/nccl.log" | tail -1) passed"; else record nccl FAIL "$logs/nccl.log"; fi
+if [[ $? -eq 0 ]]; then
+  record nccl ok "$(grep -oE 'PASSED \] [0-9]+' "$logs/nccl.log" | grep -oE '[0-9]+$') passed, $(grep -oE 'SKIPPED \] [0-9]+' "$logs/nccl.log" | grep -oE '[0-9]+$' || echo 0) skipped"
+else record nccl FAIL "$logs/nccl.log"; fi
 
+fi
+
+if wanted ddp; then
 # ---- DDP on CUDA tensors ----
 run ddp 240 "$build/tests/ddp_cuda_test"
 if [[ $? -eq 0 ]] && ! grep -q SKIPPED "$logs/ddp.log"; then
   record ddp ok "$(grep -oE '[0-9]+ tests?' "$logs/ddp.log" | tail -1) passed, none skipped"
 else record ddp FAIL "$logs/ddp.log"; fi
 
+fi
+
+if wanted errors; then
 # ---- bad input: each must fail quickly and name the cause ----
 errors_ok=1
 # One rank more than there are GPUs (CUDA_VISIBLE_DEVICES unset: every rank sees them all).
@@ -153,6 +175,9 @@ COHORT_BACKEND=nccl run err-cpu-on-nccl 90 "$cohort" run --nproc-per-node 1 "$bu
 if [[ $? -eq 0 ]] || ! grep -q "moves GPU memory only" "$logs/err-cpu-on-nccl.log"; then errors_ok=0; fi
 if [[ $errors_ok -eq 1 ]]; then record errors ok "3 refusals named"; else record errors FAIL "$logs/err-*.log"; fi
 
+fi
+
+if wanted accuracy; then
 # ---- accuracy: the example on the GPU ----
 COHORT_BACKEND=nccl run accuracy 420 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
   --data-dir "$data" --epochs "$epochs"
@@ -161,45 +186,68 @@ if [[ -n $acc ]] && awk -v a="$acc" -v e="$epochs" 'BEGIN {exit !(e < 10 || a >=
   record accuracy ok "$acc% after $epochs epochs"
 else record accuracy FAIL "${acc:-no}% after $epochs epochs (want >= 91.6); $logs/accuracy.log"; fi
 
+fi
+
 # ---- speed at world 1: cohort DDP, cohort without DDP, PyTorch DDP ----
 ips() { sed -n 's/.*RESULT ddp_summary .*imgs_per_s=\([0-9.]*\).*/\1/p' "$logs/$1.log" | tail -1; }
 common=(--model cnn --epochs 3 --max-steps "$speed_steps" --augment none --lr 0.01 --weight-decay 0 --warmup-steps 0)
-# Interleaved repetitions, the median of each: one run's rate moves by 10-30%
-# on a shared machine, more than the differences measured here.
+# median of the numbers on stdin (0 for none)
+median_of() { sort -g | awk '{v[NR] = $1} END {print (NR == 0 ? 0 : NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
+if wanted speed; then
+# Interleaved repetitions: one run's rate moves by 10-30 % on a shared
+# machine (the CPU launches this small CNN's kernels, and its speed varies),
+# more than the differences measured here. DDP and no DDP run back to back in
+# each repetition, and the verdict takes the median of their per-repetition
+# ratios, which cancels what the two neighbouring runs share.
 for rep in $(seq 1 "$speed_reps"); do
   COHORT_BACKEND=nccl run "speed-cohort-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
     --device cuda --data-dir "$data" --reduce-at-world-size-1 "${common[@]}"
+  COHORT_BACKEND=nccl run "speed-noddp-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
+    --device cuda --data-dir "$data" --no-ddp "${common[@]}"
   COHORT_BACKEND=nccl run "speed-stream-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
     --device cuda --data-dir "$data" --reduce-at-world-size-1 --ddp-wait-on-stream "${common[@]}"
   COHORT_BACKEND=nccl run "speed-skip-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
     --device cuda --data-dir "$data" "${common[@]}"
-  COHORT_BACKEND=nccl run "speed-noddp-$rep" 240 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" \
-    --device cuda --data-dir "$data" --no-ddp "${common[@]}"
   run "speed-pytorch-$rep" 240 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
     bench/peers/torch_ddp_fmnist.py --device cuda --data-dir "$data" --model cnn --epochs 3 --max-steps "$speed_steps"
 done
-median() {
-  local f v vals=()
-  for f in $(seq 1 "$speed_reps"); do v=$(ips "$1-$f"); [[ -n $v ]] && vals+=("$v"); done
-  [[ ${#vals[@]} -gt 0 ]] || { echo 0; return; }
-  printf '%s\n' "${vals[@]}" | sort -g | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'
+median() { for f in $(seq 1 "$speed_reps"); do ips "$1-$f"; done | grep . | median_of; }
+# the median over repetitions of variant $1's rate over variant $2's in the same repetition
+pair_median() {
+  for f in $(seq 1 "$speed_reps"); do
+    awk -v a="$(ips "$1-$f")" -v b="$(ips "$2-$f")" 'BEGIN {if (a > 0 && b > 0) printf "%.4f\n", a / b}'
+  done | median_of
 }
 all_of() { local f out=""; for f in $(seq 1 "$speed_reps"); do out+="${out:+ }$(ips "$1-$f")"; done; echo "$out"; }
 ours=$(median speed-cohort); noddp=$(median speed-noddp); torch_ips=$(median speed-pytorch); skip=$(median speed-skip)
 stream=$(median speed-stream)
 {
   echo "images/s per run (CNN, batch 64, world 1, $speed_steps steps):"
-  for k in cohort stream skip noddp pytorch; do echo "  $k: $(all_of "speed-$k")"; done
+  for k in cohort noddp stream skip pytorch; do echo "  $k: $(all_of "speed-$k")"; done
 } >"$logs/speed.txt"
 cat "$logs/speed.txt"
-vs_torch=$(awk -v a="$ours" -v b="$torch_ips" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}')
-vs_noddp=$(awk -v a="$ours" -v b="$noddp" 'BEGIN {printf "%.3f", (b > 0 ? a / b : 0)}')
-detail="medians of $speed_reps: cohort DDP (reducing) $ours img/s, the same waiting on the stream $stream, cohort default (lone rank skips) $skip, no DDP $noddp, PyTorch DDP $torch_ips: ${vs_torch}x PyTorch, ${vs_noddp} of no-DDP"
+vs_torch=$(pair_median speed-cohort speed-pytorch)
+vs_noddp=$(pair_median speed-cohort speed-noddp)
+stream_vs_noddp=$(pair_median speed-stream speed-noddp)
+detail="medians of $speed_reps: cohort DDP (reducing) $ours img/s, the same waiting on the stream $stream, cohort default (lone rank skips) $skip, no DDP $noddp, PyTorch DDP $torch_ips; medians of the per-repetition ratios: ${vs_torch}x PyTorch, ${vs_noddp} of no-DDP (waiting on the stream: ${stream_vs_noddp})"
 if awk -v t="$vs_torch" -v n="$vs_noddp" 'BEGIN {exit !(t >= 1.2 && n >= 0.95)}'; then record speed ok "$detail"
 else record speed FAIL "$detail (want >= 1.2x and >= 0.95)"; fi
+fi
+
+# ---- where DDP's time goes at world 1: a timeline of each (the forward,
+# backward and optimizer spans on the host), for docs/gpu.md; not a pass/fail step ----
+if wanted timeline; then
+for k in cohort noddp; do
+  flag=--reduce-at-world-size-1; [[ $k == noddp ]] && flag=--no-ddp
+  COHORT_BACKEND=nccl COHORT_TIMELINE="$logs/timeline-$k" run "timeline-$k" 120 "$cohort" run --nproc-per-node 1 \
+    "$build/fashion_mnist" --device cuda --data-dir "$data" $flag "${common[@]/$speed_steps/600}"
+done
+pack
+fi
 
 # ---- every collective and dtype on the device, checked (last: the longest step,
 # and what an earlier session already saw pass) ----
+if wanted bench; then
 bench_ok=1; rows=0
 for coll in allreduce broadcast reduce allgather reduce_scatter alltoall gather scatter; do
   run "bench-$coll" 120 "$cohort" run --nproc-per-node 1 "$cohort" bench "$coll" --device cuda -b 8 -e 64M -f 16 -c 1 || bench_ok=0
@@ -214,6 +262,7 @@ wrong=$(cat "$logs"/bench-*.log | sed 's/^\[rank[0-9]*\]: //' | awk '/^ *[0-9]+ 
 rows=${wrong#*/}
 if [[ $bench_ok -eq 1 && ${wrong%/*} -eq 0 && $rows -gt 0 ]]; then record bench ok "$rows rows, 0 wrong"
 else record bench FAIL "wrong rows ${wrong}; $logs/bench-*.log"; fi
+fi
 
 # ---- summary ----
 {

@@ -36,11 +36,10 @@ std::string device_text(const ::torch::Device& d) {
 
 // A tensor over memory the reducer owns (no copy, no ownership).
 ::torch::Tensor view(void* p, size_t count, DType t, const ::torch::Device& d) {
-  return ::torch::from_blob(p, {static_cast<int64_t>(count)},
-                            ::torch::TensorOptions().dtype(to_scalar_type(t)).device(d));
+  return wrap(p, {static_cast<int64_t>(count)}, ::torch::TensorOptions().dtype(to_scalar_type(t)).device(d));
 }
 ::torch::Tensor bytes(const void* p, size_t n, const ::torch::Device& d) {
-  return ::torch::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)}, bytes_on(d));
+  return wrap(const_cast<void*>(p), {static_cast<int64_t>(n)}, bytes_on(d));
 }
 
 // Device mode: buckets in the GPU's memory; every operation is queued on
@@ -128,6 +127,15 @@ class StagedGradMemory final : public ddp::GradMemory {
 };
 
 }  // namespace
+
+::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options) {
+  auto maker = at::for_blob(data, sizes);
+  maker.options(options);
+  // A device with its index is where the memory is (the caller's word); a
+  // CPU pointer needs no driver call either way.
+  if (options.device().has_index()) maker.target_device(options.device());
+  return maker.make_tensor();
+}
 
 ::torch::ScalarType to_scalar_type(DType t) {
   switch (t) {

@@ -48,6 +48,12 @@ std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Dev
 // LibTorch's current stream on `device`, as a cudaStream_t; nullptr for the CPU.
 void* current_stream_handle(const ::torch::Device& device);
 
+// A tensor over memory that someone else owns, on options' device. Unlike
+// ::torch::from_blob it does not ask the driver where the pointer lives
+// (from_blob's cudaPointerGetAttributes per call: DDP's hooks wrap every
+// gradient and bucket slot each step, on the hot path).
+::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options);
+
 // ScalarType of a cohort element type.
 ::torch::ScalarType to_scalar_type(DType t);
 

@@ -124,7 +124,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   for (size_t i = 0; i < params_.size(); ++i) {
     if (opts_.gradient_as_bucket_view) {
       // .grad becomes a view of the bucket: autograd accumulates straight into it.
-      auto view = ::torch::from_blob(reducer_->bucket_slot(i), params_[i].sizes(), params_[i].options());
+      auto view = wrap(reducer_->bucket_slot(i), params_[i].sizes(), params_[i].options());
       if (params_[i].grad().defined()) view.copy_(params_[i].grad());
       else view.zero_();
       params_[i].mutable_grad() = view;
@@ -255,7 +255,7 @@ void DistributedDataParallel::finalize() {
       // A fresh tensor from autograd (gradients set to none), or none at all
       // (unused here, used elsewhere): point .grad back at its slot, which holds the result.
       if (!g.defined() || g.data_ptr() != slot) {
-        g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options());
+        g = wrap(slot, params_[i].sizes(), params_[i].options());
         reducer_->set_grad(i, slot);
       }
     } else if (!g.defined()) {
@@ -263,7 +263,7 @@ void DistributedDataParallel::finalize() {
       // it gets the average, so every replica takes the same step.
       // (Staged: the slot is host memory; the gradient goes to the module's device.)
       const bool host_slot = mode_ == MemoryMode::Staged;
-      g = ::torch::from_blob(slot, params_[i].sizes(), params_[i].options().device(host_slot ? ::torch::kCPU : device_))
+      g = wrap(slot, params_[i].sizes(), params_[i].options().device(host_slot ? ::torch::kCPU : device_))
               .to(device_, /*non_blocking=*/false, /*copy=*/true);
       reducer_->set_grad(i, g.data_ptr());
     }
