@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "cohort/timeline.hpp"
 #include "cohort/torch.hpp"
 #include "backward_callback.hpp"
 #include "device.hpp"
@@ -166,7 +167,12 @@ void DistributedDataParallel::pre_forward() {
   if (opts_.broadcast_buffers && !buffers_.empty() && group_->size() > 1) broadcast_tensors(*group_, buffers_, 0);
 }
 
+// The adapter's own share of a step on the timeline (COHORT_TIMELINE; one
+// relaxed load each when it is off): each hook, and finalize with its re-pointing of .grad.
+constexpr const char* kAdapterTrack = "ddp adapter";
+
 void DistributedDataParallel::on_grad_ready(size_t i) {
+  timeline::Span span("grad ready", kAdapterTrack);
   // The buffers the forward read must be rank 0's: a program that never calls
   // pre_forward() would let the replicas' BatchNorm statistics drift apart
   // without a sound. (Checked against "never", not "not since the last step":
@@ -215,6 +221,7 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
 }
 
 void DistributedDataParallel::finalize() {
+  timeline::Span span("finalize", kAdapterTrack);
   // What .grad is now, for every parameter: one unused in this backward may
   // have had its gradient set to none since it was last registered (the old
   // pointer is freed memory, or a slot holding an old result); with
@@ -244,6 +251,7 @@ void DistributedDataParallel::finalize() {
   }
   for (auto& t : lent_) t.reset();
   if (!reduced) return;
+  timeline::Span repoint("grads to buckets", kAdapterTrack);
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     void* slot = reducer_->bucket_slot(i);
