@@ -44,6 +44,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <variant>
 #include <vector>
 
@@ -57,18 +58,29 @@ namespace cohort::torch {
 
 enum class ZeroStage { One = 1, Two = 2 };
 
+// The optimizer each rank runs on its shard, with these options: its fused
+// step (sgd_step, adam_step, adamw_step).
+using ShardOptimizerOptions =
+    std::variant<::torch::optim::SGDOptions, ::torch::optim::AdamOptions, ::torch::optim::AdamWOptions>;
+
+// Parameters that step with options of their own, as a param group of
+// PyTorch's optimizers: typically weight decay off for biases and norms. The
+// parameters are named as module->named_parameters() names them; every
+// trainable parameter that no group names steps with the constructor's
+// options (the first group). Same optimizer kind as those options.
+struct COHORT_API ZeroParamGroup {
+  std::vector<std::string> names;
+  ShardOptimizerOptions options;
+};
+
 struct COHORT_API ZeroOptions {
   ZeroStage stage = ZeroStage::Two;
   double bucket_cap_mb = 25.0;    // as DDP's: the unit of communication and of sharding
   double first_bucket_mb = 1.0;
   bool find_unused_parameters = false;  // ZeRO-2 only (ZeRO-1 does not reduce during backward)
   bool broadcast_buffers = true;        // rank 0's buffers in pre_forward(), as DDP's
+  std::vector<ZeroParamGroup> param_groups;  // groups 1, 2, ... after the constructor's options
 };
-
-// The optimizer each rank runs on its shard, with these options (one param
-// group): its fused step (sgd_step, adam_step, adamw_step).
-using ShardOptimizerOptions =
-    std::variant<::torch::optim::SGDOptions, ::torch::optim::AdamOptions, ::torch::optim::AdamWOptions>;
 
 // What this rank holds, in elements and bytes.
 struct COHORT_API ZeroMemory {
@@ -118,10 +130,16 @@ class COHORT_API ZeroOptimizer {
   // inf/NaN (the parameters stay as they were); returns whether it stepped.
   bool step(GradScaler& scaler);
 
+  // The first group's learning rate. set_lr sets it, and every other
+  // group's to `lr` times the ratio the two had at construction (a schedule
+  // moves all groups alike; a group whose lr was set apart keeps its ratio).
   double lr() const;
   void set_lr(double lr);
-  // The optimizer that steps the shard: one parameter per bucket (this
-  // rank's chunk), its state the shard's. For checkpoints and inspection.
+  // The optimizer that steps the shard: param group g of it is
+  // ZeroOptions::param_groups[g - 1] (0: the constructor's options), with one
+  // parameter per bucket and group (the elements of this rank's chunk of the
+  // bucket that belong to parameters of that group; a group may have none
+  // on this rank), its state the shard's. For checkpoints and inspection.
   ::torch::optim::Optimizer& shard_optimizer();
   ZeroMemory memory() const;
 
@@ -145,13 +163,16 @@ class COHORT_API ZeroOptimizer {
   // A plain optimizer's state, as optimizer_state() saves it (LibTorch's SGD,
   // Adam or AdamW over this module's trainable parameters in registration
   // order, one param group: what DDP or one process checkpoints), cut into
-  // this rank's shard. Not collective. Throws InvalidArgument, changing
+  // this rank's shard. The state is per element, so this optimizer's own
+  // param groups do not matter; a plain optimizer with several groups names
+  // its state per group and is refused. Not collective. Throws InvalidArgument, changing
   // nothing, when it does not fit.
   void load_full_state(const std::vector<NamedTensor>& full);
   ZeroStage stage() const { return opts_.stage; }
   DistributedDataParallel& ddp() { return *ddp_; }
 
   struct State;  // shared with the reduce-scatter hook
+  struct Run;    // a shard parameter: part of a bucket's chunk, one param group
 
  private:
   void point_grads_at_buckets(bool keep_values);
@@ -167,6 +188,8 @@ class COHORT_API ZeroOptimizer {
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::shared_ptr<State> state_;
   std::unique_ptr<::torch::optim::Optimizer> optimizer_;
+  std::vector<std::vector<Run>> runs_;  // per bucket: its shard parameters, in chunk order
+  std::vector<double> lr_ratio_;        // per param group: its lr over the first group's, at construction
   // ZeRO-1: the reducer stays in no_sync (backward only accumulates).
   std::unique_ptr<ddp::NoSyncGuard> accumulate_only_;
   bool reduced_ = false;  // ZeRO-1: step()'s reduce-scatter already ran for these gradients ...

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -71,6 +72,72 @@ size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 double lr_of(const ShardOptimizerOptions& o) {
   return std::visit([](const auto& x) { return x.lr(); }, o);
+}
+
+constexpr const char* kOptimizerNames[] = {"SGD", "Adam", "AdamW"};  // ShardOptimizerOptions' alternatives
+
+// Each trainable parameter's param group (0: the constructor's options; g:
+// opts.param_groups[g - 1]), by registration index; InvalidArgument naming
+// what does not fit.
+std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOptimizerOptions& main,
+                              const std::vector<ZeroParamGroup>& groups) {
+  std::vector<std::string> names;
+  for (const auto& item : module.named_parameters(true))
+    if (item.value().requires_grad()) names.push_back(item.key());
+  std::vector<size_t> out(names.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const ZeroParamGroup& group = groups[g];
+    const std::string which = fmt::format("ZeroOptimizer: param group {}", g + 1);
+    if (group.options.index() != main.index())
+      throw InvalidArgument(fmt::format("{} is {}, the optimizer is {}: one optimizer steps every group. HINT: give "
+                                        "the group {} options",
+                                        which, kOptimizerNames[group.options.index()], kOptimizerNames[main.index()],
+                                        kOptimizerNames[main.index()]));
+    const double lr = lr_of(group.options);
+    if (!(lr >= 0) || !std::isfinite(lr))
+      throw InvalidArgument(fmt::format("{}: the learning rate must be a finite number >= 0 (got {})", which, lr));
+    if (group.names.empty()) throw InvalidArgument(fmt::format("{} names no parameter", which));
+    for (const std::string& name : group.names) {
+      const auto at = std::find(names.begin(), names.end(), name);
+      if (at == names.end()) {
+        std::string some;
+        for (size_t i = 0; i < std::min<size_t>(names.size(), 6); ++i) some += (i ? ", " : "") + names[i];
+        throw InvalidArgument(fmt::format("{} names '{}', which is not a trainable parameter of the module (its "
+                                          "trainable parameters: {}{})",
+                                          which, name, some, names.size() > 6 ? ", ..." : ""));
+      }
+      size_t& mine = out[static_cast<size_t>(at - names.begin())];
+      if (mine != 0)
+        throw InvalidArgument(fmt::format("{} names '{}', which param group {} names already: a parameter steps in one "
+                                          "group",
+                                          which, name, mine));
+      mine = g + 1;
+    }
+  }
+  return out;
+}
+
+// The runs of rank `rank`'s chunk [rank * chunk, (rank + 1) * chunk) of a
+// bucket: (start in the chunk, length, group), consecutive elements of one
+// group merged. Gaps and the padding go with the parameter before them.
+std::vector<std::tuple<size_t, size_t, size_t>> runs_of(const ddp::PlannedBucket& b, const std::vector<size_t>& group_of,
+                                                        size_t chunk, int rank) {
+  std::vector<std::pair<size_t, size_t>> starts;  // (offset, group), by offset
+  for (size_t j = 0; j < b.params.size(); ++j) starts.emplace_back(b.offsets[j], group_of.at(b.params[j]));
+  std::sort(starts.begin(), starts.end());
+  const size_t lo = static_cast<size_t>(rank) * chunk, hi = lo + chunk;
+  std::vector<std::tuple<size_t, size_t, size_t>> out;
+  for (size_t j = 0; j < starts.size(); ++j) {
+    const size_t from = std::max(j == 0 ? size_t{0} : starts[j].first, lo);
+    const size_t to = std::min(j + 1 < starts.size() ? starts[j + 1].first : b.count, hi);
+    if (from >= to) continue;
+    const size_t group = starts[j].second;
+    if (!out.empty() && std::get<2>(out.back()) == group)
+      std::get<1>(out.back()) += to - from;
+    else
+      out.emplace_back(from - lo, to - from, group);
+  }
+  return out;
 }
 
 }  // namespace
@@ -129,6 +196,14 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
   }
 };
 
+// A shard parameter: elements [start, start + len) of this rank's chunk of a
+// bucket, all belonging to parameters of param group `group` (padding goes
+// with the parameter before it).
+struct COHORT_HIDDEN ZeroOptimizer::Run {
+  ::torch::Tensor param;  // a view of those elements in the parameter buffer
+  size_t start = 0, len = 0, group = 0;
+};
+
 namespace {
 // Every bucket of parameters, in place: rank r's chunk to every rank (started, not waited for).
 std::vector<WorkPtr> allgather_params(ProcessGroup& group, const ZeroOptimizer::State& st) {
@@ -165,6 +240,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
                                         "(docs/zero.md). HINT: keep the module on the CPU, or use "
                                         "DistributedDataParallel for a GPU module",
                                         item.key(), item.value().device().str()));
+
+  const std::vector<size_t> group_of = groups_of(*module_, optimizer, opts_.param_groups);
 
   State& st = *state_;
   st.rank = group_->rank();
@@ -212,7 +289,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
 
   ::torch::NoGradGuard no_grad;
   st.buckets.resize(plan.size());
-  std::vector<::torch::Tensor> shard_params;
+  runs_.resize(plan.size());
+  std::vector<std::vector<::torch::Tensor>> group_params(opts_.param_groups.size() + 1);
   for (size_t b = 0; b < plan.size(); ++b) {
     State::Bucket& k = st.buckets[b];
     k.grad = static_cast<std::byte*>(reducer.bucket_data(b));
@@ -231,25 +309,42 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
       p.set_data(moved);  // the module's parameter now lives in the bucket
     }
     if (k.chunk == 0) continue;
-    auto sp = view_of(st.mine(k.param, k).data, {static_cast<int64_t>(k.chunk)}, k.type, st.params);
-    sp.requires_grad_(true);
-    sp.mutable_grad() = opts_.stage == ZeroStage::Two
-                            ? view_of(k.grad_shard, {static_cast<int64_t>(k.chunk)}, k.type, st.grad_shard)
-                            : ::torch::from_blob(st.mine(k.grad, k).data, {static_cast<int64_t>(k.chunk)},
-                                                 ::torch::TensorOptions().dtype(k.type));
-    shard_params.push_back(sp);
+    // One shard parameter per run of one param group in this rank's chunk
+    // (the whole chunk when every parameter is in the first group).
+    const size_t elem = dtype_size(k.dtype);
+    std::byte* param_chunk = static_cast<std::byte*>(st.mine(k.param, k).data);
+    std::byte* grad_chunk = opts_.stage == ZeroStage::Two ? k.grad_shard : static_cast<std::byte*>(st.mine(k.grad, k).data);
+    const auto& grad_owner = opts_.stage == ZeroStage::Two ? st.grad_shard : nullptr;
+    for (const auto& [start, len, g] : runs_of(plan[b], group_of, k.chunk, st.rank)) {
+      const int64_t n = static_cast<int64_t>(len);
+      auto sp = view_of(param_chunk + start * elem, {n}, k.type, st.params);
+      sp.requires_grad_(true);
+      sp.mutable_grad() = grad_owner ? view_of(grad_chunk + start * elem, {n}, k.type, grad_owner)
+                                     : ::torch::from_blob(grad_chunk + start * elem, {n}, ::torch::TensorOptions().dtype(k.type));
+      runs_[b].push_back(Run{sp, start, len, g});
+      group_params[g].push_back(sp);
+    }
   }
-  if (shard_params.empty())
+  if (std::all_of(runs_.begin(), runs_.end(), [](const auto& r) { return r.empty(); }))
     throw InvalidArgument("ZeroOptimizer: the module has no trainable parameter with elements: nothing to shard");
+  // Param group g steps its runs with its options (an empty group on a rank
+  // whose chunks hold none of its parameters is kept, so that g is g everywhere).
+  const double main_lr = lr_of(optimizer);
+  lr_ratio_.push_back(1.0);
+  for (const ZeroParamGroup& g : opts_.param_groups) lr_ratio_.push_back(main_lr > 0 ? lr_of(g.options) / main_lr : 1.0);
   std::visit(
       [&](const auto& o) {
         using O = std::decay_t<decltype(o)>;
+        std::vector<::torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(group_params[0], std::make_unique<O>(o));
+        for (size_t g = 0; g < opts_.param_groups.size(); ++g)
+          groups.emplace_back(group_params[g + 1], std::make_unique<O>(std::get<O>(opts_.param_groups[g].options)));
         if constexpr (std::is_same_v<O, ::torch::optim::SGDOptions>)
-          optimizer_ = std::make_unique<ShardSgd>(shard_params, o);
+          optimizer_ = std::make_unique<ShardSgd>(std::move(groups), o);
         else if constexpr (std::is_same_v<O, ::torch::optim::AdamOptions>)
-          optimizer_ = std::make_unique<ShardAdam>(shard_params, o);
+          optimizer_ = std::make_unique<ShardAdam>(std::move(groups), o);
         else
-          optimizer_ = std::make_unique<ShardAdamW>(shard_params, o);
+          optimizer_ = std::make_unique<ShardAdamW>(std::move(groups), o);
       },
       optimizer);
 }
@@ -367,7 +462,8 @@ void ZeroOptimizer::reduce_for_step() {
 
 std::vector<::torch::Tensor> ZeroOptimizer::shard_grads() const {
   std::vector<::torch::Tensor> out;
-  for (auto& p : optimizer_->param_groups().at(0).params()) out.push_back(p.grad());
+  for (auto& group : optimizer_->param_groups())
+    for (auto& p : group.params()) out.push_back(p.grad());
   return out;
 }
 
@@ -413,7 +509,8 @@ double ZeroOptimizer::lr() const { return optimizer_->param_groups().at(0).optio
 void ZeroOptimizer::set_lr(double lr) {
   if (!(lr >= 0) || !std::isfinite(lr))
     throw InvalidArgument(fmt::format("ZeroOptimizer::set_lr: the learning rate must be a finite number >= 0 (got {})", lr));
-  optimizer_->param_groups().at(0).options().set_lr(lr);
+  auto& groups = optimizer_->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) groups[g].options().set_lr(lr * lr_ratio_.at(g));
 }
 
 ::torch::optim::Optimizer& ZeroOptimizer::shard_optimizer() { return *optimizer_; }
@@ -485,18 +582,46 @@ size_t mib_bytes(double mib) { return static_cast<size_t>(mib * 1024 * 1024); }
 
 }  // namespace
 
+namespace {
+
+// A bucket chunk's state from its runs' (param groups): each field the runs
+// have, concatenated in chunk order; a run without it (a group that keeps
+// no such state, e.g. SGD without momentum, or not stepped) contributes zeros.
+ShardState chunk_state(::torch::optim::Optimizer& optimizer, const std::vector<ZeroOptimizer::Run>& runs) {
+  std::vector<ShardState> parts;
+  for (const auto& r : runs) parts.push_back(state_of(optimizer, r.param));
+  if (parts.size() == 1) return std::move(parts.front());
+  ShardState out;
+  for (const ShardState& p : parts) {
+    out.step = std::max(out.step, p.step);
+    for (const auto& [field, t] : p.fields)
+      if (std::none_of(out.fields.begin(), out.fields.end(), [&](const auto& f) { return f.first == field; }))
+        out.fields.emplace_back(field, t);  // a model of its dtype, replaced below
+  }
+  for (auto& [field, whole] : out.fields) {
+    std::vector<::torch::Tensor> pieces;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto& f = parts[i].fields;
+      const auto it = std::find_if(f.begin(), f.end(), [&](const auto& x) { return x.first == field; });
+      pieces.push_back(it != f.end() ? it->second : ::torch::zeros({static_cast<int64_t>(runs[i].len)}, whole.options()));
+    }
+    whole = ::torch::cat(pieces);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<NamedTensor> ZeroOptimizer::state_shard() {
   const State& st = *state_;
-  const auto& shard = optimizer_->param_groups().at(0).params();
   std::vector<NamedTensor> out;
   Layout layout{.world = st.n, .kind = kind_of(*optimizer_), .steps = 0, .cap_bytes = mib_bytes(opts_.bucket_cap_mb),
                 .first_cap_bytes = mib_bytes(opts_.first_bucket_mb), .buckets = {}};
-  size_t next = 0;  // shard parameters exist for the buckets with elements, in bucket order
   for (size_t b = 0; b < st.buckets.size(); ++b) {
     const State::Bucket& k = st.buckets[b];
     layout.buckets.emplace_back(k.used, k.count);
     if (k.chunk == 0) continue;
-    const ShardState s = state_of(*optimizer_, shard.at(next++));
+    const ShardState s = chunk_state(*optimizer_, runs_[b]);
     layout.steps = std::max(layout.steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("bucket{}.{}", b, field), t));
   }
@@ -530,9 +655,7 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
                                         kWho, b, lay.buckets[b].first, st.buckets[b].used));
 
   // Every new tensor is built before any is installed: a failure changes nothing.
-  const auto& shard = optimizer_->param_groups().at(0).params();
   std::vector<std::pair<::torch::Tensor, ShardState>> staged;
-  size_t next = 0;
   for (size_t b = 0; b < st.buckets.size(); ++b) {
     const State::Bucket& k = st.buckets[b];
     if (k.chunk == 0) continue;
@@ -544,7 +667,14 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
       const std::string field = name.substr(prefix.size());
       s.fields.emplace_back(field, files.rechunk(name, k.type, st.rank, k.chunk, k.used, old_chunk, kWho));
     }
-    staged.emplace_back(shard.at(next++), std::move(s));
+    // The chunk's state cut at its runs (param groups): each its own tensors.
+    for (const Run& r : runs_[b]) {
+      ShardState part{.fields = {}, .step = s.step};
+      for (const auto& [field, t] : s.fields)
+        part.fields.emplace_back(field, runs_[b].size() == 1 ? t : t.narrow(0, static_cast<int64_t>(r.start),
+                                                                             static_cast<int64_t>(r.len)).clone());
+      staged.emplace_back(r.param, std::move(part));
+    }
   }
   for (auto& [p, s] : staged) {
     install_state(*optimizer_, p, kind, s);

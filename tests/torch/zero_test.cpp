@@ -444,6 +444,142 @@ TEST(ZeroErrors, BadInputIsNamed) {
   });
 }
 
+// ---- Param groups ----
+
+// The biases in a second group: no weight decay, half the learning rate.
+torch::optim::AdamWOptions no_decay() { return torch::optim::AdamWOptions(5e-3).weight_decay(0.0); }
+const std::vector<std::string> kBiases = {"fc1.bias", "fc2.bias"};
+double lr_at(int step) { return 1e-2 * (1.0 - 0.04 * step); }  // a schedule, through set_lr
+
+// Caps (in float64) that put fc2.bias, fc2.weight and fc1.bias into one
+// bucket (the groups 1, 0, 1) and fc1.weight into a second.
+ZeroOptions grouped(ZeroStage stage, cohort::torch::ShardOptimizerOptions biases) {
+  ZeroOptions o;
+  o.stage = stage;
+  o.bucket_cap_mb = 0.001;
+  o.first_bucket_mb = 0.001;
+  o.param_groups = {{kBiases, std::move(biases)}};
+  return o;
+}
+
+// One process, LibTorch's AdamW with the same two groups, on the global batch.
+std::vector<torch::Tensor> grouped_reference(int steps) {
+  Net net;
+  net->to(torch::kDouble);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{net->fc1->weight, net->fc2->weight},
+                      std::make_unique<torch::optim::AdamWOptions>(adamw()));
+  groups.emplace_back(std::vector<torch::Tensor>{net->fc1->bias, net->fc2->bias},
+                      std::make_unique<torch::optim::AdamWOptions>(no_decay()));
+  torch::optim::AdamW opt(std::move(groups), adamw());
+  for (int s = 0; s < steps; ++s) {
+    opt.param_groups()[0].options().set_lr(lr_at(s));
+    opt.param_groups()[1].options().set_lr(lr_at(s) / 2);
+    opt.zero_grad();
+    torch::mse_loss(net->forward(inputs(s * kGlobal, kGlobal).to(torch::kDouble)),
+                    targets(s * kGlobal, kGlobal).to(torch::kDouble))
+        .backward();
+    opt.step();
+  }
+  return params_of(*net);
+}
+
+// Each group steps with its own options and set_lr keeps their ratio, at
+// every world size: the chunks cut the buckets, and so the groups, at other
+// places for each (a bucket's chunk may hold parameters of both groups).
+TEST(ZeroGroups, TwoGroupsEqualOneProcessWithTheSameGroups) {
+  const auto want = grouped_reference(20);
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two})
+    for (int world : {1, 2, 3, 4}) {
+      std::vector<std::vector<torch::Tensor>> got(world);
+      run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+        torch::set_num_threads(1);
+        Net net;
+        net->to(torch::kDouble);
+        ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), grouped(stage, no_decay()));
+        const auto& groups = opt.shard_optimizer().param_groups();
+        ASSERT_EQ(groups.size(), 2u);
+        if (world == 1) {
+          size_t runs = groups[0].params().size() + groups[1].params().size();
+          EXPECT_EQ(opt.ddp().reducer().plan().size(), 2u);
+          EXPECT_EQ(runs, 4u) << "the first bucket is three runs: a bias, a weight, a bias";
+        }
+        const int64_t local = kGlobal / world;
+        for (int s = 0; s < 20; ++s) {
+          opt.set_lr(lr_at(s));
+          EXPECT_DOUBLE_EQ(groups[1].options().get_lr(), lr_at(s) / 2);
+          opt.zero_grad();
+          opt.pre_forward();
+          const int64_t at = s * kGlobal + pg.rank() * local;
+          torch::mse_loss(net->forward(inputs(at, local).to(torch::kDouble)), targets(at, local).to(torch::kDouble))
+              .backward();
+          opt.step();
+        }
+        got[pg.rank()] = params_of(*net);
+      });
+      for (int r = 0; r < world; ++r)
+        EXPECT_LT(rel_error(got[r], want), 1e-9) << "ZeRO-" << static_cast<int>(stage) << " x " << world << " rank " << r;
+    }
+}
+
+// Groups with different state: SGD with momentum for the weights, none for
+// the biases (which keep no state at all). Saved at world 4, resumed at 3, 2
+// and 1 with the same groups, as the run that never stopped.
+TEST(ZeroGroups, StateOfGroupsReshards) {
+  const cohort::torch::ShardOptimizerOptions main = torch::optim::SGDOptions(0.05).momentum(0.9);
+  const cohort::torch::ShardOptimizerOptions biases = torch::optim::SGDOptions(0.02);
+  std::vector<std::vector<cohort::NamedTensor>> shards(4);
+  std::vector<cohort::NamedTensor> model_state;
+  std::vector<torch::Tensor> want;
+  run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    Net net;
+    net->to(torch::kDouble);
+    ZeroOptimizer opt(net.ptr(), borrowed(pg), main, grouped(ZeroStage::Two, biases));
+    zero_steps(opt, net, pg, 0, 5);
+    shards[pg.rank()] = opt.state_shard();
+    if (pg.rank() == 0) model_state = cohort::torch::module_state(*net);
+    zero_steps(opt, net, pg, 5, 10);
+    if (pg.rank() == 0) want = params_of(*net);
+  });
+  for (int world : {3, 2, 1}) {
+    std::vector<std::vector<torch::Tensor>> got(world);
+    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      Net net;
+      net->to(torch::kDouble);
+      cohort::torch::load_module_state(*net, model_state);
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), main, grouped(ZeroStage::Two, biases));
+      opt.load_state_shards([&](int k) { return shards.at(k); });
+      zero_steps(opt, net, pg, 5, 10);
+      got[pg.rank()] = params_of(*net);
+    });
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "world " << world << " rank " << r;
+  }
+}
+
+TEST(ZeroGroups, BadGroupsAreNamed) {
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    const auto expect_throw = [&](std::vector<cohort::torch::ZeroParamGroup> groups, const std::string& words) {
+      Net net;
+      ZeroOptions o;
+      o.param_groups = std::move(groups);
+      try {
+        ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), o);
+        ADD_FAILURE() << "no error; expected one naming: " << words;
+      } catch (const cohort::InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      }
+    };
+    expect_throw({{{"fc1.bias", "fc3.bias"}, no_decay()}}, "names 'fc3.bias', which is not a trainable parameter");
+    expect_throw({{{"fc1.bias"}, no_decay()}, {{"fc2.bias", "fc1.bias"}, no_decay()}},
+                 "param group 2 names 'fc1.bias', which param group 1 names already");
+    expect_throw({{{"fc1.bias"}, torch::optim::SGDOptions(0.1)}}, "param group 1 is SGD, the optimizer is AdamW");
+    expect_throw({{{}, no_decay()}}, "param group 1 names no parameter");
+    expect_throw({{{"fc1.bias"}, torch::optim::AdamWOptions(-1.0)}}, "param group 1: the learning rate must be");
+  });
+}
+
 // Sequences that would lose gradients or count them twice are refused by name.
 TEST(ZeroErrors, GradientsThatWouldBeLostAreRefused) {
   const auto expect_throw = [](auto&& call, const std::string& words) {
