@@ -76,6 +76,28 @@ double lr_of(const ShardOptimizerOptions& o) {
 
 constexpr const char* kOptimizerNames[] = {"SGD", "Adam", "AdamW"};  // ShardOptimizerOptions' alternatives
 
+// The shard optimizer: group 0 steps params[0] with `main`, group g
+// params[g] with groups[g - 1]'s options (validated by groups_of).
+std::unique_ptr<::torch::optim::Optimizer> shard_optimizer_of(const ShardOptimizerOptions& main,
+                                                              const std::vector<ZeroParamGroup>& groups,
+                                                              const std::vector<std::vector<::torch::Tensor>>& params) {
+  return std::visit(
+      [&](const auto& o) -> std::unique_ptr<::torch::optim::Optimizer> {
+        using O = std::decay_t<decltype(o)>;
+        std::vector<::torch::optim::OptimizerParamGroup> all;
+        all.emplace_back(params.at(0), std::make_unique<O>(o));
+        for (size_t g = 0; g < groups.size(); ++g)
+          all.emplace_back(params.at(g + 1), std::make_unique<O>(std::get<O>(groups[g].options)));
+        if constexpr (std::is_same_v<O, ::torch::optim::SGDOptions>)
+          return std::make_unique<ShardSgd>(std::move(all), o);
+        else if constexpr (std::is_same_v<O, ::torch::optim::AdamOptions>)
+          return std::make_unique<ShardAdam>(std::move(all), o);
+        else
+          return std::make_unique<ShardAdamW>(std::move(all), o);
+      },
+      main);
+}
+
 // Each trainable parameter's param group (0: the constructor's options; g:
 // opts.param_groups[g - 1]), by registration index; InvalidArgument naming
 // what does not fit.
@@ -332,21 +354,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   const double main_lr = lr_of(optimizer);
   lr_ratio_.push_back(1.0);
   for (const ZeroParamGroup& g : opts_.param_groups) lr_ratio_.push_back(main_lr > 0 ? lr_of(g.options) / main_lr : 1.0);
-  std::visit(
-      [&](const auto& o) {
-        using O = std::decay_t<decltype(o)>;
-        std::vector<::torch::optim::OptimizerParamGroup> groups;
-        groups.emplace_back(group_params[0], std::make_unique<O>(o));
-        for (size_t g = 0; g < opts_.param_groups.size(); ++g)
-          groups.emplace_back(group_params[g + 1], std::make_unique<O>(std::get<O>(opts_.param_groups[g].options)));
-        if constexpr (std::is_same_v<O, ::torch::optim::SGDOptions>)
-          optimizer_ = std::make_unique<ShardSgd>(std::move(groups), o);
-        else if constexpr (std::is_same_v<O, ::torch::optim::AdamOptions>)
-          optimizer_ = std::make_unique<ShardAdam>(std::move(groups), o);
-        else
-          optimizer_ = std::make_unique<ShardAdamW>(std::move(groups), o);
-      },
-      optimizer);
+  optimizer_ = shard_optimizer_of(optimizer, opts_.param_groups, group_params);
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
