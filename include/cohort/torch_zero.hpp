@@ -131,8 +131,9 @@ class COHORT_API ZeroOptimizer {
   bool step(GradScaler& scaler);
 
   // The first group's learning rate. set_lr sets it, and every other
-  // group's to `lr` times the ratio the two had at construction (a schedule
-  // moves all groups alike; a group whose lr was set apart keeps its ratio).
+  // group's to `lr` times the ratio of the two learning rates given at
+  // construction: a schedule moves all groups alike. (A first group
+  // constructed with lr 0 and another group with more is refused.)
   double lr() const;
   void set_lr(double lr);
   // The optimizer that steps the shard: param group g of it is
@@ -195,6 +196,7 @@ class COHORT_API ZeroOptimizer {
   bool reduced_ = false;  // ZeRO-1: step()'s reduce-scatter already ran for these gradients ...
   size_t marks_at_reduce_ = 0;  // ... after this many marks of the (always no_sync) reducer
   bool stepped_ = false;  // step() ran since zero_grad()
+  bool has_state_ = false;  // the shard optimizer stepped (or loaded stepped state): state_shard() saves its fields
   bool failed_ = false;   // a collective failed: the buffers it may still write into are leaked
 };
 

@@ -11,9 +11,10 @@
 //     bucket in place updates the module;
 //   - rank r's shard: chunk r (count / N elements) of every bucket. The
 //     shard optimizer (SGD/Adam/AdamW with the fused step) has one parameter
-//     per bucket, a view of that chunk of the parameter bucket; its gradient
-//     is the same chunk of the gradient bucket (ZeRO-1) or of the gradient
-//     shard (ZeRO-2);
+//     per bucket and param group (the run of the chunk whose elements belong
+//     to that group's parameters), a view of the parameter bucket; its
+//     gradient is the same part of the gradient bucket (ZeRO-1) or of the
+//     gradient shard (ZeRO-2);
 //   - the reduction: ZeRO-2's comm hook reduce-scatters (Avg) the bucket in
 //     place, adds chunk r to the gradient shard in finalize() and clears the
 //     bucket for the next backward; ZeRO-1 keeps the reducer in no_sync and
@@ -118,6 +119,12 @@ std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOpti
     const double lr = lr_of(group.options);
     if (!(lr >= 0) || !std::isfinite(lr))
       throw InvalidArgument(fmt::format("{}: the learning rate must be a finite number >= 0 (got {})", which, lr));
+    if (lr > 0 && lr_of(main) == 0)
+      throw InvalidArgument(fmt::format("{} has learning rate {} and the optimizer 0: set_lr() keeps each group's "
+                                        "ratio to the first group's learning rate, which 0 does not define. HINT: "
+                                        "construct with the schedule's peak learning rates and call set_lr() before "
+                                        "the first step",
+                                        which, lr));
     if (group.names.empty()) throw InvalidArgument(fmt::format("{} names no parameter", which));
     for (const std::string& name : group.names) {
       const auto at = std::find(names.begin(), names.end(), name);
@@ -143,10 +150,11 @@ std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOpti
 // bucket: (start in the chunk, length, group), consecutive elements of one
 // group merged. Gaps and the padding go with the parameter before them.
 std::vector<std::tuple<size_t, size_t, size_t>> runs_of(const ddp::PlannedBucket& b, const std::vector<size_t>& group_of,
-                                                        size_t chunk, int rank) {
-  std::vector<std::pair<size_t, size_t>> starts;  // (offset, group), by offset
-  for (size_t j = 0; j < b.params.size(); ++j) starts.emplace_back(b.offsets[j], group_of.at(b.params[j]));
-  std::sort(starts.begin(), starts.end());
+                                                        const std::vector<::torch::Tensor>& params, size_t chunk,
+                                                        int rank) {
+  std::vector<std::pair<size_t, size_t>> starts;  // (offset, group), ascending (plan_buckets' order)
+  for (size_t j = 0; j < b.params.size(); ++j)
+    if (params.at(b.params[j]).numel() > 0) starts.emplace_back(b.offsets[j], group_of.at(b.params[j]));
   const size_t lo = static_cast<size_t>(rank) * chunk, hi = lo + chunk;
   std::vector<std::tuple<size_t, size_t, size_t>> out;
   for (size_t j = 0; j < starts.size(); ++j) {
@@ -337,7 +345,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     std::byte* param_chunk = static_cast<std::byte*>(st.mine(k.param, k).data);
     std::byte* grad_chunk = opts_.stage == ZeroStage::Two ? k.grad_shard : static_cast<std::byte*>(st.mine(k.grad, k).data);
     const auto& grad_owner = opts_.stage == ZeroStage::Two ? st.grad_shard : nullptr;
-    for (const auto& [start, len, g] : runs_of(plan[b], group_of, k.chunk, st.rank)) {
+    for (const auto& [start, len, g] : runs_of(plan[b], group_of, params_, k.chunk, st.rank)) {
       const int64_t n = static_cast<int64_t>(len);
       auto sp = view_of(param_chunk + start * elem, {n}, k.type, st.params);
       sp.requires_grad_(true);
@@ -353,7 +361,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   // whose chunks hold none of its parameters is kept, so that g is g everywhere).
   const double main_lr = lr_of(optimizer);
   lr_ratio_.push_back(1.0);
-  for (const ZeroParamGroup& g : opts_.param_groups) lr_ratio_.push_back(main_lr > 0 ? lr_of(g.options) / main_lr : 1.0);
+  for (const ZeroParamGroup& g : opts_.param_groups) lr_ratio_.push_back(main_lr > 0 ? lr_of(g.options) / main_lr : 0.0);
   optimizer_ = shard_optimizer_of(optimizer, opts_.param_groups, group_params);
 }
 
@@ -499,6 +507,7 @@ bool ZeroOptimizer::unscale(GradScaler& scaler) {
 void ZeroOptimizer::step() {
   reduce_for_step();
   optimizer_->step();
+  has_state_ = true;
   run_all(allgather_params(*group_, *state_));
   stepped_ = true;
   state_->after_step = false;
@@ -507,6 +516,7 @@ void ZeroOptimizer::step() {
 bool ZeroOptimizer::step(GradScaler& scaler) {
   reduce_for_step();
   const bool stepped = scaler.step(*optimizer_, group_.get());  // the same decision on every rank
+  has_state_ = has_state_ || stepped;
   if (stepped) run_all(allgather_params(*group_, *state_));
   stepped_ = true;
   state_->after_step = false;
@@ -592,28 +602,45 @@ size_t mib_bytes(double mib) { return static_cast<size_t>(mib * 1024 * 1024); }
 
 namespace {
 
-// A bucket chunk's state from its runs' (param groups): each field the runs
-// have, concatenated in chunk order; a run without it (a group that keeps
-// no such state, e.g. SGD without momentum, or not stepped) contributes zeros.
-ShardState chunk_state(::torch::optim::Optimizer& optimizer, const std::vector<ZeroOptimizer::Run>& runs) {
-  std::vector<ShardState> parts;
-  for (const auto& r : runs) parts.push_back(state_of(optimizer, r.param));
-  if (parts.size() == 1) return std::move(parts.front());
-  ShardState out;
-  for (const ShardState& p : parts) {
-    out.step = std::max(out.step, p.step);
-    for (const auto& [field, t] : p.fields)
-      if (std::none_of(out.fields.begin(), out.fields.end(), [&](const auto& f) { return f.first == field; }))
-        out.fields.emplace_back(field, t);  // a model of its dtype, replaced below
+// The state fields every rank saves for every bucket chunk, decided from the
+// groups' options alone, so that all ranks' files name the same tensors
+// (a rank whose chunk holds only a group without momentum still writes
+// zeros for it): nothing before the first step.
+std::vector<std::string> saved_fields(::torch::optim::Optimizer& o, bool has_state) {
+  if (!has_state) return {};
+  const Kind kind = kind_of(o);
+  bool extra = false;  // SGD: some group has momentum; Adam(W): some group has amsgrad
+  for (auto& g : o.param_groups()) {
+    if (kind == kSgd) extra |= static_cast<::torch::optim::SGDOptions&>(g.options()).momentum() != 0;
+    if (kind == kAdam) extra |= static_cast<::torch::optim::AdamOptions&>(g.options()).amsgrad();
+    if (kind == kAdamW) extra |= static_cast<::torch::optim::AdamWOptions&>(g.options()).amsgrad();
   }
-  for (auto& [field, whole] : out.fields) {
+  if (kind == kSgd) return extra ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  std::vector<std::string> out{"exp_avg", "exp_avg_sq"};
+  if (extra) out.emplace_back("max_exp_avg_sq");
+  return out;
+}
+
+// A bucket chunk's state from its runs' (param groups): each of `fields`,
+// the runs' tensors concatenated in chunk order; a run without it (a group
+// that keeps none, e.g. SGD without momentum) contributes zeros.
+ShardState chunk_state(::torch::optim::Optimizer& optimizer, const std::vector<ZeroOptimizer::Run>& runs,
+                       const std::vector<std::string>& fields, ::torch::ScalarType type) {
+  std::vector<ShardState> parts;
+  ShardState out;
+  for (const auto& r : runs) {
+    parts.push_back(state_of(optimizer, r.param));
+    out.step = std::max(out.step, parts.back().step);
+  }
+  for (const std::string& field : fields) {
     std::vector<::torch::Tensor> pieces;
     for (size_t i = 0; i < runs.size(); ++i) {
       const auto& f = parts[i].fields;
       const auto it = std::find_if(f.begin(), f.end(), [&](const auto& x) { return x.first == field; });
-      pieces.push_back(it != f.end() ? it->second : ::torch::zeros({static_cast<int64_t>(runs[i].len)}, whole.options()));
+      pieces.push_back(it != f.end() ? it->second
+                                     : ::torch::zeros({static_cast<int64_t>(runs[i].len)}, ::torch::TensorOptions().dtype(type)));
     }
-    whole = ::torch::cat(pieces);
+    out.fields.emplace_back(field, pieces.size() == 1 ? pieces.front() : ::torch::cat(pieces));
   }
   return out;
 }
@@ -625,11 +652,12 @@ std::vector<NamedTensor> ZeroOptimizer::state_shard() {
   std::vector<NamedTensor> out;
   Layout layout{.world = st.n, .kind = kind_of(*optimizer_), .steps = 0, .cap_bytes = mib_bytes(opts_.bucket_cap_mb),
                 .first_cap_bytes = mib_bytes(opts_.first_bucket_mb), .buckets = {}};
+  const std::vector<std::string> fields = saved_fields(*optimizer_, has_state_);
   for (size_t b = 0; b < st.buckets.size(); ++b) {
     const State::Bucket& k = st.buckets[b];
     layout.buckets.emplace_back(k.used, k.count);
     if (k.chunk == 0) continue;
-    const ShardState s = chunk_state(*optimizer_, runs_[b]);
+    const ShardState s = chunk_state(*optimizer_, runs_[b], fields, k.type);
     layout.steps = std::max(layout.steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("bucket{}.{}", b, field), t));
   }
@@ -687,6 +715,8 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
   for (auto& [p, s] : staged) {
     install_state(*optimizer_, p, kind, s);
   }
+  // Whether the saving run had stepped: its files name state fields (the same on every rank).
+  has_state_ = std::any_of(first.begin(), first.end(), [](const auto& t) { return t.first.rfind("bucket", 0) == 0; });
 }
 
 void ZeroOptimizer::load_full_state(const std::vector<NamedTensor>& full) {

@@ -453,12 +453,13 @@ double lr_at(int step) { return 1e-2 * (1.0 - 0.04 * step); }  // a schedule, th
 
 // Caps (in float64) that put fc2.bias, fc2.weight and fc1.bias into one
 // bucket (the groups 1, 0, 1) and fc1.weight into a second.
-ZeroOptions grouped(ZeroStage stage, cohort::torch::ShardOptimizerOptions biases) {
+ZeroOptions grouped(ZeroStage stage, cohort::torch::ShardOptimizerOptions options,
+                    std::vector<std::string> names = kBiases) {
   ZeroOptions o;
   o.stage = stage;
   o.bucket_cap_mb = 0.001;
   o.first_bucket_mb = 0.001;
-  o.param_groups = {{kBiases, std::move(biases)}};
+  o.param_groups = {{std::move(names), std::move(options)}};
   return o;
 }
 
@@ -522,39 +523,65 @@ TEST(ZeroGroups, TwoGroupsEqualOneProcessWithTheSameGroups) {
     }
 }
 
-// Groups with different state: SGD with momentum for the weights, none for
-// the biases (which keep no state at all). Saved at world 4, resumed at 3, 2
-// and 1 with the same groups, as the run that never stopped.
+// Groups that keep different state, saved at world 4 and resumed at 3, 2 and
+// 1 with the same groups, as the run that never stopped:
+//   - SGD with momentum, and a group without (which keeps no state at all):
+//     the biases; or fc2 whole, so that rank 0's chunk of the first bucket
+//     holds that group only while rank 3's holds both (every rank must still
+//     save the same fields, zeros where a group keeps none);
+//   - AdamW, and a group with amsgrad (max_exp_avg_sq) for fc2.
 TEST(ZeroGroups, StateOfGroupsReshards) {
-  const cohort::torch::ShardOptimizerOptions main = torch::optim::SGDOptions(0.05).momentum(0.9);
-  const cohort::torch::ShardOptimizerOptions biases = torch::optim::SGDOptions(0.02);
-  std::vector<std::vector<cohort::NamedTensor>> shards(4);
-  std::vector<cohort::NamedTensor> model_state;
-  std::vector<torch::Tensor> want;
-  run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
-    torch::set_num_threads(1);
-    Net net;
-    net->to(torch::kDouble);
-    ZeroOptimizer opt(net.ptr(), borrowed(pg), main, grouped(ZeroStage::Two, biases));
-    zero_steps(opt, net, pg, 0, 5);
-    shards[pg.rank()] = opt.state_shard();
-    if (pg.rank() == 0) model_state = cohort::torch::module_state(*net);
-    zero_steps(opt, net, pg, 5, 10);
-    if (pg.rank() == 0) want = params_of(*net);
-  });
-  for (int world : {3, 2, 1}) {
-    std::vector<std::vector<torch::Tensor>> got(world);
-    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+  using cohort::torch::ShardOptimizerOptions;
+  struct Setup {
+    const char* what;
+    ShardOptimizerOptions main, group;
+    std::vector<std::string> names;
+  };
+  const std::vector<Setup> setups = {
+      {"SGD, biases without momentum", torch::optim::SGDOptions(0.05).momentum(0.9), torch::optim::SGDOptions(0.02),
+       kBiases},
+      {"SGD, fc2 without momentum", torch::optim::SGDOptions(0.05).momentum(0.9), torch::optim::SGDOptions(0.02),
+       {"fc2.weight", "fc2.bias"}},
+      {"AdamW, fc2 with amsgrad", adamw(), torch::optim::AdamWOptions(5e-3).amsgrad(true), {"fc2.weight", "fc2.bias"}},
+  };
+  for (const Setup& setup : setups) {
+    const ZeroOptions opts = grouped(ZeroStage::Two, setup.group, setup.names);
+    std::vector<std::vector<cohort::NamedTensor>> shards(4);
+    std::vector<cohort::NamedTensor> model_state;
+    std::vector<torch::Tensor> want;
+    run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
       torch::set_num_threads(1);
       Net net;
       net->to(torch::kDouble);
-      cohort::torch::load_module_state(*net, model_state);
-      ZeroOptimizer opt(net.ptr(), borrowed(pg), main, grouped(ZeroStage::Two, biases));
-      opt.load_state_shards([&](int k) { return shards.at(k); });
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), setup.main, opts);
+      zero_steps(opt, net, pg, 0, 5);
+      shards[pg.rank()] = opt.state_shard();
+      if (pg.rank() == 0) model_state = cohort::torch::module_state(*net);
       zero_steps(opt, net, pg, 5, 10);
-      got[pg.rank()] = params_of(*net);
+      if (pg.rank() == 0) want = params_of(*net);
     });
-    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "world " << world << " rank " << r;
+    std::set<std::string> names0;
+    for (const auto& t : shards[0]) names0.insert(t.name);
+    for (int r = 1; r < 4; ++r) {
+      std::set<std::string> names;
+      for (const auto& t : shards[r]) names.insert(t.name);
+      EXPECT_EQ(names, names0) << setup.what << ": rank " << r << " saves other tensors than rank 0";
+    }
+    for (int world : {3, 2, 1}) {
+      std::vector<std::vector<torch::Tensor>> got(world);
+      run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+        torch::set_num_threads(1);
+        Net net;
+        net->to(torch::kDouble);
+        cohort::torch::load_module_state(*net, model_state);
+        ZeroOptimizer opt(net.ptr(), borrowed(pg), setup.main, opts);
+        opt.load_state_shards([&](int k) { return shards.at(k); });
+        zero_steps(opt, net, pg, 5, 10);
+        got[pg.rank()] = params_of(*net);
+      });
+      for (int r = 0; r < world; ++r)
+        EXPECT_LT(rel_error(got[r], want), 1e-9) << setup.what << ", world " << world << " rank " << r;
+    }
   }
 }
 
@@ -577,6 +604,15 @@ TEST(ZeroGroups, BadGroupsAreNamed) {
     expect_throw({{{"fc1.bias"}, torch::optim::SGDOptions(0.1)}}, "param group 1 is SGD, the optimizer is AdamW");
     expect_throw({{{}, no_decay()}}, "param group 1 names no parameter");
     expect_throw({{{"fc1.bias"}, torch::optim::AdamWOptions(-1.0)}}, "param group 1: the learning rate must be");
+    Net net;
+    ZeroOptions o;
+    o.param_groups = {{{"fc1.bias"}, no_decay()}};
+    try {
+      ZeroOptimizer opt(net.ptr(), borrowed(pg), torch::optim::AdamWOptions(0.0), o);
+      ADD_FAILURE() << "a first group at lr 0 with a second above it was taken";
+    } catch (const cohort::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("which 0 does not define"), std::string::npos) << e.what();
+    }
   });
 }
 
