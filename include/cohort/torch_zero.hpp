@@ -45,6 +45,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -173,7 +174,6 @@ class COHORT_API ZeroOptimizer {
   DistributedDataParallel& ddp() { return *ddp_; }
 
   struct State;  // shared with the reduce-scatter hook
-  struct Run;    // a shard parameter: part of a bucket's chunk, one param group
 
  private:
   void point_grads_at_buckets(bool keep_values);
@@ -189,7 +189,8 @@ class COHORT_API ZeroOptimizer {
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::shared_ptr<State> state_;
   std::unique_ptr<::torch::optim::Optimizer> optimizer_;
-  std::vector<std::vector<Run>> runs_;  // per bucket: its shard parameters, in chunk order
+  // Per bucket: its shard parameters (runs of one param group) with their lengths, in chunk order.
+  std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> runs_;
   std::vector<double> lr_ratio_;        // per param group: its lr over the first group's, at construction
   // ZeRO-1: the reducer stays in no_sync (backward only accumulates).
   std::unique_ptr<ddp::NoSyncGuard> accumulate_only_;

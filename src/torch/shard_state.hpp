@@ -185,6 +185,98 @@ inline PlainState parse_plain_state(const std::vector<NamedTensor>& full, size_t
   return out;
 }
 
+// ---- Param groups: a chunk cut into runs of one group each ----
+
+// Elements [start, start + len) of a rank's chunk that belong to parameters
+// of param group `group` (gaps and padding go with the parameter before).
+struct RunSpan {
+  size_t start = 0, len = 0, group = 0;
+};
+
+// The runs of rank `rank`'s chunk [rank * chunk, (rank + 1) * chunk) of a
+// flat buffer of `count` elements whose parameters start at `offsets`
+// (ascending) with `sizes` elements and `groups` param groups; consecutive
+// elements of one group merged. Zero-size parameters take no run.
+inline std::vector<RunSpan> runs_of(const std::vector<size_t>& offsets, const std::vector<size_t>& sizes,
+                                    const std::vector<size_t>& groups, size_t count, size_t chunk, int rank) {
+  std::vector<std::pair<size_t, size_t>> starts;  // (offset, group)
+  for (size_t j = 0; j < offsets.size(); ++j)
+    if (sizes[j] > 0) starts.emplace_back(offsets[j], groups[j]);
+  const size_t lo = static_cast<size_t>(rank) * chunk, hi = lo + chunk;
+  std::vector<RunSpan> out;
+  for (size_t j = 0; j < starts.size(); ++j) {
+    const size_t from = std::max(j == 0 ? size_t{0} : starts[j].first, lo);
+    const size_t to = std::min(j + 1 < starts.size() ? starts[j + 1].first : count, hi);
+    if (from >= to) continue;
+    if (!out.empty() && out.back().group == starts[j].second)
+      out.back().len += to - from;
+    else
+      out.push_back({from - lo, to - from, starts[j].second});
+  }
+  return out;
+}
+
+// The state fields every rank saves for every chunk, decided from the
+// groups' options alone, so that all ranks' files name the same tensors (a
+// rank whose chunk holds only a group without momentum still writes zeros
+// for it): nothing before the first step.
+inline std::vector<std::string> saved_fields(::torch::optim::Optimizer& o, bool has_state) {
+  if (!has_state) return {};
+  const Kind kind = kind_of(o);
+  bool extra = false;  // SGD: some group has momentum; Adam(W): some group has amsgrad
+  for (auto& g : o.param_groups()) {
+    if (kind == kSgd) extra |= static_cast<::torch::optim::SGDOptions&>(g.options()).momentum() != 0;
+    if (kind == kAdam) extra |= static_cast<::torch::optim::AdamOptions&>(g.options()).amsgrad();
+    if (kind == kAdamW) extra |= static_cast<::torch::optim::AdamWOptions&>(g.options()).amsgrad();
+  }
+  if (kind == kSgd) return extra ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  std::vector<std::string> out{"exp_avg", "exp_avg_sq"};
+  if (extra) out.emplace_back("max_exp_avg_sq");
+  return out;
+}
+
+// A chunk's state from its runs' (`runs`: each run's shard parameter and
+// length, in chunk order): each of `fields`, the runs' tensors concatenated;
+// a run without it (a group that keeps none, e.g. SGD without momentum)
+// contributes zeros of `type`.
+inline ShardState chunk_state(::torch::optim::Optimizer& optimizer,
+                              const std::vector<std::pair<::torch::Tensor, size_t>>& runs,
+                              const std::vector<std::string>& fields, ::torch::ScalarType type) {
+  std::vector<ShardState> parts;
+  ShardState out;
+  for (const auto& [param, len] : runs) {
+    parts.push_back(state_of(optimizer, param));
+    out.step = std::max(out.step, parts.back().step);
+  }
+  for (const std::string& field : fields) {
+    std::vector<::torch::Tensor> pieces;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto& f = parts[i].fields;
+      const auto it = std::find_if(f.begin(), f.end(), [&](const auto& x) { return x.first == field; });
+      pieces.push_back(it != f.end() ? it->second
+                                     : ::torch::zeros({static_cast<int64_t>(runs[i].second)},
+                                                      ::torch::TensorOptions().dtype(type)));
+    }
+    out.fields.emplace_back(field, pieces.size() == 1 ? pieces.front() : ::torch::cat(pieces));
+  }
+  return out;
+}
+
+// The other way: a chunk's state cut at its runs (each its own tensors;
+// one run keeps the chunk's).
+inline std::vector<ShardState> split_state(const ShardState& s, const std::vector<std::pair<::torch::Tensor, size_t>>& runs) {
+  std::vector<ShardState> out;
+  int64_t at = 0;
+  for (const auto& [param, len] : runs) {
+    ShardState part{.fields = {}, .step = s.step};
+    for (const auto& [field, t] : s.fields)
+      part.fields.emplace_back(field, runs.size() == 1 ? t : t.narrow(0, at, static_cast<int64_t>(len)).clone());
+    at += static_cast<int64_t>(len);
+    out.push_back(std::move(part));
+  }
+  return out;
+}
+
 // Installs `s` as the state of shard parameter `p` (none: forgets it, as
 // before the first step).
 inline void install_state(::torch::optim::Optimizer& o, const ::torch::Tensor& p, Kind kind, const ShardState& s) {

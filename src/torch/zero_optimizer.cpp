@@ -146,29 +146,6 @@ std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOpti
   return out;
 }
 
-// The runs of rank `rank`'s chunk [rank * chunk, (rank + 1) * chunk) of a
-// bucket: (start in the chunk, length, group), consecutive elements of one
-// group merged. Gaps and the padding go with the parameter before them.
-std::vector<std::tuple<size_t, size_t, size_t>> runs_of(const ddp::PlannedBucket& b, const std::vector<size_t>& group_of,
-                                                        const std::vector<::torch::Tensor>& params, size_t chunk,
-                                                        int rank) {
-  std::vector<std::pair<size_t, size_t>> starts;  // (offset, group), ascending (plan_buckets' order)
-  for (size_t j = 0; j < b.params.size(); ++j)
-    if (params.at(b.params[j]).numel() > 0) starts.emplace_back(b.offsets[j], group_of.at(b.params[j]));
-  const size_t lo = static_cast<size_t>(rank) * chunk, hi = lo + chunk;
-  std::vector<std::tuple<size_t, size_t, size_t>> out;
-  for (size_t j = 0; j < starts.size(); ++j) {
-    const size_t from = std::max(j == 0 ? size_t{0} : starts[j].first, lo);
-    const size_t to = std::min(j + 1 < starts.size() ? starts[j + 1].first : b.count, hi);
-    if (from >= to) continue;
-    const size_t group = starts[j].second;
-    if (!out.empty() && std::get<2>(out.back()) == group)
-      std::get<1>(out.back()) += to - from;
-    else
-      out.emplace_back(from - lo, to - from, group);
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -224,14 +201,6 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     synced = true;
     after_step = true;
   }
-};
-
-// A shard parameter: elements [start, start + len) of this rank's chunk of a
-// bucket, all belonging to parameters of param group `group` (padding goes
-// with the parameter before it).
-struct COHORT_HIDDEN ZeroOptimizer::Run {
-  ::torch::Tensor param;  // a view of those elements in the parameter buffer
-  size_t start = 0, len = 0, group = 0;
 };
 
 namespace {
@@ -345,14 +314,19 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     std::byte* param_chunk = static_cast<std::byte*>(st.mine(k.param, k).data);
     std::byte* grad_chunk = opts_.stage == ZeroStage::Two ? k.grad_shard : static_cast<std::byte*>(st.mine(k.grad, k).data);
     const auto& grad_owner = opts_.stage == ZeroStage::Two ? st.grad_shard : nullptr;
-    for (const auto& [start, len, g] : runs_of(plan[b], group_of, params_, k.chunk, st.rank)) {
-      const int64_t n = static_cast<int64_t>(len);
-      auto sp = view_of(param_chunk + start * elem, {n}, k.type, st.params);
+    std::vector<size_t> sizes, groups;
+    for (size_t i : plan[b].params) {
+      sizes.push_back(static_cast<size_t>(params_.at(i).numel()));
+      groups.push_back(group_of.at(i));
+    }
+    for (const shard::RunSpan& r : shard::runs_of(plan[b].offsets, sizes, groups, k.count, k.chunk, st.rank)) {
+      const int64_t n = static_cast<int64_t>(r.len);
+      auto sp = view_of(param_chunk + r.start * elem, {n}, k.type, st.params);
       sp.requires_grad_(true);
-      sp.mutable_grad() = grad_owner ? view_of(grad_chunk + start * elem, {n}, k.type, grad_owner)
-                                     : ::torch::from_blob(grad_chunk + start * elem, {n}, ::torch::TensorOptions().dtype(k.type));
-      runs_[b].push_back(Run{sp, start, len, g});
-      group_params[g].push_back(sp);
+      sp.mutable_grad() = grad_owner ? view_of(grad_chunk + r.start * elem, {n}, k.type, grad_owner)
+                                     : ::torch::from_blob(grad_chunk + r.start * elem, {n}, ::torch::TensorOptions().dtype(k.type));
+      runs_[b].emplace_back(sp, r.len);
+      group_params[r.group].push_back(sp);
     }
   }
   if (std::all_of(runs_.begin(), runs_.end(), [](const auto& r) { return r.empty(); }))
@@ -600,53 +574,6 @@ size_t mib_bytes(double mib) { return static_cast<size_t>(mib * 1024 * 1024); }
 
 }  // namespace
 
-namespace {
-
-// The state fields every rank saves for every bucket chunk, decided from the
-// groups' options alone, so that all ranks' files name the same tensors
-// (a rank whose chunk holds only a group without momentum still writes
-// zeros for it): nothing before the first step.
-std::vector<std::string> saved_fields(::torch::optim::Optimizer& o, bool has_state) {
-  if (!has_state) return {};
-  const Kind kind = kind_of(o);
-  bool extra = false;  // SGD: some group has momentum; Adam(W): some group has amsgrad
-  for (auto& g : o.param_groups()) {
-    if (kind == kSgd) extra |= static_cast<::torch::optim::SGDOptions&>(g.options()).momentum() != 0;
-    if (kind == kAdam) extra |= static_cast<::torch::optim::AdamOptions&>(g.options()).amsgrad();
-    if (kind == kAdamW) extra |= static_cast<::torch::optim::AdamWOptions&>(g.options()).amsgrad();
-  }
-  if (kind == kSgd) return extra ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
-  std::vector<std::string> out{"exp_avg", "exp_avg_sq"};
-  if (extra) out.emplace_back("max_exp_avg_sq");
-  return out;
-}
-
-// A bucket chunk's state from its runs' (param groups): each of `fields`,
-// the runs' tensors concatenated in chunk order; a run without it (a group
-// that keeps none, e.g. SGD without momentum) contributes zeros.
-ShardState chunk_state(::torch::optim::Optimizer& optimizer, const std::vector<ZeroOptimizer::Run>& runs,
-                       const std::vector<std::string>& fields, ::torch::ScalarType type) {
-  std::vector<ShardState> parts;
-  ShardState out;
-  for (const auto& r : runs) {
-    parts.push_back(state_of(optimizer, r.param));
-    out.step = std::max(out.step, parts.back().step);
-  }
-  for (const std::string& field : fields) {
-    std::vector<::torch::Tensor> pieces;
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const auto& f = parts[i].fields;
-      const auto it = std::find_if(f.begin(), f.end(), [&](const auto& x) { return x.first == field; });
-      pieces.push_back(it != f.end() ? it->second
-                                     : ::torch::zeros({static_cast<int64_t>(runs[i].len)}, ::torch::TensorOptions().dtype(type)));
-    }
-    out.fields.emplace_back(field, pieces.size() == 1 ? pieces.front() : ::torch::cat(pieces));
-  }
-  return out;
-}
-
-}  // namespace
-
 std::vector<NamedTensor> ZeroOptimizer::state_shard() {
   const State& st = *state_;
   std::vector<NamedTensor> out;
@@ -703,14 +630,9 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
       const std::string field = name.substr(prefix.size());
       s.fields.emplace_back(field, files.rechunk(name, k.type, st.rank, k.chunk, k.used, old_chunk, kWho));
     }
-    // The chunk's state cut at its runs (param groups): each its own tensors.
-    for (const Run& r : runs_[b]) {
-      ShardState part{.fields = {}, .step = s.step};
-      for (const auto& [field, t] : s.fields)
-        part.fields.emplace_back(field, runs_[b].size() == 1 ? t : t.narrow(0, static_cast<int64_t>(r.start),
-                                                                             static_cast<int64_t>(r.len)).clone());
-      staged.emplace_back(r.param, std::move(part));
-    }
+    // The chunk's state cut at its runs (param groups).
+    std::vector<ShardState> parts = split_state(s, runs_[b]);
+    for (size_t i = 0; i < parts.size(); ++i) staged.emplace_back(runs_[b][i].first, std::move(parts[i]));
   }
   for (auto& [p, s] : staged) {
     install_state(*optimizer_, p, kind, s);
