@@ -193,6 +193,23 @@ class COHORT_API FullyShardedDataParallel {
   // The shards to optimize: one 1-D tensor per unit (this rank's chunk of it,
   // padding included), whose .grad holds the averaged gradient after backward.
   std::vector<::torch::Tensor> parameters() const;
+  // The same shards cut by param group, for an optimizer with param groups
+  // (no weight decay for biases and norms, say): out[0] holds the parameters
+  // no group names, out[g] those `groups[g - 1]` names (as the model's
+  // named_parameters() names them). Each is a list of 1-D views of this
+  // rank's shards: per unit, the runs of its chunk whose elements belong to
+  // that group's parameters (a group may have none on this rank; padding
+  // goes with the parameter before it). Build the optimizer from them:
+  //   auto p = fsdp.parameter_groups({{"fc.bias", "norm.weight"}});
+  //   std::vector<torch::optim::OptimizerParamGroup> g;
+  //   g.emplace_back(p[0], std::make_unique<torch::optim::AdamWOptions>(AdamWOptions(3e-4).weight_decay(0.1)));
+  //   g.emplace_back(p[1], std::make_unique<torch::optim::AdamWOptions>(AdamWOptions(3e-4).weight_decay(0)));
+  //   torch::optim::AdamW opt(std::move(g), AdamWOptions(3e-4));
+  // The optimizer state functions below take such an optimizer as they take
+  // one over parameters(); its state is still saved per unit chunk, so it
+  // reshards as before. Call it once. InvalidArgument for a name that is not
+  // a trainable parameter or is in two groups, or an empty group.
+  std::vector<std::vector<::torch::Tensor>> parameter_groups(const std::vector<std::vector<std::string>>& groups);
   // Clears the gradient shards (and what no_sync accumulated).
   void zero_grad();
   // Backward passes under it keep whole gradients in .grad instead of
@@ -234,8 +251,9 @@ class COHORT_API FullyShardedDataParallel {
   // fit this model or the saved frozen parameters and buffers are not its
   // own (files without any keep the module's).
   void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
-  // The same for an optimizer over parameters() (SGD, Adam or AdamW; others
-  // are refused): its state cut by unit ("fsdp.unit<u>.<field>", with
+  // The same for an optimizer over parameters() or parameter_groups() (SGD,
+  // Adam or AdamW; others are refused; SGD groups either all with momentum
+  // or all without): its state cut by unit ("fsdp.unit<u>.<field>", with
   // "fsdp.layout" and "fsdp.optimizer": its kind and step), and back at any
   // world size.
   std::vector<NamedTensor> optimizer_state_shard(::torch::optim::Optimizer& optimizer) const;

@@ -96,6 +96,9 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   std::unique_ptr<std::byte[]> grad_shards;
   std::vector<std::shared_ptr<std::byte[]>> slots;  // the gather pool, each `slot_bytes`
   std::vector<bool> busy;
+  // Per unit: this rank's chunk cut into runs of one param group each, as
+  // optimizer parameters with their lengths (parameter_groups()); empty until then.
+  std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> runs;
   // The root unit, gathered for a whole step, has a buffer of its own size
   // rather than a slot of the largest unit's.
   static constexpr int kRootSlot = std::numeric_limits<int>::max();
@@ -290,6 +293,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     wait(r.work);
     Unit& u = units[r.unit];
     attach_shard_grad(u);  // (cleared first if the optimizer set it to none)
+    attach_run_grads(r.unit);
     ::torch::NoGradGuard no_grad;
     const auto opt = ::torch::TensorOptions().dtype(u.type);
     const auto n_ = static_cast<int64_t>(u.chunk);
@@ -339,8 +343,27 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   // optimizer's zero_grad() sets .grad to none (LibTorch's default): that
   // clears the shard, as fsdp.zero_grad() does.
   void attach_shard_grads() {
-    for (auto& u : units)
-      if (u.chunk > 0) attach_shard_grad(u);
+    for (size_t i = 0; i < units.size(); ++i)
+      if (units[i].chunk > 0) {
+        attach_shard_grad(units[i]);
+        attach_run_grads(i);
+      }
+  }
+  // The same for the runs of parameter_groups(): an optimizer over them sets
+  // their .grad to none, which clears that part of the gradient shard.
+  void attach_run_grads(size_t unit) {
+    if (runs.empty()) return;
+    Unit& u = units[unit];
+    const size_t elem = dtype_size(u.dtype);
+    size_t start = 0;
+    for (auto& [param, len] : runs[unit]) {
+      std::byte* at = u.grad_shard + start * elem;
+      auto& g = param.mutable_grad();
+      if (!g.defined()) std::memset(at, 0, len * elem);
+      if (!g.defined() || g.data_ptr() != static_cast<void*>(at))
+        g = ::torch::from_blob(at, {static_cast<int64_t>(len)}, ::torch::TensorOptions().dtype(u.type));
+      start += len;
+    }
   }
   static void attach_shard_grad(Unit& u) {
     auto& g = u.shard_param.mutable_grad();
@@ -791,12 +814,65 @@ void FullyShardedDataParallel::zero_grad() {
   State& st = *state_;
   st.check_usable();
   st.recover_from_failed_backward();
-  for (auto& u : st.units)
-    if (u.chunk > 0) {
-      std::memset(u.grad_shard, 0, u.chunk_bytes());
-      State::attach_shard_grad(u);
+  for (size_t i = 0; i < st.units.size(); ++i)
+    if (st.units[i].chunk > 0) {
+      std::memset(st.units[i].grad_shard, 0, st.units[i].chunk_bytes());
+      State::attach_shard_grad(st.units[i]);
+      st.attach_run_grads(i);
     }
   for (auto& p : st.params) p.mutable_grad().reset();  // what no_sync accumulated
+}
+
+std::vector<std::vector<::torch::Tensor>> FullyShardedDataParallel::parameter_groups(
+    const std::vector<std::vector<std::string>>& groups) {
+  State& st = *state_;
+  st.check_usable();
+  constexpr const char* kWho = "FullyShardedDataParallel::parameter_groups";
+  if (!st.runs.empty())
+    throw InvalidArgument(fmt::format("{}: called a second time; the first call's tensors are the ones to optimize "
+                                      "(call it once)",
+                                      kWho));
+  std::vector<size_t> group_of(st.params.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].empty()) throw InvalidArgument(fmt::format("{}: group {} names no parameter", kWho, g + 1));
+    for (const std::string& name : groups[g]) {
+      const auto at = std::find(st.names.begin(), st.names.end(), name);
+      if (at == st.names.end()) {
+        std::string some;
+        for (size_t i = 0; i < std::min<size_t>(st.names.size(), 6); ++i) some += (i ? ", " : "") + st.names[i];
+        throw InvalidArgument(fmt::format("{}: group {} names '{}', which is not a trainable parameter of the model "
+                                          "(its trainable parameters: {}{})",
+                                          kWho, g + 1, name, some, st.names.size() > 6 ? ", ..." : ""));
+      }
+      size_t& mine = group_of[static_cast<size_t>(at - st.names.begin())];
+      if (mine != 0)
+        throw InvalidArgument(fmt::format("{}: group {} names '{}', which group {} names already: a parameter steps "
+                                          "in one group",
+                                          kWho, g + 1, name, mine));
+      mine = g + 1;
+    }
+  }
+  std::vector<std::vector<::torch::Tensor>> out(groups.size() + 1);
+  std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> runs(st.units.size());
+  std::vector<size_t> sizes;  // by parameter
+  for (const auto& p : st.params) sizes.push_back(static_cast<size_t>(p.numel()));
+  const auto owner = st.shards;
+  for (size_t i = 0; i < st.units.size(); ++i) {
+    Unit& u = st.units[i];
+    if (u.chunk == 0) continue;
+    const size_t elem = dtype_size(u.dtype);
+    for (const shard::RunSpan& r : shard::runs_of(u.params, u.offsets, sizes, group_of, u.count, u.chunk, st.rank)) {
+      auto t = ::torch::from_blob(u.shard + r.start * elem, {static_cast<int64_t>(r.len)}, [owner](void*) {},
+                                  ::torch::TensorOptions().dtype(u.type));
+      t.requires_grad_(true);
+      runs[i].emplace_back(t, r.len);
+      out[r.group].push_back(t);
+    }
+  }
+  st.runs = std::move(runs);
+  for (size_t i = 0; i < st.units.size(); ++i)
+    if (st.units[i].chunk > 0) st.attach_run_grads(i);
+  return out;
 }
 
 FullyShardedDataParallel::NoSync FullyShardedDataParallel::no_sync() {
@@ -1117,34 +1193,71 @@ std::array<int64_t, 2> optimizer_head(const std::map<std::string, const NamedTen
   return head;
 }
 
-// The optimizer must be over parameters(), in order, in one group, and one
-// whose state is known (kind_of would take any other for SGD).
-void check_optimizer_is_ours(::torch::optim::Optimizer& o, const std::vector<::torch::Tensor>& shards, const char* who) {
+// What the optimizer steps of each unit's chunk, in chunk order, with the
+// lengths: the unit's shard (an optimizer over parameters(), one group, in
+// their order) or its runs (one over parameter_groups()). InvalidArgument for
+// any other optimizer, one whose state FSDP does not know, and SGD groups
+// that mix momentum with none (the ranks could not agree which state
+// fields their files hold).
+std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> optimizer_chunks(
+    ::torch::optim::Optimizer& o, const std::vector<Unit>& units,
+    const std::vector<std::vector<std::pair<::torch::Tensor, size_t>>>& runs, const char* who) {
   if (!dynamic_cast<::torch::optim::SGD*>(&o) && !dynamic_cast<::torch::optim::Adam*>(&o) &&
       !dynamic_cast<::torch::optim::AdamW*>(&o))
     throw InvalidArgument(fmt::format("{}: the optimizer is none of SGD, Adam and AdamW, whose state FSDP knows how "
                                       "to cut into shards",
                                       who));
   const auto& groups = o.param_groups();
-  bool ours = groups.size() == 1 && groups[0].params().size() == shards.size();
-  for (size_t i = 0; ours && i < shards.size(); ++i)
-    ours = groups[0].params()[i].unsafeGetTensorImpl() == shards[i].unsafeGetTensorImpl();
-  if (!ours)
+  std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> out(units.size());
+  std::vector<const void*> shards;
+  for (size_t i = 0; i < units.size(); ++i)
+    if (units[i].chunk > 0) {
+      out[i].emplace_back(units[i].shard_param, units[i].chunk);
+      shards.push_back(units[i].shard_param.unsafeGetTensorImpl());
+    }
+  bool over_shards = groups.size() == 1 && groups[0].params().size() == shards.size();
+  for (size_t i = 0; over_shards && i < shards.size(); ++i)
+    over_shards = groups[0].params()[i].unsafeGetTensorImpl() == shards[i];
+  if (over_shards) return out;
+  std::set<const void*> mine, theirs;
+  for (const auto& unit_runs : runs)
+    for (const auto& [t, len] : unit_runs) mine.insert(t.unsafeGetTensorImpl());
+  size_t count = 0;
+  for (const auto& g : groups)
+    for (const auto& p : g.params()) {
+      theirs.insert(p.unsafeGetTensorImpl());
+      ++count;
+    }
+  if (runs.empty() || theirs != mine || count != mine.size())
     throw InvalidArgument(fmt::format("{}: the optimizer is not over this FSDP's parameters() (one param group, in "
-                                      "their order). HINT: build it as torch::optim::AdamW opt(fsdp.parameters(), ...)",
+                                      "their order) nor over its parameter_groups() (every tensor of them, once). "
+                                      "HINT: build it as torch::optim::AdamW opt(fsdp.parameters(), ...)",
                                       who));
+  if (dynamic_cast<::torch::optim::SGD*>(&o)) {
+    size_t with = 0;
+    for (const auto& g : groups) with += static_cast<const ::torch::optim::SGDOptions&>(g.options()).momentum() != 0;
+    if (with != 0 && with != groups.size())
+      throw InvalidArgument(fmt::format("{}: {} of the optimizer's {} SGD param groups have momentum and the others "
+                                        "none; FSDP saves the state of groups alike. HINT: give every group momentum, "
+                                        "or none",
+                                        who, with, groups.size()));
+  }
+  return runs;
 }
 
 }  // namespace
 
 std::vector<NamedTensor> FullyShardedDataParallel::optimizer_state_shard(::torch::optim::Optimizer& optimizer) const {
   const State& st = *state_;
-  check_optimizer_is_ours(optimizer, parameters(), "FullyShardedDataParallel::optimizer_state_shard");
+  const auto chunks = optimizer_chunks(optimizer, st.units, st.runs, "FullyShardedDataParallel::optimizer_state_shard");
+  // The fields to save, alike on every rank: every run keeps state once the
+  // optimizer has stepped (SGD groups do not mix momentum and none).
+  const auto fields = shard::saved_fields(optimizer, !optimizer.state().empty());
   std::vector<NamedTensor> out;
   int64_t steps = 0;
   for (size_t i = 0; i < st.units.size(); ++i) {
     if (st.units[i].chunk == 0) continue;
-    const shard::ShardState s = shard::state_of(optimizer, st.units[i].shard_param);
+    const shard::ShardState s = shard::chunk_state(optimizer, chunks[i], fields, st.units[i].type);
     steps = std::max(steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("fsdp.unit{}.{}", i, field), t));
   }
@@ -1157,7 +1270,7 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
                                                            const std::function<std::vector<NamedTensor>(int rank)>& read) {
   constexpr const char* kWho = "FullyShardedDataParallel::load_optimizer_state_shards";
   const State& st = *state_;
-  check_optimizer_is_ours(optimizer, parameters(), kWho);
+  const auto chunks = optimizer_chunks(optimizer, st.units, st.runs, kWho);
   shard::ShardFiles files(read);
   const auto& first = files.get(0);
   const FsdpLayout lay = FsdpLayout::decode(first, kWho);
@@ -1180,7 +1293,8 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
       if (name.rfind(prefix, 0) == 0)
         s.fields.emplace_back(name.substr(prefix.size()),
                               files.rechunk(name, u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho));
-    staged.emplace_back(u.shard_param, std::move(s));
+    std::vector<shard::ShardState> parts = shard::split_state(s, chunks[i]);  // by param group, if cut
+    for (size_t k = 0; k < parts.size(); ++k) staged.emplace_back(chunks[i][k].first, std::move(parts[k]));
   }
   for (auto& [p, s] : staged) shard::install_state(optimizer, p, kind, s);
 }
@@ -1304,7 +1418,7 @@ void FullyShardedDataParallel::load_full_optimizer_state(::torch::optim::Optimiz
                                                          const std::vector<NamedTensor>& full) {
   constexpr const char* kWho = "FullyShardedDataParallel::load_full_optimizer_state";
   const State& st = *state_;
-  check_optimizer_is_ours(optimizer, parameters(), kWho);
+  (void)optimizer_chunks(optimizer, st.units, st.runs, kWho);  // checked before any work
   const shard::Kind kind = shard::kind_of(optimizer);
   const auto index = plain_indices(*module_);
   const shard::PlainState plain = shard::parse_plain_state(full, index.size(), kind, kWho);

@@ -194,14 +194,16 @@ struct RunSpan {
 };
 
 // The runs of rank `rank`'s chunk [rank * chunk, (rank + 1) * chunk) of a
-// flat buffer of `count` elements whose parameters start at `offsets`
-// (ascending) with `sizes` elements and `groups` param groups; consecutive
-// elements of one group merged. Zero-size parameters take no run.
-inline std::vector<RunSpan> runs_of(const std::vector<size_t>& offsets, const std::vector<size_t>& sizes,
-                                    const std::vector<size_t>& groups, size_t count, size_t chunk, int rank) {
+// flat buffer of `count` elements that holds parameters `params` (indices)
+// at `offsets` (ascending); `sizes` and `groups` give each parameter's
+// elements and param group by index. Consecutive elements of one group are
+// merged; zero-size parameters take no run.
+inline std::vector<RunSpan> runs_of(const std::vector<size_t>& params, const std::vector<size_t>& offsets,
+                                    const std::vector<size_t>& sizes, const std::vector<size_t>& groups, size_t count,
+                                    size_t chunk, int rank) {
   std::vector<std::pair<size_t, size_t>> starts;  // (offset, group)
-  for (size_t j = 0; j < offsets.size(); ++j)
-    if (sizes[j] > 0) starts.emplace_back(offsets[j], groups[j]);
+  for (size_t j = 0; j < params.size(); ++j)
+    if (sizes.at(params[j]) > 0) starts.emplace_back(offsets[j], groups.at(params[j]));
   const size_t lo = static_cast<size_t>(rank) * chunk, hi = lo + chunk;
   std::vector<RunSpan> out;
   for (size_t j = 0; j < starts.size(); ++j) {

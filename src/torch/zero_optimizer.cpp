@@ -77,6 +77,15 @@ double lr_of(const ShardOptimizerOptions& o) {
 
 constexpr const char* kOptimizerNames[] = {"SGD", "Adam", "AdamW"};  // ShardOptimizerOptions' alternatives
 
+// Each group's learning rate over the first's (set_lr keeps them); groups_of
+// refused a first group at 0 beside one above it.
+std::vector<double> lr_ratios(const ShardOptimizerOptions& main, const std::vector<ZeroParamGroup>& groups) {
+  const double lr = lr_of(main);
+  std::vector<double> out{1.0};
+  for (const ZeroParamGroup& g : groups) out.push_back(lr > 0 ? lr_of(g.options) / lr : 0.0);
+  return out;
+}
+
 // The shard optimizer: group 0 steps params[0] with `main`, group g
 // params[g] with groups[g - 1]'s options (validated by groups_of).
 std::unique_ptr<::torch::optim::Optimizer> shard_optimizer_of(const ShardOptimizerOptions& main,
@@ -290,6 +299,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   st.buckets.resize(plan.size());
   runs_.resize(plan.size());
   std::vector<std::vector<::torch::Tensor>> group_params(opts_.param_groups.size() + 1);
+  std::vector<size_t> sizes;  // by parameter
+  for (const auto& p : params_) sizes.push_back(static_cast<size_t>(p.numel()));
   for (size_t b = 0; b < plan.size(); ++b) {
     State::Bucket& k = st.buckets[b];
     k.grad = static_cast<std::byte*>(reducer.bucket_data(b));
@@ -313,18 +324,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     const size_t elem = dtype_size(k.dtype);
     std::byte* param_chunk = static_cast<std::byte*>(st.mine(k.param, k).data);
     std::byte* grad_chunk = opts_.stage == ZeroStage::Two ? k.grad_shard : static_cast<std::byte*>(st.mine(k.grad, k).data);
-    const auto& grad_owner = opts_.stage == ZeroStage::Two ? st.grad_shard : nullptr;
-    std::vector<size_t> sizes, groups;
-    for (size_t i : plan[b].params) {
-      sizes.push_back(static_cast<size_t>(params_.at(i).numel()));
-      groups.push_back(group_of.at(i));
-    }
-    for (const shard::RunSpan& r : shard::runs_of(plan[b].offsets, sizes, groups, k.count, k.chunk, st.rank)) {
+    const auto& grad_owner = opts_.stage == ZeroStage::Two ? st.grad_shard : nullptr;  // ZeRO-1: the reducer's bucket
+    for (const shard::RunSpan& r :
+         shard::runs_of(plan[b].params, plan[b].offsets, sizes, group_of, k.count, k.chunk, st.rank)) {
       const int64_t n = static_cast<int64_t>(r.len);
       auto sp = view_of(param_chunk + r.start * elem, {n}, k.type, st.params);
       sp.requires_grad_(true);
-      sp.mutable_grad() = grad_owner ? view_of(grad_chunk + r.start * elem, {n}, k.type, grad_owner)
-                                     : ::torch::from_blob(grad_chunk + r.start * elem, {n}, ::torch::TensorOptions().dtype(k.type));
+      sp.mutable_grad() = view_of(grad_chunk + r.start * elem, {n}, k.type, grad_owner);
       runs_[b].emplace_back(sp, r.len);
       group_params[r.group].push_back(sp);
     }
@@ -333,9 +339,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     throw InvalidArgument("ZeroOptimizer: the module has no trainable parameter with elements: nothing to shard");
   // Param group g steps its runs with its options (an empty group on a rank
   // whose chunks hold none of its parameters is kept, so that g is g everywhere).
-  const double main_lr = lr_of(optimizer);
-  lr_ratio_.push_back(1.0);
-  for (const ZeroParamGroup& g : opts_.param_groups) lr_ratio_.push_back(main_lr > 0 ? lr_of(g.options) / main_lr : 0.0);
+  lr_ratio_ = lr_ratios(optimizer, opts_.param_groups);
   optimizer_ = shard_optimizer_of(optimizer, opts_.param_groups, group_params);
 }
 

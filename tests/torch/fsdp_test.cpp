@@ -131,7 +131,7 @@ std::vector<double> fsdp_steps(FullyShardedDataParallel& fsdp, torch::optim::Ada
   const int64_t local = kGlobal / world;
   std::vector<double> losses;
   for (int s = from; s < to; ++s) {
-    if (t.optimizer_zero_grad) opt.zero_grad();
+    if (t.optimizer_zero_grad) cohort::torch::zero_grad(opt);  // .grad set to none (LibTorch 1.13 would zero in place)
     else fsdp.zero_grad();
     for (int m = 0; m < t.micro; ++m) {
       const int64_t at = (s * t.micro + m) * kGlobal + rank * local;
@@ -646,6 +646,144 @@ TEST(FsdpCheckpoint, AShardLayoutThatDoesNotFitIsRefusedAndChangesNothing) {
 }
 
 // A module over a weight it is given (to tie one tensor into two modules).
+// ---- Param groups (parameter_groups) ----
+
+// The biases of FNet (in every unit, the root's head included).
+std::vector<std::string> bias_names() {
+  std::vector<std::string> out;
+  FNet net;
+  for (const auto& item : net->named_parameters())
+    if (item.key().size() > 5 && item.key().substr(item.key().size() - 5) == ".bias") out.push_back(item.key());
+  return out;
+}
+torch::optim::AdamWOptions no_decay() { return torch::optim::AdamWOptions(5e-3).weight_decay(0.0); }
+
+// An AdamW over two groups: everything but the biases with adamw(), the
+// biases with `biases`.
+std::unique_ptr<torch::optim::AdamW> grouped_adamw(std::vector<torch::Tensor> rest, std::vector<torch::Tensor> biases,
+                                                   const torch::optim::AdamWOptions& for_biases = no_decay()) {
+  std::vector<torch::optim::OptimizerParamGroup> g;
+  g.emplace_back(std::move(rest), std::make_unique<torch::optim::AdamWOptions>(adamw()));
+  g.emplace_back(std::move(biases), std::make_unique<torch::optim::AdamWOptions>(for_biases));
+  return std::make_unique<torch::optim::AdamW>(std::move(g), adamw());
+}
+
+// The biases without weight decay at half the learning rate, in every unit,
+// at worlds 2, 3 and 4 (each cuts the units' chunks at other places), with
+// FSDP's zero_grad and with the optimizer's (which sets the runs' .grad to
+// none): LibTorch's AdamW with the same groups in one process.
+TEST(FsdpGroups, TwoGroupsEqualOneProcessWithTheSameGroups) {
+  const auto biases = bias_names();
+  ASSERT_EQ(biases.size(), 5u);
+  std::map<std::string, torch::Tensor> want;
+  {
+    FNet net;
+    net->to(torch::kDouble);
+    std::vector<torch::Tensor> rest, bias;
+    for (const auto& item : net->named_parameters())
+      (std::count(biases.begin(), biases.end(), item.key()) ? bias : rest).push_back(item.value());
+    auto opt = grouped_adamw(rest, bias);
+    for (int s = 0; s < 10; ++s) {
+      opt->zero_grad();
+      torch::mse_loss(net->forward(inputs(s * kGlobal, kGlobal).to(torch::kDouble)),
+                      targets(s * kGlobal, kGlobal).to(torch::kDouble))
+          .backward();
+      opt->step();
+    }
+    want = by_name(cohort::torch::module_state(*net));
+  }
+  for (int world : {2, 3, 4})
+    for (bool optimizer_zero_grad : {false, true}) {
+      std::vector<std::map<std::string, torch::Tensor>> got(world);
+      run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+        torch::set_num_threads(1);
+        FNet net;
+        net->to(torch::kDouble);
+        FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+        auto groups = fsdp.parameter_groups({biases});
+        ASSERT_EQ(groups.size(), 2u);
+        auto opt = grouped_adamw(groups[0], groups[1]);
+        Train t;
+        t.optimizer_zero_grad = optimizer_zero_grad;
+        fsdp_steps(fsdp, *opt, net, t, 0, 10);
+        got[pg.rank()] = by_name(fsdp.full_state());
+      });
+      for (int r = 0; r < world; ++r)
+        EXPECT_LT(rel_error(got[r], want), 1e-9)
+            << "world " << world << " rank " << r << (optimizer_zero_grad ? " (optimizer's zero_grad)" : "");
+    }
+}
+
+// Groups whose state differs (amsgrad for the biases only), saved at world 4
+// and resumed at 3, 2 and 1 with the same groups, as the run that never
+// stopped; every rank saves the same tensors.
+TEST(FsdpGroups, StateOfGroupsReshards) {
+  const auto biases = bias_names();
+  const auto amsgrad = torch::optim::AdamWOptions(5e-3).weight_decay(0.0).amsgrad(true);
+  std::vector<std::vector<cohort::NamedTensor>> model(4), optim(4);
+  std::map<std::string, torch::Tensor> want;
+  run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    auto groups = fsdp.parameter_groups({biases});
+    auto opt = grouped_adamw(groups[0], groups[1], amsgrad);
+    fsdp_steps(fsdp, *opt, net, {}, 0, 5);
+    model[pg.rank()] = fsdp.state_shard();
+    optim[pg.rank()] = fsdp.optimizer_state_shard(*opt);
+    fsdp_steps(fsdp, *opt, net, {}, 5, 10);
+    const auto full = by_name(fsdp.full_state());
+    if (pg.rank() == 0) want = full;
+  });
+  std::set<std::string> names0;
+  for (const auto& t : optim[0]) names0.insert(t.name);
+  EXPECT_TRUE(names0.count("fsdp.unit0.max_exp_avg_sq")) << "amsgrad's state is saved";
+  for (int r = 1; r < 4; ++r) {
+    std::set<std::string> names;
+    for (const auto& t : optim[r]) names.insert(t.name);
+    EXPECT_EQ(names, names0) << "rank " << r << " saves other tensors than rank 0";
+  }
+  for (int world : {3, 2, 1}) {
+    std::vector<std::map<std::string, torch::Tensor>> got(world);
+    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      FNet net;
+      net->to(torch::kDouble);
+      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+      auto groups = fsdp.parameter_groups({biases});
+      auto opt = grouped_adamw(groups[0], groups[1], amsgrad);
+      fsdp.load_state_shards([&](int k) { return model.at(k); });
+      fsdp.load_optimizer_state_shards(*opt, [&](int k) { return optim.at(k); });
+      fsdp_steps(fsdp, *opt, net, {}, 5, 10);
+      got[pg.rank()] = by_name(fsdp.full_state());
+    });
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "world " << world << " rank " << r;
+  }
+}
+
+TEST(FsdpGroups, BadGroupsAreNamed) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    FNet net;
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    expect_invalid([&] { fsdp.parameter_groups({{"head.weight", "nope.bias"}}); },
+                   "group 1 names 'nope.bias', which is not a trainable parameter");
+    expect_invalid([&] { fsdp.parameter_groups({{"head.bias"}, {"head.weight", "head.bias"}}); },
+                   "group 2 names 'head.bias', which group 1 names already");
+    expect_invalid([&] { fsdp.parameter_groups({{}}); }, "group 1 names no parameter");
+    auto groups = fsdp.parameter_groups({{"head.bias"}});
+    expect_invalid([&] { fsdp.parameter_groups({{"head.bias"}}); }, "called a second time");
+    // An optimizer over some of the runs only, or SGD groups that mix momentum and none.
+    torch::optim::AdamW part(std::vector<torch::Tensor>(groups[0].begin() + 1, groups[0].end()), adamw());
+    expect_invalid([&] { (void)fsdp.optimizer_state_shard(part); }, "nor over its parameter_groups()");
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(groups[0], std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+    g.emplace_back(groups[1], std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1)));
+    torch::optim::SGD mixed(std::move(g), torch::optim::SGDOptions(0.1));
+    expect_invalid([&] { (void)fsdp.optimizer_state_shard(mixed); }, "have momentum and the others none");
+  });
+}
+
 struct HasWImpl : torch::nn::Module {
   explicit HasWImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
   torch::Tensor forward(torch::Tensor x) { return x.matmul(weight); }
