@@ -133,8 +133,8 @@ class COHORT_API ZeroOptimizer {
 
   // The first group's learning rate. set_lr sets it, and every other
   // group's to `lr` times the ratio of the two learning rates given at
-  // construction: a schedule moves all groups alike. (A first group
-  // constructed with lr 0 and another group with more is refused.)
+  // construction: a schedule moves all groups alike. (With the first group
+  // constructed at lr 0, the others must be at 0 too, and they follow it.)
   double lr() const;
   void set_lr(double lr);
   // The optimizer that steps the shard: param group g of it is

@@ -832,19 +832,25 @@ std::vector<std::vector<::torch::Tensor>> FullyShardedDataParallel::parameter_gr
     throw InvalidArgument(fmt::format("{}: called a second time; the first call's tensors are the ones to optimize "
                                       "(call it once)",
                                       kWho));
+  // Every name the model has for a trainable parameter (a tensor registered
+  // twice, tied within a unit, answers to both).
+  std::map<std::string, size_t> index_by_name;
+  for (const auto& item : module_->named_parameters(true))
+    if (const auto it = st.index_of.find(item.value().unsafeGetTensorImpl()); it != st.index_of.end())
+      index_by_name.emplace(item.key(), it->second);
   std::vector<size_t> group_of(st.params.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g) {
     if (groups[g].empty()) throw InvalidArgument(fmt::format("{}: group {} names no parameter", kWho, g + 1));
     for (const std::string& name : groups[g]) {
-      const auto at = std::find(st.names.begin(), st.names.end(), name);
-      if (at == st.names.end()) {
+      const auto at = index_by_name.find(name);
+      if (at == index_by_name.end()) {
         std::string some;
         for (size_t i = 0; i < std::min<size_t>(st.names.size(), 6); ++i) some += (i ? ", " : "") + st.names[i];
         throw InvalidArgument(fmt::format("{}: group {} names '{}', which is not a trainable parameter of the model "
                                           "(its trainable parameters: {}{})",
                                           kWho, g + 1, name, some, st.names.size() > 6 ? ", ..." : ""));
       }
-      size_t& mine = group_of[static_cast<size_t>(at - st.names.begin())];
+      size_t& mine = group_of[at->second];
       if (mine != 0)
         throw InvalidArgument(fmt::format("{}: group {} names '{}', which group {} names already: a parameter steps "
                                           "in one group",
@@ -862,16 +868,16 @@ std::vector<std::vector<::torch::Tensor>> FullyShardedDataParallel::parameter_gr
     if (u.chunk == 0) continue;
     const size_t elem = dtype_size(u.dtype);
     for (const shard::RunSpan& r : shard::runs_of(u.params, u.offsets, sizes, group_of, u.count, u.chunk, st.rank)) {
-      auto t = ::torch::from_blob(u.shard + r.start * elem, {static_cast<int64_t>(r.len)}, [owner](void*) {},
-                                  ::torch::TensorOptions().dtype(u.type));
+      const auto opt = ::torch::TensorOptions().dtype(u.type);
+      auto t = ::torch::from_blob(u.shard + r.start * elem, {static_cast<int64_t>(r.len)}, [owner](void*) {}, opt);
       t.requires_grad_(true);
+      // The gradient shard as it is (gradients reduced before this call are kept).
+      t.mutable_grad() = ::torch::from_blob(u.grad_shard + r.start * elem, {static_cast<int64_t>(r.len)}, opt);
       runs[i].emplace_back(t, r.len);
       out[r.group].push_back(t);
     }
   }
   st.runs = std::move(runs);
-  for (size_t i = 0; i < st.units.size(); ++i)
-    if (st.units[i].chunk > 0) st.attach_run_grads(i);
   return out;
 }
 

@@ -77,12 +77,13 @@ double lr_of(const ShardOptimizerOptions& o) {
 
 constexpr const char* kOptimizerNames[] = {"SGD", "Adam", "AdamW"};  // ShardOptimizerOptions' alternatives
 
-// Each group's learning rate over the first's (set_lr keeps them); groups_of
-// refused a first group at 0 beside one above it.
+// Each group's learning rate over the first's (set_lr keeps them). A first
+// group at 0 (a warmup from 0) has every group at 0 (groups_of refused
+// more), and they follow it: ratio 1.
 std::vector<double> lr_ratios(const ShardOptimizerOptions& main, const std::vector<ZeroParamGroup>& groups) {
   const double lr = lr_of(main);
   std::vector<double> out{1.0};
-  for (const ZeroParamGroup& g : groups) out.push_back(lr > 0 ? lr_of(g.options) / lr : 0.0);
+  for (const ZeroParamGroup& g : groups) out.push_back(lr > 0 ? lr_of(g.options) / lr : 1.0);
   return out;
 }
 

@@ -645,7 +645,6 @@ TEST(FsdpCheckpoint, AShardLayoutThatDoesNotFitIsRefusedAndChangesNothing) {
   });
 }
 
-// A module over a weight it is given (to tie one tensor into two modules).
 // ---- Param groups (parameter_groups) ----
 
 // The biases of FNet (in every unit, the root's head included).
@@ -784,6 +783,7 @@ TEST(FsdpGroups, BadGroupsAreNamed) {
   });
 }
 
+// A module over a weight it is given (to tie one tensor into two modules).
 struct HasWImpl : torch::nn::Module {
   explicit HasWImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
   torch::Tensor forward(torch::Tensor x) { return x.matmul(weight); }
