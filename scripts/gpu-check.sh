@@ -31,8 +31,9 @@
 # downloads on a development machine (Debian 12, apt). The check unpacks them
 # into a private prefix. Run it with
 #   scripts/gpu-check.sh [--deps DIR] [--quick] [--reps N] [--only STEP,...]
-# (--quick: 2 epochs instead of 10 and shorter speed runs; --reps: speed
-# repetitions, 3 by default; --only: just these steps, after the build).
+# (--quick: 2 epochs instead of 10 and shorter speed runs, one repetition;
+# --reps: speed repetitions, 3 by default, after --quick if both are given;
+# --only: just these steps, after the build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,17 +58,21 @@ while [[ $# -gt 0 ]]; do
   case $1 in
     --deps) deps=$2; shift 2 ;;
     --quick) epochs=2; speed_steps=600; speed_reps=1; shift ;;
-    --reps) speed_reps=$2; shift 2 ;;
-    --only) only=",$2,"; shift 2 ;;
+    --reps) speed_reps=${2:?--reps needs a number}; shift 2 ;;
+    --only) o=${2:?--only needs STEP,...}; only=",${o// /},"; shift 2 ;;
     *) echo "gpu-check: unknown option $1 (use --prepare [DIR], --deps DIR, --quick, --reps N, --only STEP,...)" >&2
        exit 2 ;;
   esac
 done
 [[ $speed_reps =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: --reps wants a whole number >= 1, not '$speed_reps'" >&2; exit 2; }
 steps=nccl,ddp,errors,accuracy,speed,timeline,bench
-for s in ${only//,/ }; do
-  [[ ,$steps, == *,$s,* ]] || { echo "gpu-check: --only: no step '$s' (the steps: $steps; build always runs)" >&2; exit 2; }
-done
+if [[ -n $only ]]; then
+  IFS=, read -ra wanted_steps <<<"${only#,}"
+  [[ ${#wanted_steps[@]} -gt 0 ]] || { echo "gpu-check: --only names no step (the steps: $steps)" >&2; exit 2; }
+  for s in "${wanted_steps[@]}"; do
+    [[ -n $s && ,$steps, == *,$s,* ]] || { echo "gpu-check: --only: no step '$s' (the steps: $steps; build always runs)" >&2; exit 2; }
+  done
+fi
 # wanted STEP: whether --only (if given) names it.
 wanted() { [[ -z $only || $only == *,$1,* ]]; }
 if [[ -n ${OUT:-} ]]; then logs=${TMPDIR:-/tmp}/gpu-check-logs; rm -rf "$logs"; else logs=$ROOT/gpu-check-logs; fi
@@ -146,7 +151,7 @@ if wanted nccl; then
 # ---- the NCCL backend ----
 run nccl 180 "$build/tests/nccl_backend_test"
 if [[ $? -eq 0 ]]; then
-  record nccl ok "$(grep -oE 'PASSED \] [0-9]+' "$logs/nccl.log" | grep -oE '[0-9]+$') passed, $(grep -oE 'SKIPPED \] [0-9]+' "$logs/nccl.log" | grep -oE '[0-9]+$' || echo 0) skipped"
+  record nccl ok "$(grep -oE 'PASSED +\] [0-9]+' "$logs/nccl.log" | grep -oE '[0-9]+$') passed, $(grep -oE 'SKIPPED +\] [0-9]+' "$logs/nccl.log" | grep -oE '[0-9]+$' || echo 0) skipped"
 else record nccl FAIL "$logs/nccl.log"; fi
 
 fi
@@ -237,12 +242,16 @@ fi
 # ---- where DDP's time goes at world 1: a timeline of each (the forward,
 # backward and optimizer spans on the host), for docs/gpu.md; not a pass/fail step ----
 if wanted timeline; then
+timeline_ok=1
 for k in cohort noddp; do
   flag=--reduce-at-world-size-1; [[ $k == noddp ]] && flag=--no-ddp
   COHORT_BACKEND=nccl COHORT_TIMELINE="$logs/timeline-$k" run "timeline-$k" 120 "$cohort" run --nproc-per-node 1 \
-    "$build/fashion_mnist" --device cuda --data-dir "$data" $flag "${common[@]/$speed_steps/600}"
+    "$build/fashion_mnist" --device cuda --data-dir "$data" $flag --model cnn --epochs 3 --max-steps 600 \
+    --augment none --lr 0.01 --weight-decay 0 --warmup-steps 0 || timeline_ok=0
+  [[ -s $logs/timeline-$k/rank0.json ]] || timeline_ok=0
 done
-pack
+if [[ $timeline_ok -eq 1 ]]; then record timeline ok "traces in timeline-cohort/ and timeline-noddp/ (no verdict)"
+else record timeline FAIL "$logs/timeline-*.log"; fi
 fi
 
 # ---- every collective and dtype on the device, checked (last: the longest step,
