@@ -19,7 +19,8 @@
 #              (--ddp-wait-on-stream), cohort's default (a lone rank
 #              skips the reduction), cohort without DDP (--no-ddp), and
 #              PyTorch DDP (nccl)
-#   timeline   (no verdict) a timeline of DDP reducing and of no DDP, 600 steps each
+#   timeline   a timeline of DDP reducing and of no DDP, 600 steps each (fails only
+#              when a run or its trace does; the times are for reading, not judged)
 #   bench      cohort bench --device cuda -c 1: every collective, then
 #              allreduce in every dtype with sum, avg and max (0 wrong)
 # and prints one summary table; exits non-zero if any step failed.
