@@ -838,26 +838,8 @@ std::vector<std::vector<::torch::Tensor>> FullyShardedDataParallel::parameter_gr
   for (const auto& item : module_->named_parameters(true))
     if (const auto it = st.index_of.find(item.value().unsafeGetTensorImpl()); it != st.index_of.end())
       index_by_name.emplace(item.key(), it->second);
-  std::vector<size_t> group_of(st.params.size(), 0);
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (groups[g].empty()) throw InvalidArgument(fmt::format("{}: group {} names no parameter", kWho, g + 1));
-    for (const std::string& name : groups[g]) {
-      const auto at = index_by_name.find(name);
-      if (at == index_by_name.end()) {
-        std::string some;
-        for (size_t i = 0; i < std::min<size_t>(st.names.size(), 6); ++i) some += (i ? ", " : "") + st.names[i];
-        throw InvalidArgument(fmt::format("{}: group {} names '{}', which is not a trainable parameter of the model "
-                                          "(its trainable parameters: {}{})",
-                                          kWho, g + 1, name, some, st.names.size() > 6 ? ", ..." : ""));
-      }
-      size_t& mine = group_of[at->second];
-      if (mine != 0)
-        throw InvalidArgument(fmt::format("{}: group {} names '{}', which group {} names already: a parameter steps "
-                                          "in one group",
-                                          kWho, g + 1, name, mine));
-      mine = g + 1;
-    }
-  }
+  const std::vector<size_t> group_of =
+      shard::assign_groups(index_by_name, st.names, st.params.size(), groups, std::string(kWho) + ": ", "group");
   std::vector<std::vector<::torch::Tensor>> out(groups.size() + 1);
   std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> runs(st.units.size());
   std::vector<size_t> sizes;  // by parameter

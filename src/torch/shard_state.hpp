@@ -218,6 +218,38 @@ inline std::vector<RunSpan> runs_of(const std::vector<size_t>& params, const std
   return out;
 }
 
+// Each parameter's param group by index (0: no group names it; g:
+// `groups[g - 1]` does). `index_by_name` maps every name of a trainable
+// parameter to its index; `listed` are the names quoted when one is
+// unknown. InvalidArgument for an empty group, an unknown name or a name in
+// two groups, each starting "<prefix><label> <g>".
+inline std::vector<size_t> assign_groups(const std::map<std::string, size_t>& index_by_name,
+                                         const std::vector<std::string>& listed, size_t count,
+                                         const std::vector<std::vector<std::string>>& groups, const std::string& prefix,
+                                         const char* label) {
+  std::vector<size_t> out(count, 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string which = fmt::format("{}{} {}", prefix, label, g + 1);
+    if (groups[g].empty()) throw InvalidArgument(fmt::format("{} names no parameter", which));
+    for (const std::string& name : groups[g]) {
+      const auto at = index_by_name.find(name);
+      if (at == index_by_name.end()) {
+        std::string some;
+        for (size_t i = 0; i < std::min<size_t>(listed.size(), 6); ++i) some += (i ? ", " : "") + listed[i];
+        throw InvalidArgument(fmt::format("{} names '{}', which is not a trainable parameter of the model (its "
+                                          "trainable parameters: {}{})",
+                                          which, name, some, listed.size() > 6 ? ", ..." : ""));
+      }
+      size_t& mine = out.at(at->second);
+      if (mine != 0)
+        throw InvalidArgument(fmt::format("{} names '{}', which {} {} names already: a parameter steps in one group",
+                                          which, name, label, mine));
+      mine = g + 1;
+    }
+  }
+  return out;
+}
+
 // The state fields every rank saves for every chunk, decided from the
 // groups' options alone, so that all ranks' files name the same tensors (a
 // rank whose chunk holds only a group without momentum still writes zeros

@@ -28,7 +28,6 @@
 #include <cstring>
 #include <optional>
 #include <string_view>
-#include <tuple>
 
 #include <fmt/format.h>
 
@@ -75,8 +74,6 @@ double lr_of(const ShardOptimizerOptions& o) {
   return std::visit([](const auto& x) { return x.lr(); }, o);
 }
 
-constexpr const char* kOptimizerNames[] = {"SGD", "Adam", "AdamW"};  // ShardOptimizerOptions' alternatives
-
 // Each group's learning rate over the first's (set_lr keeps them). A first
 // group at 0 (a warmup from 0) has every group at 0 (groups_of refused
 // more), and they follow it: ratio 1.
@@ -111,21 +108,26 @@ std::unique_ptr<::torch::optim::Optimizer> shard_optimizer_of(const ShardOptimiz
 
 // Each trainable parameter's param group (0: the constructor's options; g:
 // opts.param_groups[g - 1]), by registration index; InvalidArgument naming
-// what does not fit.
+// what does not fit. (ShardOptimizerOptions' alternatives are in the order
+// of shard::kKindNames.)
 std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOptimizerOptions& main,
                               const std::vector<ZeroParamGroup>& groups) {
+  const char* const* kinds = shard::kKindNames;
   std::vector<std::string> names;
+  std::map<std::string, size_t> index_by_name;
   for (const auto& item : module.named_parameters(true))
-    if (item.value().requires_grad()) names.push_back(item.key());
-  std::vector<size_t> out(names.size(), 0);
+    if (item.value().requires_grad()) {
+      index_by_name.emplace(item.key(), names.size());
+      names.push_back(item.key());
+    }
+  std::vector<std::vector<std::string>> named;
   for (size_t g = 0; g < groups.size(); ++g) {
     const ZeroParamGroup& group = groups[g];
     const std::string which = fmt::format("ZeroOptimizer: param group {}", g + 1);
     if (group.options.index() != main.index())
       throw InvalidArgument(fmt::format("{} is {}, the optimizer is {}: one optimizer steps every group. HINT: give "
                                         "the group {} options",
-                                        which, kOptimizerNames[group.options.index()], kOptimizerNames[main.index()],
-                                        kOptimizerNames[main.index()]));
+                                        which, kinds[group.options.index()], kinds[main.index()], kinds[main.index()]));
     const double lr = lr_of(group.options);
     if (!(lr >= 0) || !std::isfinite(lr))
       throw InvalidArgument(fmt::format("{}: the learning rate must be a finite number >= 0 (got {})", which, lr));
@@ -135,25 +137,9 @@ std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOpti
                                         "construct with the schedule's peak learning rates and call set_lr() before "
                                         "the first step",
                                         which, lr));
-    if (group.names.empty()) throw InvalidArgument(fmt::format("{} names no parameter", which));
-    for (const std::string& name : group.names) {
-      const auto at = std::find(names.begin(), names.end(), name);
-      if (at == names.end()) {
-        std::string some;
-        for (size_t i = 0; i < std::min<size_t>(names.size(), 6); ++i) some += (i ? ", " : "") + names[i];
-        throw InvalidArgument(fmt::format("{} names '{}', which is not a trainable parameter of the module (its "
-                                          "trainable parameters: {}{})",
-                                          which, name, some, names.size() > 6 ? ", ..." : ""));
-      }
-      size_t& mine = out[static_cast<size_t>(at - names.begin())];
-      if (mine != 0)
-        throw InvalidArgument(fmt::format("{} names '{}', which param group {} names already: a parameter steps in one "
-                                          "group",
-                                          which, name, mine));
-      mine = g + 1;
-    }
+    named.push_back(group.names);
   }
-  return out;
+  return shard::assign_groups(index_by_name, names, names.size(), named, "ZeroOptimizer: ", "param group");
 }
 
 
