@@ -426,6 +426,84 @@ TEST_P(ReducerTest, DifferentParametersOnDifferentRanksAreReported) {
 
 INSTANTIATE_TEST_SUITE_P(All, ReducerTest, ::testing::ValuesIn(configs()), config_name);
 
+// ZeRO-2's memory (ReducerOptions::recycled_buckets): buckets borrow pool
+// buffers, the hook's `then` reads each result before its buffer is reused,
+// and the pool stays at K buffers when gradients come in plan order.
+TEST_P(ReducerTest, RecycledBucketsHandEveryResultToTheHook) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    Grads g(mixed_model());
+    const size_t unused = 6;  // l3.b, alone in bucket 2 (mixed_model())
+    ReducerOptions o = small_buckets();
+    o.recycled_buckets = 2;
+    o.find_unused_parameters = true;
+    Grads results(mixed_model());  // what the hook's `then` copied out of each bucket
+    o.comm_hook = [&](GradBucket& b) -> CommFuture {
+      WorkPtr w = b.allreduce({.op = ReduceOp::Avg});
+      return {w, [&results, buffer = b.buffer(), params = std::vector<size_t>(b.params().begin(), b.params().end()),
+                  offsets = std::vector<size_t>(b.offsets().begin(), b.offsets().end())] {
+                for (size_t k = 0; k < params.size(); ++k) {
+                  const size_t es = dtype_size(buffer.dtype), bytes = results.specs[params[k]].count * es;
+                  std::memcpy(results.ptr(params[k]), static_cast<const std::byte*>(buffer.data) + offsets[k] * es,
+                              bytes);
+                }
+              }};
+    };
+    Reducer red(pg, g.specs, o);
+    size_t biggest = 0;
+    for (const PlannedBucket& b : red.plan()) biggest = std::max(biggest, (b.bytes() + 63) / 64 * 64);
+    EXPECT_EQ(red.bucket_memory_bytes(), 0u);  // nothing until a backward needs it
+    EXPECT_THROW(red.bucket_slot(0), InvalidArgument);
+    EXPECT_THROW(red.bucket_data(0), InvalidArgument);
+    for (int t = 0; t < 4; ++t) {
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+      std::vector<size_t> order;
+      if (t < 2) {
+        for (size_t p = g.specs.size(); p-- > 0;) order.push_back(p);  // plan order, as backward runs
+      } else {
+        order = shuffled(g.specs.size(), 31 * r + t);  // out of order: the pool may grow
+      }
+      if (t == 3) {  // accumulated under no_sync, then a synced pass that leaves `unused` out
+        auto guard = red.no_sync();
+        red.mark_ready(0, g.ptr(0));
+      }
+      for (size_t p : order)
+        if (!(t == 3 && p == unused)) red.mark_ready(p, t == 1 && p == 8 ? nullptr : g.ptr(p));
+      ASSERT_TRUE(red.finalize());
+      const auto want = [&](size_t p, size_t i) {
+        if (t == 1 && p == 8) return 0.0;  // marked with nullptr: zeros
+        return avg_value(n, p, i, t);  // `unused` contributes its registered gradient
+      };
+      expect_values(g.specs, r, "recycled, iteration " + std::to_string(t),
+                    [&](size_t p, size_t i) { return results.at(p, i); }, want);
+      if (t < 2) {
+        EXPECT_EQ(red.bucket_memory_bytes(), 2 * biggest) << "iteration " << t;
+      }
+      EXPECT_LE(red.bucket_memory_bytes(), kMixedBuckets * biggest);
+    }
+  });
+}
+
+TEST(ReducerArgs, RecycledBucketsRefuseWhatWouldLoseResults) {
+  run_ranks(1, "shm", [&](ProcessGroup& pg) {
+    const std::vector<ParamSpec> specs{{"w", 4, DType::F32}};
+    ReducerOptions o;
+    o.recycled_buckets = 1;  // with the default hook: its result would be dropped
+    EXPECT_CONTAINS(error_of([&] { Reducer red(pg, specs, o); }), "default hook");
+    o.comm_hook = allreduce_avg_hook();
+    o.gradient_as_bucket_view = true;
+    EXPECT_CONTAINS(error_of([&] { Reducer red(pg, specs, o); }), "gradient_as_bucket_view");
+    o.gradient_as_bucket_view = false;
+    o.comm_hook = [](GradBucket& b) -> CommFuture {
+      return {b.allreduce({}), {}, [] { return CommFuture{}; }};
+    };
+    Reducer red(pg, specs, o);
+    float w[4] = {1, 2, 3, 4};
+    EXPECT_CONTAINS(error_of([&] { red.mark_ready(0, w); }), "CommFuture::next");
+  });
+}
+
 TEST(ReducerArgs, BadCallsThrowInvalidArgument) {
   run_ranks(1, "shm", [&](ProcessGroup& pg) {
     Reducer red(pg, {{"w", 4, DType::F32}});

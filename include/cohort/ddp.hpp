@@ -191,7 +191,9 @@ class COHORT_API GradBucket {
 // A hook's answer: the communication it started and what to do once it is done.
 struct COHORT_API CommFuture {
   WorkPtr work;                // nullptr: nothing to wait for
-  // Runs in finalize(), on its thread, after GradMemory::wait(work): on the
+  // Runs in finalize(), on its thread (with ReducerOptions::recycled_buckets
+  // possibly earlier, in a mark_ready() that needs the bucket's memory),
+  // after GradMemory::wait(work): on the
   // host, work has completed without error; with GPU memory that orders a
   // stream instead (DDP's wait_on_stream), work may still be running, and
   // `then` must only queue work on the current stream (the compression hooks
@@ -326,6 +328,20 @@ struct COHORT_API ReducerOptions {
   // outside host memory, grads_valid_until_finalize saves no copy (the group
   // reads only bucket memory).
   std::shared_ptr<GradMemory> memory;
+  // ZeRO-2's gradient memory. 0: every bucket has its own buffer for the
+  // reducer's lifetime (a full replica of the gradients). K > 0: a bucket
+  // has memory only while a synced iteration fills and reduces it: a buffer
+  // of the largest bucket's size from a pool, taken at the bucket's first
+  // gradient and given back once its hook's `then` has run. With K buffers
+  // taken, the next bucket first completes the oldest launched one (waits
+  // for its work and runs its `then`, on the marking thread); the pool grows
+  // past K only when no taken bucket has launched (gradients that arrive out
+  // of plan order). The hook is then the results' only reader: finalize()
+  // delivers nothing (neither ParamSpec::grad nor on_reduced),
+  // bucket_slot() and bucket_data() throw, and mark_ready(p, nullptr) means
+  // zeros. Needs host memory, a comm_hook of one step (no CommFuture::next),
+  // and neither gradient_as_bucket_view nor on_reduced.
+  size_t recycled_buckets = 0;
 };
 
 using SteadyTime = std::chrono::steady_clock::time_point;
@@ -444,6 +460,10 @@ class COHORT_API Reducer {
   // The flat buffer of bucket `b` (plan()[b].count elements, padding
   // included). Stable for the reducer's lifetime; ZeRO shards it by rank.
   void* bucket_data(size_t b);
+
+  // Bucket memory allocated now: every bucket's buffer, or with
+  // recycled_buckets the pool's buffers (its largest size so far).
+  size_t bucket_memory_bytes() const;
 
   // Replaces the comm hook; only before the first synced iteration.
   void register_comm_hook(CommHook hook);

@@ -59,6 +59,12 @@ struct COHORT_API DistributedDataParallelOptions {
   // Pads every bucket to a multiple of this many elements (ReducerOptions::
   // bucket_count_multiple). ZeroOptimizer sets it to the world size.
   size_t bucket_count_multiple = 1;
+  // ZeRO-2's (ReducerOptions::recycled_buckets): 0, every bucket keeps its
+  // own buffer. K > 0, for a CPU module with a comm_hook that consumes each
+  // reduced bucket: buckets take buffers from a pool of about K, each .grad
+  // is set to none as soon as a synced backward has copied it into its
+  // bucket, and finalize() leaves every .grad none.
+  size_t recycled_buckets = 0;
 };
 
 // Where the module's gradients are reduced (src/torch/device.hpp, docs/gpu.md).
@@ -108,6 +114,8 @@ class COHORT_API DistributedDataParallel {
  private:
   // LibTorch's current CUDA stream in device mode (a cudaStream_t), else nullptr.
   void* stream() const;
+  // InvalidArgument unless `g` (parameter i's gradient) is none or dense, contiguous and of its dtype.
+  void check_dense(size_t i, const ::torch::Tensor& g) const;
   std::shared_ptr<::torch::nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
   DistributedDataParallelOptions opts_;

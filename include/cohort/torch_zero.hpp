@@ -29,11 +29,13 @@
 //   ZeRO-2: every synced backward reduce-scatters each bucket as soon as its
 //           gradients are ready (overlapping backward, as DDP's allreduce
 //           does) and adds this rank's chunk to a gradient shard of 1/N of
-//           the size; the bucket is then cleared for the next backward.
-//           no_sync() accumulates locally instead, as in DDP.
+//           the size. Each gradient is freed once copied into its bucket,
+//           and a bucket's buffer is reused once reduced (grad_buffers of
+//           them), so no rank holds the whole gradient. no_sync()
+//           accumulates in .grad instead (full size, as in DDP).
 //
 // After backward, .grad of the module's parameters is not the averaged
-// gradient (ZeRO-1: this rank's own; ZeRO-2: zeros): clip and inspect through
+// gradient (ZeRO-1: this rank's own; ZeRO-2: none): clip and inspect through
 // this class, which sees the reduced shard. A parameter that gets no gradient
 // counts as a zero gradient (its Adam moments still decay), as in DeepSpeed.
 #pragma once
@@ -81,6 +83,12 @@ struct COHORT_API ZeroOptions {
   bool find_unused_parameters = false;  // ZeRO-2 only (ZeRO-1 does not reduce during backward)
   bool broadcast_buffers = true;        // rank 0's buffers in pre_forward(), as DDP's
   std::vector<ZeroParamGroup> param_groups;  // groups 1, 2, ... after the constructor's options
+  // ZeRO-2: the bucket-sized gradient buffers a rank keeps for backward
+  // (ddp::ReducerOptions::recycled_buckets): with 2, one bucket fills while
+  // the one before it is reduce-scattered; more lets more reductions overlap
+  // backward. The pool grows past it only when gradients arrive out of bucket
+  // order. At least 1.
+  size_t grad_buffers = 2;
 };
 
 // What this rank holds, in elements and bytes.
@@ -89,7 +97,7 @@ struct COHORT_API ZeroMemory {
   size_t padded = 0;                 // elements in the buckets, with each bucket's padding
   size_t shard = 0;                  // elements this rank steps (padded / world size)
   size_t param_bytes = 0;            // the flat parameter buffer (a full replica)
-  size_t grad_bytes = 0;             // the gradient buckets (a full replica)
+  size_t grad_bytes = 0;             // gradient buckets: ZeRO-1 a full replica; ZeRO-2 the buffers used so far
   size_t grad_shard_bytes = 0;       // ZeRO-2's reduced gradient shard (0 for ZeRO-1)
   size_t optimizer_state_bytes = 0;  // this rank's optimizer state tensors (0 before the first step)
 };

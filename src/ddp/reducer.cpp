@@ -60,6 +60,8 @@ struct COHORT_HIDDEN Reducer::Impl {
     std::vector<InputPiece> pieces;
     size_t pending = 0;
     CommFuture future;
+    std::shared_ptr<std::byte[]> lease;  // recycled_buckets: the pool buffer `data` points into
+    size_t used_end = 0;                 // elements owned by parameters; padding after them
   };
 
   ProcessGroup& group;
@@ -75,6 +77,10 @@ struct COHORT_HIDDEN Reducer::Impl {
   // on a single host that is shared memory the peers map once, so the
   // single-copy allreduce reduces straight out of their buckets.
   std::shared_ptr<std::byte[]> storage;
+  size_t storage_bytes = 0;
+  // recycled_buckets: the buffers no bucket holds, and how many exist.
+  std::vector<std::shared_ptr<std::byte[]>> pool_free;
+  size_t pool_count = 0, pool_each = 0;
   std::vector<size_t> bucket_of, offset_of;  // by parameter
   CommHook hook;
 
@@ -102,7 +108,8 @@ struct COHORT_HIDDEN Reducer::Impl {
       : group(g),
         opts(std::move(o)),
         mem(opts.memory ? opts.memory : host_grad_memory()),
-        leave_in_place(opts.grads_valid_until_finalize && mem->buckets_on_host() && mem->grads_on_host()),
+        leave_in_place(opts.grads_valid_until_finalize && opts.recycled_buckets == 0 && mem->buckets_on_host() &&
+                       mem->grads_on_host()),
         params(std::move(ps)),
         plan(plan_buckets(params, {.cap_bytes = mib_to_bytes(opts.bucket_cap_mb, "bucket_cap_mb"),
                                    .first_cap_bytes = mib_to_bytes(opts.first_bucket_mb, "first_bucket_mb"),
@@ -113,18 +120,24 @@ struct COHORT_HIDDEN Reducer::Impl {
         hook(opts.comm_hook ? opts.comm_hook : allreduce_avg_hook()),
         ready(params.size(), 0),
         used_anywhere(params.size(), 1) {
+    check_recycling();
     std::vector<size_t> at(plan.size());
     size_t total = 0;
     for (size_t b = 0; b < plan.size(); ++b) {
       at[b] = total;
       total += (plan[b].bytes() + 63) / 64 * 64;
+      pool_each = std::max(pool_each, (plan[b].bytes() + 63) / 64 * 64);
     }
-    storage = mem->allocate(group, total);
+    if (opts.recycled_buckets == 0) {
+      storage = mem->allocate(group, total);
+      storage_bytes = total;
+    }
     for (size_t b = 0; b < plan.size(); ++b) {
-      buckets[b].data = storage.get() + at[b];
+      if (storage) buckets[b].data = storage.get() + at[b];
       for (size_t k = 0; k < plan[b].params.size(); ++k) {
         bucket_of[plan[b].params[k]] = b;
         offset_of[plan[b].params[k]] = plan[b].offsets[k];
+        buckets[b].used_end = std::max(buckets[b].used_end, plan[b].offsets[k] + params[plan[b].params[k]].count);
       }
       if (leave_in_place && plan[b].count > 0) {
         const auto [first, count] = group.allreduce_direct_block(plan[b].count, plan[b].dtype);
@@ -134,6 +147,73 @@ struct COHORT_HIDDEN Reducer::Impl {
     }
     reset_stats();
     if (core::log_enabled(core::LogLevel::Info, core::kDdp)) log_plan();
+  }
+
+  bool recycling() const { return opts.recycled_buckets > 0; }
+
+  void check_recycling() const {
+    if (!recycling()) return;
+    const char* why = opts.gradient_as_bucket_view ? "gradient_as_bucket_view (a .grad cannot view a recycled buffer)"
+                      : opts.on_reduced            ? "on_reduced (the hook is the results' only reader)"
+                      : !opts.comm_hook            ? "the default hook (its averaged result would be dropped)"
+                      : !mem->buckets_on_host()    ? "buckets outside host memory"
+                                                   : nullptr;
+    if (why)
+      throw InvalidArgument(fmt::format("ReducerOptions::recycled_buckets = {} cannot be combined with {}; recycled "
+                                        "buckets are for a comm hook that consumes each reduced bucket (ZeRO-2)",
+                                        opts.recycled_buckets, why));
+  }
+
+  // recycled_buckets: gives bucket b a pool buffer (its padding zeroed), if
+  // it has none; first completes the oldest launched bucket when K are taken.
+  void acquire(size_t b) {
+    Bucket& k = buckets[b];
+    if (k.data != nullptr || plan[b].count == 0) return;
+    if (pool_free.empty()) {
+      const size_t held = static_cast<size_t>(
+          std::count_if(buckets.begin(), buckets.end(), [](const Bucket& x) { return x.lease != nullptr; }));
+      for (size_t o = 0; held >= opts.recycled_buckets && o < next_launch; ++o)
+        if (buckets[o].lease) {
+          complete(o);
+          break;
+        }
+    }
+    if (pool_free.empty()) {
+      pool_free.push_back(mem->allocate(group, pool_each));
+      ++pool_count;
+    }
+    k.lease = std::move(pool_free.back());
+    pool_free.pop_back();
+    k.data = k.lease.get();
+    const size_t es = dtype_size(plan[b].dtype);
+    if (plan[b].count > k.used_end) mem->zero_bucket(k.data + k.used_end * es, (plan[b].count - k.used_end) * es);
+  }
+
+  void release(size_t b) {
+    Bucket& k = buckets[b];
+    if (!k.lease) return;
+    k.data = nullptr;
+    pool_free.push_back(std::move(k.lease));
+  }
+
+  // Waits for bucket b's collective and runs its `then` (finalize's work for
+  // one bucket); with recycled_buckets gives its buffer back.
+  void complete(size_t b) {
+    CommFuture& f = buckets[b].future;
+    try {
+      if (f.work) {
+        mem->wait(*f.work, opts.timeout);
+        if (!f.work->is_completed()) unconfirmed.push_back(f.work);
+      }
+      if (!happened(stats.buckets[b].completed)) stats.buckets[b].completed = std::chrono::steady_clock::now();
+      if (f.then) f.then();
+    } catch (const std::exception& e) {
+      failed = fmt::format("rank {}: this reducer can no longer be used: bucket {} of iteration {} failed: {}",
+                           group.rank(), b, stats.iteration, e.what());
+      throw;
+    }
+    f = {};  // done: the destructor must not think it is still running
+    release(b);
   }
 
   // INFO: the bucket plan, so a user can see how gradients are grouped
@@ -272,9 +352,15 @@ struct COHORT_HIDDEN Reducer::Impl {
     ready_count = 0;
     next_launch = next_poll = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
-      buckets[b].pending = plan[b].params.size();
-      buckets[b].future = {};
-      buckets[b].pieces.clear();
+      Bucket& k = buckets[b];
+      // recycled_buckets: a buffer left by an abandoned iteration goes back
+      // to the pool, unless a collective may still use it (then it is leaked).
+      if (k.lease && k.future.work && !k.future.work->is_completed()) (void)new auto(std::move(k.lease));
+      if (!storage && !k.lease) k.data = nullptr;
+      release(b);
+      k.pending = plan[b].params.size();
+      k.future = {};
+      k.pieces.clear();
     }
     reset_stats();
     stats.started = std::chrono::steady_clock::now();
@@ -327,6 +413,9 @@ struct COHORT_HIDDEN Reducer::Impl {
     try {
       bucket.future = hook(gb);
       (void)gb.buffer();  // a hook that used neither buffer() nor allreduce() still gets every gradient in place
+      if (recycling() && bucket.future.next)
+        throw InvalidArgument("the hook returned CommFuture::next, and ReducerOptions::recycled_buckets needs hooks "
+                              "of one step (a bucket's memory is given back after its `then`)");
     } catch (const std::exception& e) {
       // The hook may have issued some collectives: the ranks no longer agree.
       failed = fmt::format("rank {}: this reducer can no longer be used: its comm hook failed on bucket {} of "
@@ -383,8 +472,13 @@ struct COHORT_HIDDEN Reducer::Impl {
       throw Error(msg::prior_iteration(group.rank(), stats.iteration, params, {}));
     if (!open) begin_iteration();
     if (ready[p]) throw Error(msg::marked_twice(group.rank(), stats.iteration, params, p));
+    if (recycling()) acquire(bucket_of[p]);
     void* dst = slot(p);
-    const void* src = grad ? grad : opts.gradient_as_bucket_view ? dst : params[p].grad;
+    const void* src = grad ? grad : opts.gradient_as_bucket_view ? dst : recycling() ? nullptr : params[p].grad;
+    if (src == nullptr && recycling()) {
+      if (param_bytes(p) > 0) mem->zero_bucket(dst, param_bytes(p));
+      src = dst;
+    }
     if (src == nullptr && params[p].count > 0)
       throw InvalidArgument(fmt::format("rank {}: mark_ready({}): no gradient given for parameter {} and none is "
                                         "registered; pass its gradient's data pointer, or register it with set_grad()",
@@ -421,6 +515,7 @@ struct COHORT_HIDDEN Reducer::Impl {
       // An unused parameter contributes its registered gradient: under
       // no_sync it may hold gradients accumulated in earlier passes.
       for (size_t p : unused) {
+        if (recycling()) acquire(bucket_of[p]);
         void* dst = slot(p);
         const void* src = params[p].grad;
         const size_t bytes = param_bytes(p);
@@ -450,28 +545,13 @@ struct COHORT_HIDDEN Reducer::Impl {
     }
 
     run_next_steps();
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      CommFuture& f = buckets[b].future;
-      try {
-        if (f.work) {
-          mem->wait(*f.work, opts.timeout);
-          if (!f.work->is_completed()) unconfirmed.push_back(f.work);
-        }
-        if (!happened(stats.buckets[b].completed)) stats.buckets[b].completed = std::chrono::steady_clock::now();
-        if (f.then) f.then();
-      } catch (const std::exception& e) {
-        failed = fmt::format("rank {}: this reducer can no longer be used: bucket {} of iteration {} failed: {}",
-                             group.rank(), b, stats.iteration, e.what());
-        throw;
-      }
-      f = {};  // done: the destructor must not think it is still running
-    }
+    for (size_t b = 0; b < buckets.size(); ++b) complete(b);
 
     // The iteration is complete on every rank; close it before handing
     // results out, so that a throwing on_reduced cannot leave it open.
     open = false;
     ++finalized;
-    if (!opts.gradient_as_bucket_view) {
+    if (!opts.gradient_as_bucket_view && !recycling()) {
       for (size_t p = 0; p < params.size(); ++p) {
         void* result = slot(p);
         if (opts.on_reduced)
@@ -501,7 +581,10 @@ Reducer::~Reducer() {
   for (const WorkPtr& w : impl_->unconfirmed) running = running || !w->is_completed();
   for (const Impl::Bucket& b : impl_->buckets) running = running || (b.future.work && !b.future.work->is_completed());
   if (!running) return;
-  for (Impl::Bucket& b : impl_->buckets) (void)new BucketScratch(std::move(b.scratch));
+  for (Impl::Bucket& b : impl_->buckets) {
+    (void)new BucketScratch(std::move(b.scratch));
+    if (b.lease) (void)new std::shared_ptr<std::byte[]>(std::move(b.lease));
+  }
   (void)new std::shared_ptr<std::byte[]>(std::move(impl_->storage));
 }
 
@@ -530,12 +613,28 @@ void Reducer::set_grad(size_t param, void* grad) {
   impl_->params[param].grad = grad;
 }
 
+namespace {
+void refuse_when_recycled(const ReducerOptions& o, const char* call) {
+  if (o.recycled_buckets > 0)
+    throw InvalidArgument(fmt::format("Reducer::{}: with recycled_buckets a bucket has no lasting memory (it holds a "
+                                      "pool buffer only while it is reduced); the comm hook sees its gradients",
+                                      call));
+}
+}  // namespace
+
+size_t Reducer::bucket_memory_bytes() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->storage_bytes + impl_->pool_count * impl_->pool_each;
+}
+
 void* Reducer::bucket_slot(size_t param) {
   impl_->check_param(param, "bucket_slot");
+  refuse_when_recycled(impl_->opts, "bucket_slot");
   return impl_->slot(param);  // layout is fixed at construction: no lock needed
 }
 
 void* Reducer::bucket_data(size_t b) {
+  refuse_when_recycled(impl_->opts, "bucket_data");
   if (b >= impl_->buckets.size())
     throw InvalidArgument(fmt::format("Reducer::bucket_data: bucket {} does not exist (the plan has {})", b,
                                       impl_->buckets.size()));

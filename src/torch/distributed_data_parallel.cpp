@@ -83,6 +83,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
           "is on {} and the {} backend reduces host memory (its gradients are staged through host buckets). HINT: "
           "use the nccl backend for a GPU module, or leave gradient_as_bucket_view off",
           device_.str(), group_->backend_name()));
+    if (opts_.recycled_buckets > 0 && mode_ != MemoryMode::Host)
+      throw InvalidArgument(fmt::format("DistributedDataParallel: recycled_buckets (ZeRO-2's gradient memory) is for a "
+                                        "module on the CPU; this one is on {}",
+                                        device_.str()));
   }
   // Collectives below (and the reducer's) start after the work queued on
   // LibTorch's current stream (device mode; nothing otherwise).
@@ -113,7 +117,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
   ro.gradient_as_bucket_view = opts_.gradient_as_bucket_view;
   // .grad keeps autograd's gradient until finalize(), and lent_ keeps it alive
   // for as long as a failed allreduce might still read it.
-  ro.grads_valid_until_finalize = true;
+  // (Recycled buckets: each .grad is freed as soon as it is copied.)
+  ro.grads_valid_until_finalize = opts_.recycled_buckets == 0;
+  ro.recycled_buckets = opts_.recycled_buckets;
   lent_.resize(params_.size());
   ro.comm_hook = opts_.comm_hook;
   memory_ = grad_memory(mode_, device_, opts_.wait_on_stream);
@@ -143,6 +149,7 @@ DistributedDataParallel::~DistributedDataParallel() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
   // A .grad that is a view of a bucket (gradient_as_bucket_view) would point
   // into freed memory once the reducer goes: it keeps its values in a copy.
+  if (!opts_.gradient_as_bucket_view) return;
   try {
     ::torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -197,6 +204,16 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     });
   }
   const auto& g = params_[i].grad();
+  if (opts_.recycled_buckets > 0) {
+    // ZeRO-2: a synced backward's gradient is copied into its bucket (none
+    // counts as zeros) and freed; under no_sync it stays in .grad, where
+    // autograd accumulates the next pass.
+    check_dense(i, g);
+    const bool synced = !reducer_->in_no_sync();
+    reducer_->mark_ready(i, g.defined() ? g.data_ptr() : nullptr);
+    if (synced) params_[i].mutable_grad().reset();
+    return;
+  }
   if (!g.defined()) {
     // The hook can fire without a gradient (a custom Function returned an
     // undefined one for this parameter): that counts as zeros, as in PyTorch.
@@ -206,6 +223,16 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     reducer_->mark_ready(i, slot);
     return;
   }
+  check_dense(i, g);
+  lent_[i] = g;
+  // A bucket this completes is reduced after the work queued on autograd's
+  // current stream (which wrote g), and g is copied into it there.
+  CudaStreamScope scope(stream());
+  reducer_->mark_ready(i, g.data_ptr());  // finalize() registers .grad itself
+}
+
+void DistributedDataParallel::check_dense(size_t i, const ::torch::Tensor& g) const {
+  if (!g.defined()) return;
   if (g.is_sparse())
     throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is sparse (an Embedding with "
                                       "sparse=true?); cohort averages dense gradients only: make it dense",
@@ -213,11 +240,6 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   if (!g.is_contiguous() || g.scalar_type() != params_[i].scalar_type())
     throw InvalidArgument(fmt::format("DistributedDataParallel: the gradient of '{}' is not a contiguous {} tensor",
                                       names_[i], c10::toString(params_[i].scalar_type())));
-  lent_[i] = g;
-  // A bucket this completes is reduced after the work queued on autograd's
-  // current stream (which wrote g), and g is copied into it there.
-  CudaStreamScope scope(stream());
-  reducer_->mark_ready(i, g.data_ptr());  // finalize() registers .grad itself
 }
 
 void DistributedDataParallel::finalize() {
@@ -251,6 +273,15 @@ void DistributedDataParallel::finalize() {
   }
   for (auto& t : lent_) t.reset();
   if (!reduced) return;
+  if (opts_.recycled_buckets > 0) {
+    // The hook consumed every gradient, also those an unused parameter had
+    // accumulated under no_sync.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].mutable_grad().reset();
+      reducer_->set_grad(i, nullptr);
+    }
+    return;
+  }
   timeline::Span repoint("grads to buckets", kAdapterTrack);
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -15,10 +15,11 @@
 //     to that group's parameters), a view of the parameter bucket; its
 //     gradient is the same part of the gradient bucket (ZeRO-1) or of the
 //     gradient shard (ZeRO-2);
-//   - the reduction: ZeRO-2's comm hook reduce-scatters (Avg) the bucket in
-//     place, adds chunk r to the gradient shard in finalize() and clears the
-//     bucket for the next backward; ZeRO-1 keeps the reducer in no_sync and
-//     reduce-scatters every bucket once, in step().
+//   - the reduction: ZeRO-2's comm hook reduce-scatters (Avg) each bucket
+//     into the gradient shard (or in place, chunk r then added to the shard);
+//     its buckets are recycled buffers (ReducerOptions::recycled_buckets), so
+//     a rank never holds the whole gradient; ZeRO-1 keeps the reducer in
+//     no_sync and reduce-scatters every bucket once, in step().
 #include "cohort/torch_zero.hpp"
 
 #include <algorithm>
@@ -147,7 +148,7 @@ std::vector<size_t> groups_of(const ::torch::nn::Module& module, const ShardOpti
 
 struct COHORT_HIDDEN ZeroOptimizer::State {
   struct Bucket {
-    std::byte* grad = nullptr;        // the reducer's bucket
+    std::byte* grad = nullptr;        // ZeRO-1: the reducer's bucket
     std::byte* param = nullptr;       // the same layout in the parameter storage
     std::byte* grad_shard = nullptr;  // ZeRO-2: this rank's reduced chunk, accumulated
     size_t count = 0;                 // elements, padding included (a multiple of n)
@@ -181,9 +182,9 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     return Buffer{bucket_data + static_cast<size_t>(rank) * b.chunk * dtype_size(b.dtype), b.chunk, b.dtype};
   }
 
-  // ZeRO-2, in finalize(): bucket b's reduced chunk into the shard (the
-  // first reduction since zero_grad() was written there directly), and the
-  // bucket cleared so that the next backward accumulates from zero.
+  // ZeRO-2, in finalize() (or when the reducer needs the bucket's buffer):
+  // bucket b's reduced chunk into the shard (the first reduction since
+  // zero_grad() was written there directly).
   void take(size_t b, const Buffer& reduced) {
     Bucket& k = buckets[b];
     if (reduced.data == k.grad_shard) {
@@ -193,7 +194,6 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
       auto acc = ::torch::from_blob(k.grad_shard, {static_cast<int64_t>(k.chunk)}, ::torch::TensorOptions().dtype(k.type));
       acc.add_(::torch::from_blob(reduced.data, {static_cast<int64_t>(k.chunk)}, ::torch::TensorOptions().dtype(k.type)));
     }
-    std::memset(k.grad, 0, k.count * dtype_size(k.dtype));
     synced = true;
     after_step = true;
   }
@@ -207,35 +207,43 @@ std::vector<WorkPtr> allgather_params(ProcessGroup& group, const ZeroOptimizer::
     if (k.count > 0) works.push_back(group.allgather(st.mine(k.param, k), Buffer{k.param, k.count, k.dtype}));
   return works;
 }
-}  // namespace
 
-ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
-                             ShardOptimizerOptions optimizer, ZeroOptions opts)
-    : module_(std::move(module)), group_(std::move(group)), opts_(opts), state_(std::make_shared<State>()) {
-  if (!module_) throw InvalidArgument("ZeroOptimizer: the module is null");
-  if (!group_) throw InvalidArgument("ZeroOptimizer: the process group is null (call cohort::init_process_group())");
-  if (opts_.stage != ZeroStage::One && opts_.stage != ZeroStage::Two)
+// The constructor's refusals, before anything moves.
+void check_arguments(const std::shared_ptr<::torch::nn::Module>& module, const std::shared_ptr<ProcessGroup>& group,
+                     const ShardOptimizerOptions& optimizer, const ZeroOptions& opts) {
+  if (!module) throw InvalidArgument("ZeroOptimizer: the module is null");
+  if (!group) throw InvalidArgument("ZeroOptimizer: the process group is null (call cohort::init_process_group())");
+  if (opts.stage != ZeroStage::One && opts.stage != ZeroStage::Two)
     throw InvalidArgument(fmt::format("ZeroOptimizer: stage {} does not exist; use ZeroStage::One or ZeroStage::Two "
                                       "(parameter sharding, ZeRO-3, is FSDP)",
-                                      static_cast<int>(opts_.stage)));
-  if (opts_.stage == ZeroStage::One && opts_.find_unused_parameters)
+                                      static_cast<int>(opts.stage)));
+  if (opts.stage == ZeroStage::One && opts.find_unused_parameters)
     throw InvalidArgument("ZeroOptimizer: find_unused_parameters is for ZeRO-2; ZeRO-1 reduces in step(), after "
                           "backward, where a parameter without a gradient simply counts as zeros. HINT: leave it off");
+  if (opts.stage == ZeroStage::Two && opts.grad_buffers == 0)
+    throw InvalidArgument("ZeroOptimizer: grad_buffers is 0; ZeRO-2 needs at least one bucket buffer to reduce "
+                          "gradients through. HINT: leave it at 2 (one bucket filling while one is reduced)");
   const double lr = lr_of(optimizer);
   if (!(lr >= 0) || !std::isfinite(lr))
     throw InvalidArgument(fmt::format("ZeroOptimizer: the learning rate must be a finite number >= 0 (got {})", lr));
-  if (group_->cuda_device() >= 0)
+  if (group->cuda_device() >= 0)
     throw InvalidArgument(fmt::format("ZeroOptimizer: the {} backend moves GPU memory; ZeRO runs on a CPU module with a "
                                       "host group (native or mpi) for now (docs/zero.md). HINT: init the group with "
                                       "the native backend",
-                                      group_->backend_name()));
-  for (auto& item : module_->named_parameters(true))
+                                      group->backend_name()));
+  for (auto& item : module->named_parameters(true))
     if (!item.value().device().is_cpu())
       throw InvalidArgument(fmt::format("ZeroOptimizer: parameter '{}' is on {}; ZeRO runs on CPU modules for now "
                                         "(docs/zero.md). HINT: keep the module on the CPU, or use "
                                         "DistributedDataParallel for a GPU module",
                                         item.key(), item.value().device().str()));
+}
+}  // namespace
 
+ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+                             ShardOptimizerOptions optimizer, ZeroOptions opts)
+    : module_(std::move(module)), group_(std::move(group)), opts_(opts), state_(std::make_shared<State>()) {
+  check_arguments(module_, group_, optimizer, opts_);
   const std::vector<size_t> group_of = groups_of(*module_, optimizer, opts_.param_groups);
 
   State& st = *state_;
@@ -245,7 +253,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   d.bucket_cap_mb = opts_.bucket_cap_mb;
   d.first_bucket_mb = opts_.first_bucket_mb;
   d.find_unused_parameters = opts_.find_unused_parameters;
-  d.gradient_as_bucket_view = true;
+  d.gradient_as_bucket_view = opts_.stage == ZeroStage::One;  // ZeRO-2: .grad is freed once in a bucket
+  d.recycled_buckets = opts_.stage == ZeroStage::Two ? opts_.grad_buffers : 0;
   d.broadcast_buffers = opts_.broadcast_buffers;
   d.reduce_at_world_size_1 = true;  // one code path at every world size
   d.bucket_count_multiple = static_cast<size_t>(st.n);
@@ -290,7 +299,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   for (const auto& p : params_) sizes.push_back(static_cast<size_t>(p.numel()));
   for (size_t b = 0; b < plan.size(); ++b) {
     State::Bucket& k = st.buckets[b];
-    k.grad = static_cast<std::byte*>(reducer.bucket_data(b));
+    if (opts_.stage == ZeroStage::One) k.grad = static_cast<std::byte*>(reducer.bucket_data(b));
     k.param = st.params.get() + at[b];
     k.count = plan[b].count;
     k.chunk = k.count / static_cast<size_t>(st.n);
@@ -342,7 +351,7 @@ ZeroOptimizer::~ZeroOptimizer() {
   }
   accumulate_only_.reset();
   optimizer_.reset();
-  ddp_.reset();  // leaves .grad as copies of the buckets
+  ddp_.reset();  // ZeRO-1 leaves .grad as copies of the buckets
 }
 
 void ZeroOptimizer::check_usable() const {
@@ -376,15 +385,18 @@ ddp::NoSyncGuard ZeroOptimizer::no_sync() {
 void ZeroOptimizer::zero_grad() {
   check_usable();
   State& st = *state_;
-  // ZeRO-2 clears each bucket once it is reduced: only local (no_sync)
-  // accumulation can be left in them. ZeRO-1 accumulates there always.
-  if (opts_.stage == ZeroStage::One || ddp_->reducer().no_sync_marks() > 0)
-    for (auto& k : st.buckets) std::memset(k.grad, 0, k.count * dtype_size(k.dtype));
   for (auto& k : st.buckets) k.fresh = true;
   st.synced = false;
   st.after_step = false;
   reduced_ = false;
   stepped_ = false;
+  if (opts_.stage == ZeroStage::Two) {
+    // A synced backward freed every .grad; only no_sync accumulation is left there.
+    for (auto& p : params_) p.mutable_grad().reset();
+    return;
+  }
+  // ZeRO-1 accumulates in the buckets always.
+  for (auto& k : st.buckets) std::memset(k.grad, 0, k.count * dtype_size(k.dtype));
   point_grads_at_buckets(false);  // .grad set to none by the user: back to the bucket views (zeros)
 }
 
@@ -507,7 +519,9 @@ ZeroMemory ZeroOptimizer::memory() const {
     m.param_bytes += k.count * dtype_size(k.dtype);
     if (k.grad_shard) m.grad_shard_bytes += k.chunk * dtype_size(k.dtype);
   }
-  m.grad_bytes = m.param_bytes;
+  // ZeRO-1: the reducer's buckets, a full replica; ZeRO-2: the pool of
+  // bucket buffers its backward has needed so far.
+  m.grad_bytes = ddp_->reducer().bucket_memory_bytes();
   m.optimizer_state_bytes = optimizer_state_bytes(*optimizer_);
   return m;
 }

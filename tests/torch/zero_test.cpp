@@ -254,6 +254,51 @@ TEST(ZeroMemory, OptimizerStateIsOneNthPerRank) {
     });
 }
 
+// ZeRO-2 never holds the whole gradient: each .grad is freed once it is in
+// its bucket, and the buckets share grad_buffers buffers (backward fills them
+// in plan order), against ZeRO-1's full replica of buckets.
+TEST(ZeroMemory, Zero2HoldsAFewBucketsNotTheWholeGradient) {
+  struct Deep : torch::nn::Module {
+    Deep() {
+      for (char i = '0'; i < '8'; ++i) layers.push_back(register_module({'l', i}, torch::nn::Linear(64, 64)));
+    }
+    torch::Tensor forward(torch::Tensor x) {
+      for (auto& l : layers) x = torch::tanh(l->forward(x));
+      return x;
+    }
+    std::vector<torch::nn::Linear> layers;
+  };
+  const size_t grad_bytes = 8 * (64 * 64 + 64) * sizeof(float);
+  for (int world : {2, 3})
+    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
+        torch::manual_seed(3);
+        auto net = std::make_shared<Deep>();
+        // About one layer per bucket: 9 buckets.
+        ZeroOptimizer opt(net, borrowed(pg), adamw(), {.stage = stage, .bucket_cap_mb = 0.015, .first_bucket_mb = 0.015});
+        for (int s = 0; s < 3; ++s) {
+          opt.zero_grad();
+          opt.pre_forward();
+          net->forward(torch::full({4, 64}, 0.1 * (pg.rank() + s + 1))).sum().backward();
+          for (const auto& p : net->parameters())
+            EXPECT_TRUE(stage == ZeroStage::One || !p.grad().defined()) << "a gradient outlived its bucket";
+          opt.step();
+        }
+        const auto m = opt.memory();
+        if (stage == ZeroStage::One) {
+          EXPECT_GE(m.grad_bytes, grad_bytes);
+          continue;
+        }
+        size_t biggest = 0;
+        for (const auto& b : opt.ddp().reducer().plan()) biggest = std::max(biggest, (b.bytes() + 63) / 64 * 64);
+        EXPECT_GE(opt.ddp().reducer().plan().size(), 8u);
+        EXPECT_EQ(m.grad_bytes, 2 * biggest) << "world " << world;
+        EXPECT_LT(m.grad_bytes, grad_bytes / 3) << "world " << world;
+      }
+    });
+}
+
 // Steps [from, to) of the global-batch schedule with an existing optimizer (float64).
 void zero_steps(ZeroOptimizer& opt, Net& net, const cohort::ProcessGroup& pg, int from, int to) {
   const int64_t local = kGlobal / pg.size();
@@ -429,6 +474,9 @@ TEST(ZeroErrors, BadInputIsNamed) {
     expect_throw(
         [&] { ZeroOptimizer(net.ptr(), borrowed(pg), adamw(), {.stage = ZeroStage::One, .find_unused_parameters = true}); },
         "find_unused_parameters is for ZeRO-2");
+    ZeroOptions no_buffers;
+    no_buffers.grad_buffers = 0;
+    expect_throw([&] { ZeroOptimizer(net.ptr(), borrowed(pg), adamw(), no_buffers); }, "grad_buffers is 0");
     expect_throw([&] { ZeroOptimizer(net.ptr(), borrowed(pg), torch::optim::AdamWOptions(-1.0)); },
                  "learning rate must be");
     ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw());
@@ -651,11 +699,15 @@ TEST(ZeroErrors, GradientsThatWouldBeLostAreRefused) {
       }
       opt.step();
       // set to none, a backward that is abandoned, then zero_grad: the gradients are zeros again
+      // (ZeRO-1's bucket views) or none (ZeRO-2 frees each once it is in a bucket)
       opt.zero_grad();
       for (auto& p : net->parameters()) p.mutable_grad().reset();
       backward();
       opt.zero_grad();
-      for (auto& p : net->parameters()) EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+      for (auto& p : net->parameters()) {
+        if (stage == ZeroStage::Two) EXPECT_FALSE(p.grad().defined());
+        else EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+      }
     });
 }
 
