@@ -333,10 +333,13 @@ struct COHORT_API ReducerOptions {
   // has memory only while a synced iteration fills and reduces it: a buffer
   // of the largest bucket's size from a pool, taken at the bucket's first
   // gradient and given back once its hook's `then` has run. With K buffers
-  // taken, the next bucket first completes the oldest launched one (waits
-  // for its work and runs its `then`, on the marking thread); the pool grows
-  // past K only when no taken bucket has launched (gradients that arrive out
-  // of plan order). The hook is then the results' only reader: finalize()
+  // taken (or when one more would take as much as every bucket's own), the
+  // next bucket first completes the oldest launched one (waits for its work
+  // and runs its `then`, on the marking thread); the pool grows past K only
+  // when none has launched (gradients that arrive out of plan order). When K
+  // of the largest would take as much as all buckets (a model of few
+  // buckets), every bucket keeps its own buffer instead, with the same rules
+  // otherwise. Either way the hook is the results' only reader: finalize()
   // delivers nothing (neither ParamSpec::grad nor on_reduced),
   // bucket_slot() and bucket_data() throw, and mark_ready(p, nullptr) means
   // zeros. Needs host memory, a comm_hook of one step (no CommFuture::next),
@@ -461,8 +464,7 @@ class COHORT_API Reducer {
   // included). Stable for the reducer's lifetime; ZeRO shards it by rank.
   void* bucket_data(size_t b);
 
-  // Bucket memory allocated now: every bucket's buffer, or with
-  // recycled_buckets the pool's buffers (its largest size so far).
+  // Bucket memory allocated now: every bucket's buffer, or the pool's.
   size_t bucket_memory_bytes() const;
 
   // Replaces the comm hook; only before the first synced iteration.

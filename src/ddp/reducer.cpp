@@ -78,9 +78,12 @@ struct COHORT_HIDDEN Reducer::Impl {
   // single-copy allreduce reduces straight out of their buckets.
   std::shared_ptr<std::byte[]> storage;
   size_t storage_bytes = 0;
-  // recycled_buckets: the buffers no bucket holds, and how many exist.
+  // recycled_buckets: the buffers no bucket holds, how many there are in
+  // all, each the largest bucket's size, and what every bucket's own buffer
+  // takes (the pool is used only when K of its buffers take less).
   std::vector<std::shared_ptr<std::byte[]>> pool_free;
-  size_t pool_count = 0, pool_each = 0;
+  size_t pool_count = 0, pool_each = 0, full_bytes = 0;
+  bool pooled = false;
   std::vector<size_t> bucket_of, offset_of;  // by parameter
   CommHook hook;
 
@@ -126,14 +129,18 @@ struct COHORT_HIDDEN Reducer::Impl {
     for (size_t b = 0; b < plan.size(); ++b) {
       at[b] = total;
       total += (plan[b].bytes() + 63) / 64 * 64;
-      pool_each = std::max(pool_each, (plan[b].bytes() + 63) / 64 * 64);
     }
-    if (opts.recycled_buckets == 0) {
+    full_bytes = total;
+    for (const PlannedBucket& b : plan) pool_each = std::max(pool_each, (b.bytes() + 63) / 64 * 64);
+    // A model of few buckets (K of the largest take as much as all of them)
+    // keeps one buffer per bucket: recycling would save nothing.
+    pooled = recycling() && opts.recycled_buckets * pool_each < full_bytes;
+    if (!pooled) {
       storage = mem->allocate(group, total);
       storage_bytes = total;
     }
     for (size_t b = 0; b < plan.size(); ++b) {
-      if (storage) buckets[b].data = storage.get() + at[b];
+      if (storage) buckets[b].data = storage.get() + at[b];  // (recycled_buckets: for good when not pooled)
       for (size_t k = 0; k < plan[b].params.size(); ++k) {
         bucket_of[plan[b].params[k]] = b;
         offset_of[plan[b].params[k]] = plan[b].offsets[k];
@@ -165,14 +172,17 @@ struct COHORT_HIDDEN Reducer::Impl {
   }
 
   // recycled_buckets: gives bucket b a pool buffer (its padding zeroed), if
-  // it has none; first completes the oldest launched bucket when K are taken.
+  // it has none. With K taken, or when one more would make the pool as large
+  // as every bucket's own buffer, it first completes the oldest launched
+  // bucket; the pool grows when none has launched.
   void acquire(size_t b) {
     Bucket& k = buckets[b];
-    if (k.data != nullptr || plan[b].count == 0) return;
+    if (!pooled || k.data != nullptr || plan[b].count == 0) return;
     if (pool_free.empty()) {
       const size_t held = static_cast<size_t>(
           std::count_if(buckets.begin(), buckets.end(), [](const Bucket& x) { return x.lease != nullptr; }));
-      for (size_t o = 0; held >= opts.recycled_buckets && o < next_launch; ++o)
+      const bool full = held >= opts.recycled_buckets || (pool_count + 1) * pool_each >= full_bytes;
+      for (size_t o = 0; full && o < next_launch; ++o)
         if (buckets[o].lease) {
           complete(o);
           break;

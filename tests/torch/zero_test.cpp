@@ -275,7 +275,7 @@ TEST(ZeroMemory, Zero2HoldsAFewBucketsNotTheWholeGradient) {
       for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
         torch::manual_seed(3);
         auto net = std::make_shared<Deep>();
-        // About one layer per bucket: 9 buckets.
+        // About one layer per bucket: 8 buckets or more.
         ZeroOptimizer opt(net, borrowed(pg), adamw(), {.stage = stage, .bucket_cap_mb = 0.015, .first_bucket_mb = 0.015});
         for (int s = 0; s < 3; ++s) {
           opt.zero_grad();
