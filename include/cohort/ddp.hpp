@@ -343,7 +343,12 @@ struct COHORT_API ReducerOptions {
   // delivers nothing (neither ParamSpec::grad nor on_reduced),
   // bucket_slot() and bucket_data() throw, and mark_ready(p, nullptr) means
   // zeros. Needs host memory, a comm_hook of one step (no CommFuture::next),
-  // and neither gradient_as_bucket_view nor on_reduced.
+  // and neither gradient_as_bucket_view nor on_reduced. The hook's `then`
+  // must not issue collectives (it may run inside any rank's mark_ready, at
+  // a point that differs across ranks). Waiting inside backward means a
+  // slow peer can time a rank out mid-backward, and a parameter that
+  // backward does not reach (find_unused_parameters) holds back every later
+  // bucket until finalize(): the pool then grows to about every bucket.
   size_t recycled_buckets = 0;
 };
 

@@ -222,6 +222,12 @@ struct COHORT_HIDDEN Reducer::Impl {
                            group.rank(), b, stats.iteration, e.what());
       throw;
     }
+    // A buffer whose collective may still run (a GradMemory whose wait only
+    // ordered a stream) is never handed to another bucket: leaked instead.
+    if (f.work && !f.work->is_completed() && buckets[b].lease) {
+      (void)new auto(std::move(buckets[b].lease));
+      buckets[b].data = nullptr;
+    }
     f = {};  // done: the destructor must not think it is still running
     release(b);
   }
@@ -523,7 +529,10 @@ struct COHORT_HIDDEN Reducer::Impl {
         throw Error(m);
       }
       // An unused parameter contributes its registered gradient: under
-      // no_sync it may hold gradients accumulated in earlier passes.
+      // no_sync it may hold gradients accumulated in earlier passes. In plan
+      // order, each bucket launched as soon as it is complete, so that
+      // recycled buckets reuse the buffers of those already reduced.
+      std::stable_sort(unused.begin(), unused.end(), [&](size_t x, size_t y) { return bucket_of[x] < bucket_of[y]; });
       for (size_t p : unused) {
         if (recycling()) acquire(bucket_of[p]);
         void* dst = slot(p);
@@ -534,9 +543,9 @@ struct COHORT_HIDDEN Reducer::Impl {
         else if (bytes > 0 && src != dst)
           mem->grad_to_bucket(dst, src, bytes);
         set_ready(p);
+        launch_ready_buckets(true);
       }
       stats.unused_params = unused.size();
-      launch_ready_buckets(true);
     }
     COHORT_ASSERT(next_launch == buckets.size(), "finalize: every bucket is complete but not every bucket launched");
     stats.wait_started = std::chrono::steady_clock::now();

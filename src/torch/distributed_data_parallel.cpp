@@ -138,7 +138,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
       reducer_->set_grad(i, view.data_ptr());
     }
     // One rank has nothing to average with: no hooks, no copies, plain LibTorch speed.
-    if (group_->size() == 1 && !opts_.reduce_at_world_size_1) continue;
+    // (Recycled buckets: the hook is where the gradients go, at any size.)
+    if (group_->size() == 1 && !opts_.reduce_at_world_size_1 && opts_.recycled_buckets == 0) continue;
     auto acc = ::torch::autograd::impl::grad_accumulator(params_[i]);
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
     accumulators_.push_back(std::move(acc));

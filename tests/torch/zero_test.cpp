@@ -263,10 +263,21 @@ TEST(ZeroMemory, Zero2HoldsAFewBucketsNotTheWholeGradient) {
       for (char i = '0'; i < '8'; ++i) layers.push_back(register_module({'l', i}, torch::nn::Linear(64, 64)));
     }
     torch::Tensor forward(torch::Tensor x) {
-      for (auto& l : layers) x = torch::tanh(l->forward(x));
+      for (size_t i = 0; i < layers.size(); ++i) {
+        x = torch::tanh(layers[i]->forward(x));
+        // Runs in backward once the gradients of layers i+1.. exist (autograd
+        // accumulates them before it goes on): how many are still held?
+        if (i == 3 && x.requires_grad())
+          x.register_hook([this](torch::Tensor g) {
+            held_mid_backward = 0;
+            for (size_t j = 4; j < layers.size(); ++j) held_mid_backward += layers[j]->weight.grad().defined();
+            return g;
+          });
+      }
       return x;
     }
     std::vector<torch::nn::Linear> layers;
+    int held_mid_backward = -1;
   };
   const size_t grad_bytes = 8 * (64 * 64 + 64) * sizeof(float);
   for (int world : {2, 3})
@@ -281,6 +292,8 @@ TEST(ZeroMemory, Zero2HoldsAFewBucketsNotTheWholeGradient) {
           opt.zero_grad();
           opt.pre_forward();
           net->forward(torch::full({4, 64}, 0.1 * (pg.rank() + s + 1))).sum().backward();
+          // ZeRO-1's are views of its buckets; ZeRO-2 frees each once copied.
+          EXPECT_EQ(net->held_mid_backward, stage == ZeroStage::One ? 4 : 0) << "step " << s;
           for (const auto& p : net->parameters())
             EXPECT_TRUE(stage == ZeroStage::One || !p.grad().defined()) << "a gradient outlived its bucket";
           opt.step();
