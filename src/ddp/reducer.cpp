@@ -77,7 +77,6 @@ struct COHORT_HIDDEN Reducer::Impl {
   // on a single host that is shared memory the peers map once, so the
   // single-copy allreduce reduces straight out of their buckets.
   std::shared_ptr<std::byte[]> storage;
-  size_t storage_bytes = 0;
   // recycled_buckets: the buffers no bucket holds, how many there are in
   // all, each the largest bucket's size, and what every bucket's own buffer
   // takes (the pool is used only when K of its buffers take less).
@@ -135,10 +134,7 @@ struct COHORT_HIDDEN Reducer::Impl {
     // A model of few buckets (K of the largest take as much as all of them)
     // keeps one buffer per bucket: recycling would save nothing.
     pooled = recycling() && opts.recycled_buckets * pool_each < full_bytes;
-    if (!pooled) {
-      storage = mem->allocate(group, total);
-      storage_bytes = total;
-    }
+    if (!pooled) storage = mem->allocate(group, total);
     for (size_t b = 0; b < plan.size(); ++b) {
       if (storage) buckets[b].data = storage.get() + at[b];  // (recycled_buckets: for good when not pooled)
       for (size_t k = 0; k < plan[b].params.size(); ++k) {
@@ -199,11 +195,15 @@ struct COHORT_HIDDEN Reducer::Impl {
     if (plan[b].count > k.used_end) mem->zero_bucket(k.data + k.used_end * es, (plan[b].count - k.used_end) * es);
   }
 
+  // Gives bucket b's pool buffer back, or leaks it while a collective may
+  // still use it (a GradMemory whose wait only ordered a stream, an
+  // abandoned iteration): it is never handed to another bucket under it.
   void release(size_t b) {
     Bucket& k = buckets[b];
     if (!k.lease) return;
     k.data = nullptr;
-    pool_free.push_back(std::move(k.lease));
+    if (k.future.work && !k.future.work->is_completed()) (void)new auto(std::move(k.lease));
+    else pool_free.push_back(std::move(k.lease));
   }
 
   // Waits for bucket b's collective and runs its `then` (finalize's work for
@@ -222,14 +222,8 @@ struct COHORT_HIDDEN Reducer::Impl {
                            group.rank(), b, stats.iteration, e.what());
       throw;
     }
-    // A buffer whose collective may still run (a GradMemory whose wait only
-    // ordered a stream) is never handed to another bucket: leaked instead.
-    if (f.work && !f.work->is_completed() && buckets[b].lease) {
-      (void)new auto(std::move(buckets[b].lease));
-      buckets[b].data = nullptr;
-    }
-    f = {};  // done: the destructor must not think it is still running
     release(b);
+    f = {};  // done: the destructor must not think it is still running
   }
 
   // INFO: the bucket plan, so a user can see how gradients are grouped
@@ -369,11 +363,7 @@ struct COHORT_HIDDEN Reducer::Impl {
     next_launch = next_poll = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
       Bucket& k = buckets[b];
-      // recycled_buckets: a buffer left by an abandoned iteration goes back
-      // to the pool, unless a collective may still use it (then it is leaked).
-      if (k.lease && k.future.work && !k.future.work->is_completed()) (void)new auto(std::move(k.lease));
-      if (!storage && !k.lease) k.data = nullptr;
-      release(b);
+      release(b);  // recycled_buckets: a buffer left by an abandoned iteration
       k.pending = plan[b].params.size();
       k.future = {};
       k.pieces.clear();
@@ -643,7 +633,7 @@ void refuse_when_recycled(const ReducerOptions& o, const char* call) {
 
 size_t Reducer::bucket_memory_bytes() const {
   std::lock_guard<std::mutex> g(impl_->mu);
-  return impl_->storage_bytes + impl_->pool_count * impl_->pool_each;
+  return impl_->pooled ? impl_->pool_count * impl_->pool_each : impl_->full_bytes;
 }
 
 void* Reducer::bucket_slot(size_t param) {
