@@ -90,6 +90,12 @@ TEST_P(Collectives, AllgatherReduceScatter) {
   run_ranks(n, transport, check_allgather_reduce_scatter);
 }
 
+TEST_P(Collectives, AllgatherStreamingIntoSharedOutputs) {
+  auto [transport_name, n] = GetParam();
+  if (base_transport(transport_name) != "shm" || n == 1) GTEST_SKIP() << "single copy runs over shm between peers";
+  run_ranks(n, "shm", check_allgather_streaming);
+}
+
 TEST_P(Collectives, GatherScatterAlltoall) {
   auto [transport_name, n] = GetParam();
   const std::string transport = base_transport(transport_name);

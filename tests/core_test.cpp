@@ -12,6 +12,7 @@
 #include "core/clock.hpp"
 #include "core/env.hpp"
 #include "core/reduce.hpp"
+#include "core/stream_copy.hpp"
 
 namespace cohort {
 namespace {
@@ -177,6 +178,27 @@ TEST(Reduce, VectorisedHalfReductionsMatchTheScalarOnes) {
       }
     }
   }
+}
+
+// Streaming stores need a 16-byte aligned destination: every head and tail
+// length around it, and sizes around the 64-byte step.
+TEST(StreamCopy, CopiesEveryAlignmentAndLength) {
+  std::vector<uint8_t> src(300000 + 64), dst(src.size() + 64);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + i / 251);
+  for (size_t len : {size_t(0), size_t(1), size_t(15), size_t(16), size_t(63), size_t(64), size_t(65), size_t(129),
+                     size_t(300000)})
+    for (size_t d_off = 0; d_off < 18; ++d_off)
+      for (size_t s_off : {size_t(0), size_t(1), size_t(9)}) {
+        std::fill(dst.begin(), dst.end(), uint8_t{0xAB});
+        core::stream_copy(dst.data() + d_off, src.data() + s_off, len);
+        core::stream_fence();
+        for (size_t i = 0; i < dst.size(); ++i) {
+          const bool inside = i >= d_off && i < d_off + len;
+          ASSERT_EQ(dst[i], inside ? src[s_off + i - d_off] : uint8_t{0xAB})
+              << "len " << len << " dst offset " << d_off << " src offset " << s_off << " byte " << i;
+        }
+      }
+  EXPECT_GE(core::stream_copy_min(), size_t{4} << 20);
 }
 
 TEST(Env, ParsesSizesAndDurations) {
