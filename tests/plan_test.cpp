@@ -343,13 +343,97 @@ TEST(Planner, PipelineBubbleIsPMinusOneOverM) {
   const PlanResult r = plan_layouts(model_spec(f), cluster_spec(cf), t);
   bool seen = false;
   for (const Layout& L : r.layouts) {
-    if (L.tp != 8 || L.pp != 2 || L.zero != 0) continue;
+    if (L.tp != 8 || L.pp != 2 || L.zero != 0 || L.chunks != 1 || L.sp) continue;
     seen = true;
     EXPECT_EQ(L.dp, 32);
     EXPECT_EQ(L.micro_batches, 1536 / 32);
     EXPECT_NEAR(L.bubble_ms / L.compute_ms, 1.0 / 48, 1e-12);  // (p - 1) / m
   }
   EXPECT_TRUE(seen);
+}
+
+// The interleaved schedule with v chunks per stage (Narayanan et al. 2021, section 2.2.2): the bubble is
+// (p-1)/(v m), the stage boundaries are crossed v times as often, and the first stage holds
+// L (1 + (p-1)/(pv)) layers' activations instead of L (Korthikanti et al. 2022).
+TEST(Planner, InterleavingDividesTheBubbleByTheChunks) {
+  ModelFlags f;
+  f.preset = "gpt:39.1b";  // 48 layers, h 8192, s 2048, with recomputation: 2 s b h bytes per layer
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  cf.spec.hosts = 64;
+  const CostTable t = datasheet_table(cf);
+  const ModelSpec m = model_spec(f);
+  std::map<int, Layout> by_chunks;
+  for (const Layout& L : plan_layouts(m, cluster_spec(cf), t).layouts)
+    if (L.tp == 8 && L.pp == 2 && L.zero == 0 && !L.sp) by_chunks[L.chunks] = L;
+  ASSERT_EQ(by_chunks.size(), 3u);  // 1, 2 and 4 chunks: 48 layers divide by 2, 4 and 8
+  const Layout &one = by_chunks[1], &two = by_chunks[2], &four = by_chunks[4];
+  EXPECT_NEAR(two.bubble_ms / one.bubble_ms, 0.5, 1e-12);
+  EXPECT_NEAR(four.bubble_ms / one.bubble_ms, 0.25, 1e-12);
+  EXPECT_GT(two.pp_ms, one.pp_ms);
+  const double layer_bytes = 2.0 * m.seq * one.micro_batch * m.hidden;
+  EXPECT_NEAR((two.memory_gb - one.memory_gb) * kGB, 0.25 * layer_bytes * m.layers, 1e-6 * layer_bytes);  // (p-1)/(pv) = 1/4
+  EXPECT_NEAR((four.memory_gb - one.memory_gb) * kGB, 0.125 * layer_bytes * m.layers, 1e-6 * layer_bytes);
+}
+
+// Sequence parallelism (Korthikanti et al. 2022, Table 2): the activations between the tensor-parallel
+// regions are split t ways, and each allreduce becomes an allgather and a reduce-scatter of the same bytes.
+TEST(Planner, SequenceParallelismSplitsActivationsNotTraffic) {
+  ModelFlags f;
+  f.preset = "gpt:18.4b";
+  f.recompute = 0;
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  cf.spec.hosts = 32;
+  const CostTable t = datasheet_table(cf);
+  const ModelSpec m = model_spec(f);
+  std::map<bool, Layout> by_sp;
+  for (const Layout& L : plan_layouts(m, cluster_spec(cf), t).layouts)
+    if (L.tp == 8 && L.pp == 1 && L.zero == 1) by_sp[L.sp] = L;
+  ASSERT_EQ(by_sp.size(), 2u);
+  const double s = m.seq, b = by_sp[false].micro_batch, h = m.hidden, tp = 8;
+  // Per layer s b h (10 + 24/t) against s b h (34/t); the attention term 5as/(ht) is the same.
+  const double saved = s * b * h * (10 + 24 / tp - 34 / tp) * m.layers;
+  EXPECT_NEAR((by_sp[false].memory_gb - by_sp[true].memory_gb) * kGB, saved, 1e-6 * saved);
+  EXPECT_NEAR(by_sp[true].tp_ms / by_sp[false].tp_ms, 1, 1e-9);  // rings: the same steps and bytes
+  EXPECT_GT(by_sp[true].tp_ms, 0);
+}
+
+// The optimizer step streams the states of the parameters a device updates once: 28 bytes per parameter
+// for Adam, 20 for SGD with momentum, at the device's memory bandwidth; ZeRO divides it by dp.
+TEST(Planner, OptimizerStepIsMemoryBoundAndShardedByZero) {
+  ClusterFlags cf;
+  cf.preset = "a100-80g";
+  cf.spec.hosts = 2;
+  const CostTable t = datasheet_table(cf);
+  ModelFlags f;
+  f.preset = "gpt:1.7b";
+  const ModelSpec m = model_spec(f);
+  std::map<int, double> opt_ms;
+  for (const Layout& L : plan_layouts(m, cluster_spec(cf), t).layouts)
+    if (L.tp == 1 && L.pp == 1) opt_ms[L.zero] = L.optimizer_ms;
+  const double ddp = m.params * 28 / (2039 * kGB) * 1e3;
+  EXPECT_NEAR(opt_ms[0], ddp, 1e-9 * ddp);
+  for (int z : {1, 2, 3}) EXPECT_NEAR(opt_ms[z], ddp / 16, 1e-9 * ddp) << "ZeRO-" << z;
+  f.precision = "fp32";
+  f.optimizer = "sgd";
+  for (const Layout& L : plan_layouts(model_spec(f), cluster_spec(cf), t).layouts)
+    if (L.tp == 1 && L.pp == 1 && L.zero == 0) EXPECT_NEAR(L.optimizer_ms, m.params * 20 / (2039 * kGB) * 1e3, 1e-6);
+  cf.spec.memory_gbs = 1000;  // a flag overrides the preset
+  for (const Layout& L : plan_layouts(m, cluster_spec(cf), t).layouts)
+    if (L.tp == 1 && L.pp == 1 && L.zero == 0) EXPECT_NEAR(L.optimizer_ms, m.params * 28 / (1000 * kGB) * 1e3, 1e-6);
+  // Without a bandwidth the step is not modelled, and the plan says so.
+  ClusterFlags cpu;
+  cpu.spec.devices_per_host = 2;
+  cpu.spec.device_memory_gb = 4;
+  cpu.spec.device_tflops = 1;
+  ModelFlags mlp;
+  mlp.preset = "mlp";
+  const CostTable shm = datasheet(1, 1e-4, 50, 1e-3);
+  const PlanResult r = plan_layouts(model_spec(mlp), cluster_spec(cpu), shm);
+  for (const Layout& L : r.layouts) EXPECT_EQ(L.optimizer_ms, 0);
+  const std::string out = format_plan(model_spec(mlp), cluster_spec(cpu), r, 3, false);
+  EXPECT_TRUE(contains(out, "the optimizer step is not modelled: give --memory-gbs")) << out;
 }
 
 TEST(Planner, NothingFitsSaysWhatTheSmallestLayoutNeeds) {

@@ -49,6 +49,9 @@ void add_cluster_options(CLI::App& cmd, plan::ClusterFlags& c) {
       ->check(positive);
   cmd.add_option("--device-tflops", c.spec.device_tflops, "peak TFLOP/s of one device in the model's precision")
       ->check(positive);
+  cmd.add_option("--memory-gbs", c.spec.memory_gbs,
+                 "memory bandwidth of one device in GB/s (a GPU's HBM, or a CPU rank's share): the optimizer step's rate")
+      ->check(positive);
   cmd.add_option("--mfu", c.spec.mfu, "the fraction of that peak the model's kernels reach, in (0, 1] (default 0.5)")
       ->check(CLI::Range(1e-6, 1.0));
   cmd.add_option("--intra-host-gbs", c.spec.intra_gbs, "GPU-to-GPU bandwidth inside a host, GB/s each way per GPU")

@@ -1,6 +1,7 @@
 #include "plan/planner.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -116,6 +117,7 @@ ClusterSpec resolve_cluster(const ClusterFlags& f) {
     if (c.devices_per_host <= 0) c.devices_per_host = 8;
     if (c.device_memory_gb <= 0) c.device_memory_gb = 80 * 1.073741824;  // 80 GiB
     if (c.device_tflops <= 0) c.device_tflops = a100 ? 312 : 989;  // dense 16-bit tensor cores
+    if (c.memory_gbs <= 0) c.memory_gbs = a100 ? 2039 : 3350;       // HBM2e / HBM3, SXM datasheets
     if (c.intra_gbs <= 0) c.intra_gbs = a100 ? 300 : 450;           // NVLink, each way (600 / 900 GB/s both)
     if (c.inter_gbps <= 0) c.inter_gbps = a100 ? 8 * 200 : 8 * 400;  // 8 HDR / NDR InfiniBand NICs per host
   } else if (!f.preset.empty()) {
@@ -181,7 +183,12 @@ void apply_datasheet(CostTable& table, const ClusterSpec& c) {
 std::string Layout::name() const {
   if (tp == 1 && pp == 1)
     return zero == 0 ? fmt::format("DDP x{}", dp) : zero == 3 ? fmt::format("FSDP x{}", dp) : fmt::format("ZeRO-{} x{}", zero, dp);
-  return fmt::format("TP {} x PP {} x DP {}{}", tp, pp, dp, zero > 0 ? fmt::format(" (ZeRO-{})", zero) : "");
+  std::vector<std::string> notes;
+  if (sp) notes.push_back("SP");
+  if (chunks > 1) notes.push_back(fmt::format("{} chunks", chunks));
+  if (zero > 0) notes.push_back(fmt::format("ZeRO-{}", zero));
+  return fmt::format("TP {} x PP {} x DP {}{}", tp, pp, dp,
+                     notes.empty() ? std::string() : fmt::format(" ({})", fmt::join(notes, ", ")));
 }
 
 }  // namespace cohort::plan

@@ -46,6 +46,7 @@ struct ClusterSpec {
   bool gpu = false;
   double device_memory_gb = 0;    // per device, in GB of 1e9 bytes
   double device_tflops = 0;       // peak per device for the model's precision
+  double memory_gbs = 0;          // device memory bandwidth, GB/s: the optimizer step's rate; 0: not modelled
   double mfu = 0.5;               // the fraction of peak the model's kernels reach
   double intra_gbs = 0;           // GPUs: NVLink per GPU, GB/s each way
   double inter_gbps = 0;          // per host, Gbit/s each way (CPU: the wire limit of tcp_cross)
@@ -72,11 +73,14 @@ void apply_datasheet(CostTable& table, const ClusterSpec& c);
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
-  int zero = 0;  // 0: DDP; 1, 2, 3 (FSDP)
-  int micro_batch = 1;    // samples in one
-  int micro_batches = 1;  // per step and pipeline
-  double memory_gb = 0;   // per device
+  int zero = 0;             // 0: DDP; 1, 2, 3 (FSDP)
+  int chunks = 1;           // model chunks per pipeline stage (> 1: the interleaved 1F1B schedule)
+  bool sp = false;          // sequence parallelism with tensor parallelism (Korthikanti et al. 2022)
+  int micro_batch = 1;      // samples in one
+  int micro_batches = 1;    // per step and pipeline
+  double memory_gb = 0;     // per device
   double compute_ms = 0, bubble_ms = 0, tp_ms = 0, pp_ms = 0, dp_ms = 0, dp_exposed_ms = 0;
+  double optimizer_ms = 0;  // the optimizer step over this device's parameters (or shard), memory-bound
   double step_ms = 0;
   double efficiency = 0;  // ideal compute / step time
   bool fits = false;

@@ -56,12 +56,17 @@ struct Evaluator {
     double act;
     const double b = L.micro_batch;
     if (m.layers > 0) {
-      // Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s / (h t)) bytes per layer (34 + 5as/h at t = 1);
-      // 2 s b h with full recomputation. 1F1B keeps pp micro-batches of L/pp layers on the first stage.
+      // Korthikanti et al. 2022, Table 2, per layer: s b h (10 + 24/t + 5 a s / (h t)) bytes (34 + 5as/h at
+      // t = 1); with sequence parallelism s b h (34/t + 5 a s / (h t)); with full recomputation the layer's
+      // input, 2 s b h (sequence parallelism: split t ways). 1F1B keeps pp micro-batches of L/pp layers on
+      // the first stage, L layers' worth; the interleaved schedule (v chunks) starts 2(p-1) + (v-1)p chunk
+      // forwards before its first backward there (Megatron-LM's warm-up), (L/pv)(pv + p - 1) layers'
+      // worth: L (1 + (p-1)/(pv)), the factor of Korthikanti et al., section 4.2.3.
       const double s = m.seq, h = m.hidden, a = m.heads, t = L.tp;
-      const double per_layer = m.recompute ? 2 * s * b * h : s * b * h * (10 + 24 / t + 5 * a * s / (h * t));
-      const double one_layer_full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t));
-      act = per_layer * m.layers + (m.recompute ? one_layer_full : 0) + 4 * s * b * m.vocab / t;  // fp32 logits
+      const double full = L.sp ? s * b * h * (34 / t + 5 * a * s / (h * t)) : s * b * h * (10 + 24 / t + 5 * a * s / (h * t));
+      const double per_layer = m.recompute ? 2 * s * b * h / (L.sp ? t : 1) : full;
+      const double interleave = L.chunks > 1 ? 1 + (L.pp - 1.0) / (double(L.pp) * L.chunks) : 1;
+      act = (per_layer * m.layers) * interleave + (m.recompute ? full : 0) + 4 * s * b * m.vocab / t;  // fp32 logits
     } else {
       act = m.activation_bytes_per_sample * double(m.global_batch) / L.dp;
     }
@@ -82,21 +87,42 @@ struct Evaluator {
                                             : m.flops_per_sample * m.global_batch /
                                                   (world * c.device_tflops * 1e12 * c.mfu) * 1e3;
     L.compute_ms = ideal_ms;
-    // GPipe / 1F1B: (m + p - 1) slots of one micro-batch's work instead of m.
-    L.bubble_ms = ideal_ms * (L.pp - 1) / L.micro_batches;
+    // GPipe / 1F1B: (m + p - 1) slots of one micro-batch's work instead of m; interleaved with v chunks per
+    // stage, slots of a chunk (1/v of it): (p - 1)/(v m) (Narayanan et al. 2021, section 2.2.2).
+    L.bubble_ms = ideal_ms * (L.pp - 1) / (double(L.chunks) * L.micro_batches);
+  }
+
+  // The optimizer step: a fused update streams every state of the parameters this device updates
+  // (all of its P/(tp pp), or 1/dp of them under ZeRO) through memory once, read and written back, and
+  // reads the gradient and writes the 16-bit weights: 28 bytes per parameter for Adam, in fp32 or mixed
+  // precision; 20 for SGD with momentum, 12 plain. 0 when the cluster gives no memory bandwidth.
+  void optimizer(Layout& L) const {
+    if (c.memory_gbs <= 0) return;
+    double w, g;
+    const double k = bytes_per_param_state(w, g);  // the fp32 master (mixed precision) and the moments
+    const bool half = m.precision == "bf16" || m.precision == "fp16";
+    const double bytes = 2 * (half ? k : 4 + k) + g + (half ? w : 0);
+    const double params = m.params / (L.tp * L.pp) / (L.zero >= 1 ? L.dp : 1);
+    L.optimizer_ms = params * bytes / (c.memory_gbs * kGB) * 1e3;
   }
 
   void communication(Layout& L) const {
     const double act_bytes = double(L.micro_batch) * m.seq * m.hidden * 2;  // one micro-batch's activations, 16-bit
     if (L.tp > 1) {
-      // Megatron: 2 allreduces forward, 2 backward per layer (+2 for the recomputed forward).
+      // Megatron: 2 allreduces forward, 2 backward per layer (+2 for the recomputed forward). Sequence
+      // parallelism makes each an allgather and a reduce-scatter of the same bytes: the same bandwidth,
+      // twice the calls.
       const double per_mb = (m.layers / double(L.pp)) * (m.recompute ? 6 : 4);
-      L.tp_ms = per_mb * L.micro_batches * coll_ms(Coll::Allreduce, act_bytes, sub_group(L.tp, 1));
+      const GroupShape tpg = sub_group(L.tp, 1);
+      const double each = L.sp ? coll_ms(Coll::Allgather, act_bytes, tpg) + coll_ms(Coll::ReduceScatter, act_bytes, tpg)
+                               : coll_ms(Coll::Allreduce, act_bytes, tpg);
+      L.tp_ms = per_mb * L.micro_batches * each;
     }
     if (L.pp > 1) {
-      // One send forward and one backward per micro-batch and stage boundary, on the critical path.
+      // One send forward and one backward per micro-batch and stage boundary, on the critical path;
+      // interleaved, per chunk: v times the micro-batches' sends (Narayanan et al. 2021, section 2.2.2).
       const GroupShape pair = sub_group(2, L.tp * L.dp);
-      L.pp_ms = 2.0 * (L.micro_batches + L.pp - 2) * coll_ms(Coll::Broadcast, act_bytes / L.tp, pair);
+      L.pp_ms = 2.0 * (double(L.chunks) * L.micro_batches + L.pp - 2) * coll_ms(Coll::Broadcast, act_bytes / L.tp, pair);
     }
     double w, g;
     bytes_per_param_state(w, g);
@@ -128,15 +154,19 @@ struct Evaluator {
     }
   }
 
-  Layout evaluate(int dp, int tp, int pp, int zero) const {
-    Layout L{dp, tp, pp, zero};
-    L.micro_batch = m.micro_batch > 0 ? m.micro_batch : std::max(1, m.global_batch / dp);
-    L.micro_batches = std::max(1, m.global_batch / (dp * L.micro_batch));
+  int micro_batch(int dp) const { return m.micro_batch > 0 ? m.micro_batch : std::max(1, m.global_batch / dp); }
+  int micro_batches(int dp) const { return std::max(1, m.global_batch / (dp * micro_batch(dp))); }
+
+  Layout evaluate(int dp, int tp, int pp, int zero, int chunks, bool sp) const {
+    Layout L{dp, tp, pp, zero, chunks, sp};
+    L.micro_batch = micro_batch(dp);
+    L.micro_batches = micro_batches(dp);
     L.memory_gb = memory_gb(L);
     L.fits = L.memory_gb <= c.device_memory_gb;
     compute(L);
     communication(L);
-    L.step_ms = L.compute_ms + L.bubble_ms + L.tp_ms + L.pp_ms + L.dp_exposed_ms;
+    optimizer(L);
+    L.step_ms = L.compute_ms + L.bubble_ms + L.tp_ms + L.pp_ms + L.dp_exposed_ms + L.optimizer_ms;
     L.efficiency = L.compute_ms / L.step_ms;
     return L;
   }
@@ -170,13 +200,20 @@ PlanResult plan_layouts(const ModelSpec& m, const ClusterSpec& c, const CostTabl
         if (dp == 1 && zero > 0) break;
         if (zero >= 2 && pp > 1) break;               // a gradient shard cannot accumulate over micro-batches
         if (zero == 3 && (tp > 1 || pp > 1)) break;  // FSDP shards the whole model over dp
-        r.layouts.push_back(ev.evaluate(dp, tp, pp, zero));
+        for (int chunks : {1, 2, 4}) {
+          // Interleaving (Megatron-LM's condition): v chunks of whole layers per stage, and micro-batches
+          // in multiples of the stages.
+          if (chunks > 1 && (pp == 1 || m.layers % (pp * chunks) != 0 || ev.micro_batches(dp) % pp != 0)) break;
+          for (bool sp : {false, true})
+            if (!sp || tp > 1) r.layouts.push_back(ev.evaluate(dp, tp, pp, zero, chunks, sp));
+        }
       }
     }
   }
   std::stable_sort(r.layouts.begin(), r.layouts.end(), [](const Layout& a, const Layout& b) {
     if (a.fits != b.fits) return a.fits;
-    return a.fits ? a.step_ms < b.step_ms : a.memory_gb < b.memory_gb;
+    if (a.fits && a.step_ms != b.step_ms) return a.step_ms < b.step_ms;
+    return a.memory_gb < b.memory_gb;  // and among equally fast ones, the one that needs less
   });
   if (r.layouts.empty())
     throw InvalidArgument(fmt::format("no layout of {} on {} x {} devices divides its batch of {} (with micro-batch {}): "
@@ -196,26 +233,29 @@ PlanResult plan_layouts(const ModelSpec& m, const ClusterSpec& c, const CostTabl
 std::string format_plan(const ModelSpec& m, const ClusterSpec& c, const PlanResult& r, int top, bool csv) {
   std::string out;
   if (csv) {
-    out = "layout,dp,tp,pp,zero,fits,memory_gb,step_ms,compute_ms,bubble_ms,tp_ms,pp_ms,dp_ms,dp_exposed_ms,efficiency\n";
+    out = "layout,dp,tp,pp,zero,chunks,sp,fits,memory_gb,step_ms,compute_ms,bubble_ms,tp_ms,pp_ms,dp_ms,dp_exposed_ms,"
+          "optimizer_ms,efficiency\n";
     for (const Layout& L : r.layouts)
-      out += fmt::format("{},{},{},{},{},{},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.4f}\n", L.name(), L.dp,
-                         L.tp, L.pp, L.zero, L.fits ? 1 : 0, L.memory_gb, L.step_ms, L.compute_ms, L.bubble_ms, L.tp_ms,
-                         L.pp_ms, L.dp_ms, L.dp_exposed_ms, L.efficiency);
+      out += fmt::format("\"{}\",{},{},{},{},{},{},{},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.4f}\n",
+                         L.name(), L.dp, L.tp, L.pp, L.zero, L.chunks, L.sp ? 1 : 0, L.fits ? 1 : 0, L.memory_gb, L.step_ms,
+                         L.compute_ms, L.bubble_ms, L.tp_ms, L.pp_ms, L.dp_ms, L.dp_exposed_ms, L.optimizer_ms, L.efficiency);
     return out;
   }
   const double world = double(c.hosts) * c.devices_per_host;
   out += fmt::format("# {}: {:.4g}B parameters, {:.4g} GFLOP per sample, batch {} on {} host(s) x {} device(s) of {:.3g} GB\n",
                      m.name, m.params / 1e9, m.flops_per_sample / 1e9, m.global_batch, c.hosts, c.devices_per_host,
                      c.device_memory_gb);
-  out += fmt::format("# {:<28} {:>9} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>6} {:>10}\n", "layout", "mem GB", "step ms",
-                     "compute", "bubble", "tp", "pp", "dp(exp)", "eff", "TFLOP/s/d");
+  if (c.memory_gbs <= 0)
+    out += "# the optimizer step is not modelled: give --memory-gbs (the device's memory bandwidth) or a --cluster preset\n";
+  out += fmt::format("# {:<44} {:>9} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>6} {:>10}\n", "layout", "mem GB",
+                     "step ms", "compute", "bubble", "tp", "pp", "dp(exp)", "optim", "eff", "TFLOP/s/d");
   int shown = 0;
   for (const Layout& L : r.layouts) {
     if (!L.fits || shown++ >= top) break;
     const double tflops = m.flops_per_sample * m.global_batch / (world * L.step_ms * 1e-3) / 1e12;
-    out += fmt::format("  {:<28} {:>9.2f} {:>10.2f} {:>9.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>5.0f}% {:>10.2f}\n",
+    out += fmt::format("  {:<44} {:>9.2f} {:>10.2f} {:>9.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:>9.2f} {:>8.2f} {:>5.0f}% {:>10.2f}\n",
                        L.name(), L.memory_gb, L.step_ms, L.compute_ms, L.bubble_ms, L.tp_ms, L.pp_ms, L.dp_exposed_ms,
-                       100 * L.efficiency, tflops);
+                       L.optimizer_ms, 100 * L.efficiency, tflops);
   }
   const size_t nofit = size_t(std::count_if(r.layouts.begin(), r.layouts.end(), [](const Layout& L) { return !L.fits; }));
   if (nofit > 0) out += fmt::format("# {} more layout(s) do not fit in {:.3g} GB per device\n", nofit, c.device_memory_gb);
