@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <map>
+#include <memory>
+#include <set>
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_fsdp.hpp"
@@ -359,6 +362,13 @@ TEST(FsdpEval, ForwardWithoutGradientsMatchesTheWholeModel) {
   });
 }
 
+// How a test builds the AdamW of an FSDP: over its parameters() (ungrouped)
+// or over its parameter_groups() (`grouped`, with the param groups below).
+using MakeOptimizer = std::function<std::unique_ptr<torch::optim::AdamW>(FullyShardedDataParallel&)>;
+std::unique_ptr<torch::optim::AdamW> ungrouped(FullyShardedDataParallel& fsdp) {
+  return std::make_unique<torch::optim::AdamW>(fsdp.parameters(), adamw());
+}
+
 // The saved state of a world-4 run after 5 steps (model and optimizer
 // shards of every rank) and rank 0's full state after 10.
 struct SavedRun {
@@ -366,7 +376,7 @@ struct SavedRun {
   std::map<std::string, torch::Tensor> want;
   std::vector<double> losses;  // steps 5 to 9 on the global batch
 };
-SavedRun save_mid_run(int world) {
+SavedRun save_mid_run(int world, const MakeOptimizer& make = ungrouped) {
   SavedRun r;
   r.model.resize(world);
   r.optim.resize(world);
@@ -375,7 +385,8 @@ SavedRun save_mid_run(int world) {
     FNet net;
     net->to(torch::kDouble);
     FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
-    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    const auto made = make(fsdp);
+    torch::optim::AdamW& opt = *made;
     fsdp_steps(fsdp, opt, net, {}, 0, 5);
     r.model[pg.rank()] = fsdp.state_shard();
     r.optim[pg.rank()] = fsdp.optimizer_state_shard(opt);
@@ -445,15 +456,19 @@ TEST(FsdpCheckpoint, FullStateIsThePlainModelsState) {
   });
 }
 
-// Steps [from, to) of one process on the global batch; each step's loss.
-std::vector<double> plain_steps(FNet& net, torch::optim::AdamW& opt, int from, int to) {
+// Steps [from, to) of one process on the global batch (`micro` of them per
+// step, their gradients summed, as fsdp_steps takes them); each step's first loss.
+std::vector<double> plain_steps(FNet& net, torch::optim::Optimizer& opt, int from, int to, int micro = 1) {
   std::vector<double> losses;
   for (int s = from; s < to; ++s) {
     opt.zero_grad();
-    auto loss = torch::mse_loss(net->forward(inputs(s * kGlobal, kGlobal).to(torch::kDouble)),
-                                targets(s * kGlobal, kGlobal).to(torch::kDouble));
-    losses.push_back(loss.item<double>());
-    loss.backward();
+    for (int m = 0; m < micro; ++m) {
+      const int64_t at = (s * micro + m) * kGlobal;
+      auto loss = torch::mse_loss(net->forward(inputs(at, kGlobal).to(torch::kDouble)),
+                                  targets(at, kGlobal).to(torch::kDouble));
+      if (m == 0) losses.push_back(loss.item<double>());
+      loss.backward();
+    }
     opt.step();
   }
   return losses;
@@ -667,6 +682,25 @@ std::unique_ptr<torch::optim::AdamW> grouped_adamw(std::vector<torch::Tensor> re
   return std::make_unique<torch::optim::AdamW>(std::move(g), adamw());
 }
 
+// The same two groups over an FSDP (its parameter_groups()) and over a plain FNet.
+std::unique_ptr<torch::optim::AdamW> grouped(FullyShardedDataParallel& fsdp) {
+  const auto groups = fsdp.parameter_groups({bias_names()});
+  return grouped_adamw(groups.at(0), groups.at(1));
+}
+std::unique_ptr<torch::optim::AdamW> plain_grouped(FNet& net) {
+  const auto biases = bias_names();
+  std::vector<torch::Tensor> rest, bias;
+  for (const auto& item : net->named_parameters())
+    (std::count(biases.begin(), biases.end(), item.key()) ? bias : rest).push_back(item.value());
+  return grouped_adamw(rest, bias);
+}
+
+// Every parameter's state of `from` into `to`, an optimizer over the same
+// tensors grouped otherwise: LibTorch keys the state by tensor, not by group.
+void copy_state(torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
+  for (const auto& [key, state] : from.state()) to.state()[key] = state->clone();
+}
+
 // The biases without weight decay at half the learning rate, in every unit,
 // at worlds 2, 3 and 4 (each cuts the units' chunks at other places), with
 // FSDP's zero_grad and with the optimizer's (which sets the runs' .grad to
@@ -678,17 +712,7 @@ TEST(FsdpGroups, TwoGroupsEqualOneProcessWithTheSameGroups) {
   {
     FNet net;
     net->to(torch::kDouble);
-    std::vector<torch::Tensor> rest, bias;
-    for (const auto& item : net->named_parameters())
-      (std::count(biases.begin(), biases.end(), item.key()) ? bias : rest).push_back(item.value());
-    auto opt = grouped_adamw(rest, bias);
-    for (int s = 0; s < 10; ++s) {
-      opt->zero_grad();
-      torch::mse_loss(net->forward(inputs(s * kGlobal, kGlobal).to(torch::kDouble)),
-                      targets(s * kGlobal, kGlobal).to(torch::kDouble))
-          .backward();
-      opt->step();
-    }
+    plain_steps(net, *plain_grouped(net), 0, 10);
     want = by_name(cohort::torch::module_state(*net));
   }
   for (int world : {2, 3, 4})
@@ -759,6 +783,147 @@ TEST(FsdpGroups, StateOfGroupsReshards) {
     });
     for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "world " << world << " rank " << r;
   }
+}
+
+// Optimizer state is saved per unit chunk whatever the groups cut it into,
+// so state saved with groups at world 4 resumes at world 2 in an FSDP whose
+// optimizer is over parameters() (one group), and the other way round. Each
+// continues as one process that changes optimizer at step 5 and keeps every
+// parameter's moments.
+TEST(FsdpGroups, GroupedAndUngroupedStateConvertAcrossWorlds) {
+  for (bool saved_grouped : {true, false}) {
+    const MakeOptimizer before = saved_grouped ? MakeOptimizer(grouped) : MakeOptimizer(ungrouped);
+    const MakeOptimizer after = saved_grouped ? MakeOptimizer(ungrouped) : MakeOptimizer(grouped);
+    const SavedRun saved = save_mid_run(4, before);
+    FNet plain;
+    plain->to(torch::kDouble);
+    const auto with_groups = plain_grouped(plain);
+    torch::optim::AdamW without(plain->parameters(), adamw());
+    torch::optim::AdamW& first = saved_grouped ? *with_groups : without;
+    torch::optim::AdamW& second = saved_grouped ? without : *with_groups;
+    plain_steps(plain, first, 0, 5);
+    copy_state(first, second);
+    const auto want_losses = plain_steps(plain, second, 5, 10);
+    const auto want = by_name(cohort::torch::module_state(*plain));
+    const std::string what = saved_grouped ? "grouped saved, ungrouped loaded" : "ungrouped saved, grouped loaded";
+    EXPECT_GT(rel_error(saved.want, want), 1e-3) << what << ": the switch of groups should change the training";
+    std::vector<std::map<std::string, torch::Tensor>> got(2);
+    std::vector<double> losses;
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      FNet net;
+      net->to(torch::kDouble);
+      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+      const auto opt = after(fsdp);
+      fsdp.load_state_shards([&](int k) { return saved.model.at(k); });
+      fsdp.load_optimizer_state_shards(*opt, [&](int k) { return saved.optim.at(k); });
+      const auto l = fsdp_steps(fsdp, *opt, net, {}, 5, 10);
+      got[pg.rank()] = by_name(fsdp.full_state());
+      if (pg.rank() == 0) losses = l;
+    });
+    ASSERT_EQ(losses.size(), 5u);
+    for (size_t s = 0; s < 5; ++s)
+      EXPECT_NEAR(losses[s], want_losses[s], 1e-9 * std::abs(want_losses[s])) << what << " step " << s + 5;
+    for (int r = 0; r < 2; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << what << " rank " << r;
+  }
+}
+
+// A grouped FSDP's files (world 4) in one process without FSDP:
+// fsdp_optimizer_state_to_full names the state by the model's parameters()
+// (one group), so a plain optimizer with the groups refuses it, naming the
+// grouping and changing nothing; through an optimizer over parameters(),
+// whose state it then takes, it continues as the run that never stopped.
+TEST(FsdpGroups, GroupedShardsResumeInOneProcessWithTheSameGroups) {
+  const SavedRun saved = save_mid_run(4, grouped);
+  FNet plain;
+  plain->to(torch::kDouble);
+  cohort::torch::load_module_state(*plain,
+                                   cohort::torch::fsdp_state_to_full(*plain, [&](int k) { return saved.model.at(k); }));
+  const auto full = cohort::torch::fsdp_optimizer_state_to_full(*plain, [&](int k) { return saved.optim.at(k); });
+  const auto opt = plain_grouped(plain);
+  expect_invalid([&] { cohort::torch::load_optimizer_state(*opt, full); }, "parameter grouping");
+  EXPECT_TRUE(opt->state().empty()) << "a refused load installed state";
+  EXPECT_EQ(opt->param_groups()[1].options().get_lr(), no_decay().lr()) << "a refused load changed a learning rate";
+  torch::optim::AdamW flat(plain->parameters(), adamw());
+  cohort::torch::load_optimizer_state(flat, full);
+  copy_state(flat, *opt);
+  const auto losses = plain_steps(plain, *opt, 5, 10);
+  ASSERT_EQ(saved.losses.size(), 5u);
+  for (size_t s = 0; s < 5; ++s)
+    EXPECT_NEAR(losses[s], saved.losses[s], 1e-9 * std::abs(saved.losses[s])) << "step " << s + 5;
+  EXPECT_LT(rel_error(by_name(cohort::torch::module_state(*plain)), saved.want), 1e-9);
+}
+
+// A one-process AdamW with the two groups, after 5 steps, resumed in FSDP
+// with the same groups at worlds 2 and 3. load_full_optimizer_state reads a
+// plain optimizer over the model's parameters() (one group, as DDP's), so
+// the grouped optimizer's own state is refused by name, changing nothing;
+// copied into an optimizer over parameters() (by tensor), its state loads
+// and FSDP continues as the one process does.
+TEST(FsdpGroups, APlainGroupedStateResumesInFsdpWithTheSameGroups) {
+  FNet plain;
+  plain->to(torch::kDouble);
+  const auto opt = plain_grouped(plain);
+  plain_steps(plain, *opt, 0, 5);
+  const auto model = cohort::torch::module_state(*plain);
+  const auto grouped_state = cohort::torch::optimizer_state(*opt);
+  torch::optim::AdamW flat(plain->parameters(), adamw());
+  copy_state(*opt, flat);
+  const auto flat_state = cohort::torch::optimizer_state(flat);
+  const auto want_losses = plain_steps(plain, *opt, 5, 10);
+  const auto want = by_name(cohort::torch::module_state(*plain));
+  for (int world : {2, 3}) {
+    std::vector<std::map<std::string, torch::Tensor>> got(world);
+    std::vector<double> losses;
+    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      FNet net;
+      net->to(torch::kDouble);
+      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+      const auto o = grouped(fsdp);
+      fsdp.load_full_state(model);
+      expect_invalid([&] { fsdp.load_full_optimizer_state(*o, grouped_state); },
+                     "optimizer's with several param groups");
+      expect_invalid([&] { fsdp.load_full_optimizer_state(*o, grouped_state); },
+                     "HINT: copy the grouped optimizer's state into one over the model's parameters()");
+      EXPECT_TRUE(o->state().empty()) << "a refused load installed state";
+      fsdp.load_full_optimizer_state(*o, flat_state);
+      const auto l = fsdp_steps(fsdp, *o, net, {}, 5, 10);
+      got[pg.rank()] = by_name(fsdp.full_state());
+      if (pg.rank() == 0) losses = l;
+    });
+    ASSERT_EQ(losses.size(), 5u);
+    for (size_t s = 0; s < 5; ++s)
+      EXPECT_NEAR(losses[s], want_losses[s], 1e-9 * std::abs(want_losses[s])) << "world " << world << " step " << s + 5;
+    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "world " << world << " rank " << r;
+  }
+}
+
+// Accumulation with groups: two micro-batches a step, the first under
+// no_sync() (whole gradients kept in .grad, reduced with the second's), at
+// worlds 2 and 3, with FSDP's zero_grad and the optimizer's (the runs' .grad
+// set to none): one process with the same groups on the same micro-batches.
+TEST(FsdpGroups, NoSyncAccumulationEqualsOneProcessWithTheSameGroups) {
+  FNet plain;
+  plain->to(torch::kDouble);
+  plain_steps(plain, *plain_grouped(plain), 0, 5, 2);
+  const auto want = by_name(cohort::torch::module_state(*plain));
+  for (int world : {2, 3})
+    for (bool optimizer_zero_grad : {false, true}) {
+      std::vector<std::map<std::string, torch::Tensor>> got(world);
+      run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+        torch::set_num_threads(1);
+        FNet net;
+        net->to(torch::kDouble);
+        FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+        const auto opt = grouped(fsdp);
+        fsdp_steps(fsdp, *opt, net, {.micro = 2, .no_sync = true, .optimizer_zero_grad = optimizer_zero_grad}, 0, 5);
+        got[pg.rank()] = by_name(fsdp.full_state());
+      });
+      for (int r = 0; r < world; ++r)
+        EXPECT_LT(rel_error(got[r], want), 1e-9)
+            << "world " << world << " rank " << r << (optimizer_zero_grad ? " (optimizer's zero_grad)" : "");
+    }
 }
 
 TEST(FsdpGroups, BadGroupsAreNamed) {
