@@ -400,6 +400,39 @@ SavedRun save_mid_run(int world, const MakeOptimizer& make = ungrouped) {
   return r;
 }
 
+// Steps [5, 10) at `world` of an FSDP whose optimizer `make` builds, after
+// `load` put the saved state into both: rank 0's losses and every rank's
+// full state, checked by expect_resumed against the run that never stopped.
+struct Resumed {
+  std::vector<double> losses;
+  std::vector<std::map<std::string, torch::Tensor>> state;
+};
+using LoadState = std::function<void(FullyShardedDataParallel&, torch::optim::AdamW&)>;
+Resumed resume_in_fsdp(int world, const MakeOptimizer& make, const LoadState& load) {
+  Resumed r;
+  r.state.resize(world);
+  run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
+    const auto opt = make(fsdp);
+    load(fsdp, *opt);
+    const auto losses = fsdp_steps(fsdp, *opt, net, {}, 5, 10);
+    r.state[pg.rank()] = by_name(fsdp.full_state());
+    if (pg.rank() == 0) r.losses = losses;
+  });
+  return r;
+}
+void expect_resumed(const Resumed& got, const std::vector<double>& losses, const std::map<std::string, torch::Tensor>& want,
+                    double loss_tol, double param_tol, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), 5u) << what;
+  ASSERT_EQ(losses.size(), 5u) << what;
+  for (size_t s = 0; s < 5; ++s)
+    EXPECT_NEAR(got.losses[s], losses[s], loss_tol * std::abs(losses[s])) << what << " step " << s + 5;
+  for (size_t r = 0; r < got.state.size(); ++r) EXPECT_LT(rel_error(got.state[r], want), param_tol) << what << " rank " << r;
+}
+
 // Saved at world 4, resumed at 4, 3, 2 and 1: the same losses and
 // parameters as the run that never stopped (each world a different chunking
 // and padding; the global batch is the same).
@@ -407,24 +440,11 @@ TEST(FsdpCheckpoint, ShardsSavedAtWorld4ResumeAtAnyWorld) {
   const SavedRun saved = save_mid_run(4);
   ASSERT_EQ(saved.losses.size(), 5u);
   for (int world : {4, 3, 2, 1}) {
-    std::vector<std::map<std::string, torch::Tensor>> got(world);
-    std::vector<double> losses;
-    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
-      torch::set_num_threads(1);
-      FNet net;
-      net->to(torch::kDouble);
-      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
-      torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    const Resumed got = resume_in_fsdp(world, ungrouped, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt) {
       fsdp.load_state_shards([&](int k) { return saved.model.at(k); });
       fsdp.load_optimizer_state_shards(opt, [&](int k) { return saved.optim.at(k); });
-      const auto l = fsdp_steps(fsdp, opt, net, {}, 5, 10);
-      got[pg.rank()] = by_name(fsdp.full_state());
-      if (pg.rank() == 0) losses = l;
     });
-    ASSERT_EQ(losses.size(), 5u);
-    for (size_t s = 0; s < 5; ++s)
-      EXPECT_NEAR(losses[s], saved.losses[s], 1e-6 * std::abs(saved.losses[s])) << "world " << world << " step " << s + 5;
-    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], saved.want), 1e-12) << "world " << world << " rank " << r;
+    expect_resumed(got, saved.losses, saved.want, 1e-6, 1e-12, "world " + std::to_string(world));
   }
 }
 
@@ -491,23 +511,11 @@ TEST(FsdpCheckpoint, ShardsResumeWithoutFsdpAndAPlainStateResumesWithIt) {
   for (size_t s = 0; s < 5; ++s) EXPECT_NEAR(losses[s], saved.losses[s], 1e-6 * std::abs(saved.losses[s])) << "step " << s + 5;
   EXPECT_LT(rel_error(by_name(cohort::torch::module_state(*plain)), saved.want), 1e-6);
 
-  std::vector<std::map<std::string, torch::Tensor>> got(3);
-  std::vector<double> fsdp_losses;
-  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
-    torch::set_num_threads(1);
-    FNet net;
-    net->to(torch::kDouble);
-    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
-    torch::optim::AdamW o(fsdp.parameters(), adamw());
+  const Resumed got = resume_in_fsdp(3, ungrouped, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& o) {
     fsdp.load_full_state(plain_model);
     fsdp.load_full_optimizer_state(o, plain_optim);
-    const auto l = fsdp_steps(fsdp, o, net, {}, 5, 10);
-    got[pg.rank()] = by_name(fsdp.full_state());
-    if (pg.rank() == 0) fsdp_losses = l;
   });
-  ASSERT_EQ(fsdp_losses.size(), 5u);
-  for (size_t s = 0; s < 5; ++s) EXPECT_NEAR(fsdp_losses[s], saved.losses[s], 1e-6 * std::abs(saved.losses[s])) << "step " << s + 5;
-  for (int r = 0; r < 3; ++r) EXPECT_LT(rel_error(got[r], saved.want), 1e-6) << "rank " << r;
+  expect_resumed(got, saved.losses, saved.want, 1e-6, 1e-6, "plain state in FSDP at world 3:");
 
   // The wrong files, or another model, are named.
   expect_invalid([&] { (void)cohort::torch::fsdp_optimizer_state_to_full(*plain, [&](int k) { return saved.model.at(k); }); },
@@ -807,24 +815,11 @@ TEST(FsdpGroups, GroupedAndUngroupedStateConvertAcrossWorlds) {
     const auto want = by_name(cohort::torch::module_state(*plain));
     const std::string what = saved_grouped ? "grouped saved, ungrouped loaded" : "ungrouped saved, grouped loaded";
     EXPECT_GT(rel_error(saved.want, want), 1e-3) << what << ": the switch of groups should change the training";
-    std::vector<std::map<std::string, torch::Tensor>> got(2);
-    std::vector<double> losses;
-    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
-      torch::set_num_threads(1);
-      FNet net;
-      net->to(torch::kDouble);
-      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
-      const auto opt = after(fsdp);
+    const Resumed got = resume_in_fsdp(2, after, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt) {
       fsdp.load_state_shards([&](int k) { return saved.model.at(k); });
-      fsdp.load_optimizer_state_shards(*opt, [&](int k) { return saved.optim.at(k); });
-      const auto l = fsdp_steps(fsdp, *opt, net, {}, 5, 10);
-      got[pg.rank()] = by_name(fsdp.full_state());
-      if (pg.rank() == 0) losses = l;
+      fsdp.load_optimizer_state_shards(opt, [&](int k) { return saved.optim.at(k); });
     });
-    ASSERT_EQ(losses.size(), 5u);
-    for (size_t s = 0; s < 5; ++s)
-      EXPECT_NEAR(losses[s], want_losses[s], 1e-9 * std::abs(want_losses[s])) << what << " step " << s + 5;
-    for (int r = 0; r < 2; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << what << " rank " << r;
+    expect_resumed(got, want_losses, want, 1e-9, 1e-9, what);
   }
 }
 
@@ -873,29 +868,15 @@ TEST(FsdpGroups, APlainGroupedStateResumesInFsdpWithTheSameGroups) {
   const auto want_losses = plain_steps(plain, *opt, 5, 10);
   const auto want = by_name(cohort::torch::module_state(*plain));
   for (int world : {2, 3}) {
-    std::vector<std::map<std::string, torch::Tensor>> got(world);
-    std::vector<double> losses;
-    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
-      torch::set_num_threads(1);
-      FNet net;
-      net->to(torch::kDouble);
-      FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
-      const auto o = grouped(fsdp);
+    const Resumed got = resume_in_fsdp(world, grouped, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& o) {
       fsdp.load_full_state(model);
-      expect_invalid([&] { fsdp.load_full_optimizer_state(*o, grouped_state); },
-                     "optimizer's with several param groups");
-      expect_invalid([&] { fsdp.load_full_optimizer_state(*o, grouped_state); },
+      expect_invalid([&] { fsdp.load_full_optimizer_state(o, grouped_state); }, "optimizer's with several param groups");
+      expect_invalid([&] { fsdp.load_full_optimizer_state(o, grouped_state); },
                      "HINT: copy the grouped optimizer's state into one over the model's parameters()");
-      EXPECT_TRUE(o->state().empty()) << "a refused load installed state";
-      fsdp.load_full_optimizer_state(*o, flat_state);
-      const auto l = fsdp_steps(fsdp, *o, net, {}, 5, 10);
-      got[pg.rank()] = by_name(fsdp.full_state());
-      if (pg.rank() == 0) losses = l;
+      EXPECT_TRUE(o.state().empty()) << "a refused load installed state";
+      fsdp.load_full_optimizer_state(o, flat_state);
     });
-    ASSERT_EQ(losses.size(), 5u);
-    for (size_t s = 0; s < 5; ++s)
-      EXPECT_NEAR(losses[s], want_losses[s], 1e-9 * std::abs(want_losses[s])) << "world " << world << " step " << s + 5;
-    for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "world " << world << " rank " << r;
+    expect_resumed(got, want_losses, want, 1e-9, 1e-9, "world " + std::to_string(world));
   }
 }
 
