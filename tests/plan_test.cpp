@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
+#include <set>
 #include <sstream>
 #include <filesystem>
 #include <fstream>
@@ -374,6 +376,14 @@ TEST(Planner, InterleavingDividesTheBubbleByTheChunks) {
   const double layer_bytes = 2.0 * m.seq * one.micro_batch * m.hidden;
   EXPECT_NEAR((two.memory_gb - one.memory_gb) * kGB, 0.25 * layer_bytes * m.layers, 1e-6 * layer_bytes);  // (p-1)/(pv) = 1/4
   EXPECT_NEAR((four.memory_gb - one.memory_gb) * kGB, 0.125 * layer_bytes * m.layers, 1e-6 * layer_bytes);
+  // With as many micro-batches as stages (batch 64 over dp 32: m = 2 = p) the schedules start all of them
+  // before the first backward: 1F1B holds 2 micro-batches of L/2 layers, 2 chunks 4 of L/4, the same.
+  f.spec.global_batch = 64;
+  std::map<int, double> gb;
+  for (const Layout& L : plan_layouts(model_spec(f), cluster_spec(cf), t).layouts)
+    if (L.tp == 8 && L.pp == 2 && L.zero == 0 && !L.sp) gb[L.chunks] = L.memory_gb;
+  ASSERT_EQ(gb.count(2), 1u);
+  EXPECT_NEAR(gb[2], gb[1], 1e-12);
 }
 
 // Sequence parallelism (Korthikanti et al. 2022, Table 2): the activations between the tensor-parallel
@@ -397,6 +407,12 @@ TEST(Planner, SequenceParallelismSplitsActivationsNotTraffic) {
   EXPECT_NEAR((by_sp[false].memory_gb - by_sp[true].memory_gb) * kGB, saved, 1e-6 * saved);
   EXPECT_NEAR(by_sp[true].tp_ms / by_sp[false].tp_ms, 1, 1e-9);  // rings: the same steps and bytes
   EXPECT_GT(by_sp[true].tp_ms, 0);
+  // Only where tp divides the sequence: 2050 tokens split 2 ways, not 4 or 8.
+  f.spec.seq = 2050;
+  std::set<int> sp_tp;
+  for (const Layout& L : plan_layouts(model_spec(f), cluster_spec(cf), t).layouts)
+    if (L.sp) sp_tp.insert(L.tp);
+  EXPECT_EQ(sp_tp, std::set<int>{2});
 }
 
 // The optimizer step streams the states of the parameters a device updates once: 28 bytes per parameter
@@ -418,10 +434,20 @@ TEST(Planner, OptimizerStepIsMemoryBoundAndShardedByZero) {
   f.precision = "fp32";
   f.optimizer = "sgd";
   for (const Layout& L : plan_layouts(model_spec(f), cluster_spec(cf), t).layouts)
-    if (L.tp == 1 && L.pp == 1 && L.zero == 0) EXPECT_NEAR(L.optimizer_ms, m.params * 20 / (2039 * kGB) * 1e3, 1e-6);
+    if (L.tp == 1 && L.pp == 1 && L.zero == 0) {
+      EXPECT_NEAR(L.optimizer_ms, m.params * 20 / (2039 * kGB) * 1e3, 1e-6);
+    }
   cf.spec.memory_gbs = 1000;  // a flag overrides the preset
   for (const Layout& L : plan_layouts(m, cluster_spec(cf), t).layouts)
-    if (L.tp == 1 && L.pp == 1 && L.zero == 0) EXPECT_NEAR(L.optimizer_ms, m.params * 28 / (1000 * kGB) * 1e3, 1e-6);
+    if (L.tp == 1 && L.pp == 1 && L.zero == 0) {
+      EXPECT_NEAR(L.optimizer_ms, m.params * 28 / (1000 * kGB) * 1e3, 1e-6);
+    }
+  // A step measured per sample (--sample-ms) holds its optimizer already.
+  ModelFlags measured = f;
+  measured.spec.sample_ms = 10;
+  const PlanResult mr = plan_layouts(model_spec(measured), cluster_spec(cf), t);
+  for (const Layout& L : mr.layouts) EXPECT_EQ(L.optimizer_ms, 0) << L.name();
+  EXPECT_TRUE(contains(format_plan(model_spec(measured), cluster_spec(cf), mr, 1, false), "the optimizer step is in --sample-ms"));
   // Without a bandwidth the step is not modelled, and the plan says so.
   ClusterFlags cpu;
   cpu.spec.devices_per_host = 2;

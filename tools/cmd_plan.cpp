@@ -76,7 +76,7 @@ void add_model_options(CLI::App& cmd, plan::ModelFlags& m) {
   cmd.add_option("--flops-per-sample", m.spec.flops_per_sample, "training FLOPs per sample (default: the formula, or 6 x params)")->check(positive);
   cmd.add_option("--activation-bytes", m.spec.activation_bytes_per_sample, "activation bytes per sample (non-transformers)")->check(positive);
   cmd.add_option("--sample-ms", m.spec.sample_ms,
-                 "measured forward + backward milliseconds per sample on one device (instead of FLOPs / peak)")->check(positive);
+                 "measured milliseconds per sample of a whole step on one device, optimizer included (instead of FLOPs / peak)")->check(positive);
   cmd.add_option("--global-batch", m.spec.global_batch, "samples per step, all ranks together")->check(positive);
   cmd.add_option("--micro-batch", m.spec.micro_batch, "samples per micro-batch")->check(positive);
   cmd.add_option("--precision", m.precision, "bf16 (16-bit weights and grads, fp32 master; the default), fp16 or fp32");

@@ -16,7 +16,9 @@
 //     with memcpy costs about twice that: two reads, and every destination
 //     line read for ownership before it is written.
 //     Below that size pulling is faster (the lines it writes are its own,
-//     not lines a peer holds in its cache): 1.2-1.6x at 8 MiB on the VM.
+//     not lines a peer holds in its cache): 11-12 against 6-10 GB/s busbw at
+//     8 MiB on the VM. Only x86-64 has the streaming stores, so only there
+//     does it push.
 //   - Pull, otherwise: rank r copies its own block into place and pulls each
 //     peer q's block straight into block q of its output: a load from the
 //     peer's shared buffer when it is one, else one process_vm_readv from the
@@ -51,12 +53,14 @@ namespace {
 
 // Writes this rank's block into block `rank` of every output; false (nothing
 // done) when some rank's output is not a shared buffer or the outputs are
-// small enough to stay in cache. Every rank gives the same answer: all see
-// the same list and sizes.
-bool push_blocks(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes, const std::vector<PeerBuffer>& outs) {
+// smaller than some rank's stream_copy_min (`push_min`, the largest of them:
+// each process reads its own from sysfs). Every rank gives the same answer:
+// all see the same lists and sizes.
+bool push_blocks(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes, const std::vector<PeerBuffer>& outs,
+                 uint64_t push_min) {
   const int n = c.size(), rank = c.rank();
   const size_t at = bytes * static_cast<size_t>(rank), total = bytes * static_cast<size_t>(n);
-  if (total < core::stream_copy_min() || !all_shared(outs)) return false;
+  if (total < push_min || !all_shared(outs)) return false;
   std::vector<uint8_t*> dest(n, nullptr);  // nullptr: process_vm_writev
   for (int q = 0; q < n; ++q) dest[q] = q == rank ? recv : map_shared(c, q, outs[q].ref, outs[q].addr, total);
   // Piece by piece, so that the second and later destinations read the piece from cache.
@@ -85,18 +89,21 @@ bool allgather_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t b
     if (mine != send) std::memcpy(mine, send, bytes_per_rank);
     return true;
   }
-  // One exchange for both buffers' addresses.
-  struct Both {
+  // One exchange for both buffers' addresses and each rank's size to push from.
+  struct Mine {
     PeerBuffer in, out;
+    uint64_t push_min;
   };
   const size_t total = bytes_per_rank * static_cast<size_t>(n);
-  const Both both{{reinterpret_cast<uint64_t>(send), transport::find_shared_buffer(send, bytes_per_rank)},
-                  {reinterpret_cast<uint64_t>(recv), transport::find_shared_buffer(recv, total)}};
-  std::vector<Both> all(static_cast<size_t>(n));
-  allgather_direct(c, reinterpret_cast<const uint8_t*>(&both), reinterpret_cast<uint8_t*>(all.data()), sizeof both);
+  const Mine mine_{{reinterpret_cast<uint64_t>(send), transport::find_shared_buffer(send, bytes_per_rank)},
+                   {reinterpret_cast<uint64_t>(recv), transport::find_shared_buffer(recv, total)},
+                   core::stream_copy_min()};
+  std::vector<Mine> all(static_cast<size_t>(n));
+  allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine_), reinterpret_cast<uint8_t*>(all.data()), sizeof mine_);
   std::vector<PeerBuffer> ins, outs;
-  for (const Both& b : all) ins.push_back(b.in), outs.push_back(b.out);
-  if (!push_blocks(c, send, recv, bytes_per_rank, outs)) {
+  uint64_t push_min = 0;
+  for (const Mine& m : all) ins.push_back(m.in), outs.push_back(m.out), push_min = std::max(push_min, m.push_min);
+  if (!push_blocks(c, send, recv, bytes_per_rank, outs, push_min)) {
     if (shared_only && !all_shared(ins)) return false;  // every rank sees the same addresses: all agree
     if (mine != send) std::memcpy(mine, send, bytes_per_rank);
     for (int k = 1; k < n; ++k) {

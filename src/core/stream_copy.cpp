@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -12,10 +13,11 @@
 
 namespace cohort::core {
 
+#if defined(__x86_64__)
 namespace {
 // The largest cache of cpu0 as the kernel reports it (sysfs), 0 when unknown.
-// Not sysconf(_SC_LEVEL3_CACHE_SIZE): glibc reads it from cpuid, which some
-// VMs fill oddly (320 MiB on the project's VM, whose L3 is 32 MiB).
+// Not sysconf(_SC_LEVEL3_CACHE_SIZE): glibc reads cpuid its own way and says
+// 320 MiB on the project's VM, where the kernel (and lscpu) say 32 MiB.
 size_t last_level_cache() {
   size_t best = 0;
   for (int i = 0; i < 8; ++i) {
@@ -31,13 +33,18 @@ size_t last_level_cache() {
   return best;
 }
 }  // namespace
+#endif
 
 size_t stream_copy_min() {
+#if defined(__x86_64__)
   static const size_t min = [] {
     const size_t llc = last_level_cache();
     return llc == 0 ? size_t{16} << 20 : std::max(size_t{4} << 20, llc / 2);
   }();
   return min;
+#else
+  return SIZE_MAX;
+#endif
 }
 
 void stream_copy(void* dst, const void* src, size_t n) {

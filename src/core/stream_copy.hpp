@@ -12,8 +12,8 @@
 //
 // But the stores evict the destination from the cache: when the data a call
 // touches fits in the cache (a benchmark's loop, a small bucket reused every
-// step), memcpy is faster, up to 3x at 8 MiB here. Callers use stream_copy
-// when the bytes the whole call writes reach stream_copy_min().
+// step), memcpy is faster. Callers use stream_copy when the bytes the whole
+// call writes reach stream_copy_min().
 //
 // Ordering: non-temporal stores are weakly ordered (x86). Call stream_fence()
 // after the last stream_copy and before telling another process the data is
@@ -26,8 +26,10 @@
 namespace cohort::core {
 
 // Half the last-level cache (as sysfs gives it), at least 4 MiB; 16 MiB when the
-// system does not say. Measured on the VM (32 MiB L3), a 2-rank allgather
-// gains from streaming from 24 MiB of output up and loses below 16 MiB.
+// system does not say. Measured on the VM (32 MiB L3; a 2-rank allgather,
+// docs/algorithms.md): streaming wins from 16 MiB of output up, memcpy at 8
+// MiB. SIZE_MAX where there are no streaming stores (not x86-64): callers
+// then never prefer them.
 size_t stream_copy_min();
 
 // memcpy(dst, src, n) with non-temporal stores on x86-64. The ranges must not

@@ -23,7 +23,7 @@ struct ModelSpec {
   int layers = 0, hidden = 0, heads = 0, seq = 0, vocab = 0;
   double flops_per_sample = 0;             // forward + backward (+ recompute); 0: from the formula
   double activation_bytes_per_sample = 0;  // non-transformers
-  double sample_ms = 0;                    // measured compute per sample on one device (overrides the FLOP rate)
+  double sample_ms = 0;                    // a measured whole step per sample on one device (overrides the FLOP rate)
   int global_batch = 0;                    // samples (sequences) per step, all ranks together
   int micro_batch = 0;                     // samples per micro-batch; 0: a rank's whole batch (transformers: 1)
   std::string precision = "bf16";          // bf16: 16-bit weights and grads, fp32 master + Adam; fp32

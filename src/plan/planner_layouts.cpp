@@ -58,15 +58,17 @@ struct Evaluator {
     if (m.layers > 0) {
       // Korthikanti et al. 2022, Table 2, per layer: s b h (10 + 24/t + 5 a s / (h t)) bytes (34 + 5as/h at
       // t = 1); with sequence parallelism s b h (34/t + 5 a s / (h t)); with full recomputation the layer's
-      // input, 2 s b h (sequence parallelism: split t ways). 1F1B keeps pp micro-batches of L/pp layers on
-      // the first stage, L layers' worth; the interleaved schedule (v chunks) starts 2(p-1) + (v-1)p chunk
-      // forwards before its first backward there (Megatron-LM's warm-up), (L/pv)(pv + p - 1) layers'
-      // worth: L (1 + (p-1)/(pv)), the factor of Korthikanti et al., section 4.2.3.
+      // input, 2 s b h (split t ways with sequence parallelism, as the runtime saves it).
+      // The first stage holds the chunks its schedule has begun and not finished (pipeline.cpp's
+      // warm-up, then one more forward): 1F1B min(p, m) micro-batches of L/p layers, L layers' worth when
+      // m >= p; interleaved with v chunks min(2(p-1) + (v-1)p + 1, m v) chunks of L/(pv) layers, which is
+      // L (1 + (p-1)/(pv)) when m > p, Korthikanti et al.'s factor (section 4.2.3).
       const double s = m.seq, h = m.hidden, a = m.heads, t = L.tp;
       const double full = L.sp ? s * b * h * (34 / t + 5 * a * s / (h * t)) : s * b * h * (10 + 24 / t + 5 * a * s / (h * t));
       const double per_layer = m.recompute ? 2 * s * b * h / (L.sp ? t : 1) : full;
-      const double interleave = L.chunks > 1 ? 1 + (L.pp - 1.0) / (double(L.pp) * L.chunks) : 1;
-      act = (per_layer * m.layers) * interleave + (m.recompute ? full : 0) + 4 * s * b * m.vocab / t;  // fp32 logits
+      const int p = L.pp, v = L.chunks, mb = L.micro_batches;
+      const int in_flight = v == 1 ? std::min(p, mb) : std::min(2 * (p - 1) + (v - 1) * p + 1, mb * v);
+      act = per_layer * m.layers / (double(p) * v) * in_flight + (m.recompute ? full : 0) + 4 * s * b * m.vocab / t;  // fp32 logits
     } else {
       act = m.activation_bytes_per_sample * double(m.global_batch) / L.dp;
     }
@@ -95,9 +97,10 @@ struct Evaluator {
   // The optimizer step: a fused update streams every state of the parameters this device updates
   // (all of its P/(tp pp), or 1/dp of them under ZeRO) through memory once, read and written back, and
   // reads the gradient and writes the 16-bit weights: 28 bytes per parameter for Adam, in fp32 or mixed
-  // precision; 20 for SGD with momentum, 12 plain. 0 when the cluster gives no memory bandwidth.
+  // precision; 20 for SGD with momentum, 12 plain. 0 when the cluster gives no memory bandwidth, and
+  // with --sample-ms, a measured step's time per sample that holds it already.
   void optimizer(Layout& L) const {
-    if (c.memory_gbs <= 0) return;
+    if (c.memory_gbs <= 0 || m.sample_ms > 0) return;
     double w, g;
     const double k = bytes_per_param_state(w, g);  // the fp32 master (mixed precision) and the moments
     const bool half = m.precision == "bf16" || m.precision == "fp16";
@@ -204,8 +207,8 @@ PlanResult plan_layouts(const ModelSpec& m, const ClusterSpec& c, const CostTabl
           // Interleaving (Megatron-LM's condition): v chunks of whole layers per stage, and micro-batches
           // in multiples of the stages.
           if (chunks > 1 && (pp == 1 || m.layers % (pp * chunks) != 0 || ev.micro_batches(dp) % pp != 0)) break;
-          for (bool sp : {false, true})
-            if (!sp || tp > 1) r.layouts.push_back(ev.evaluate(dp, tp, pp, zero, chunks, sp));
+          for (bool sp : {false, true})  // sequence parallelism splits the sequence tp ways
+            if (!sp || (tp > 1 && m.seq % tp == 0)) r.layouts.push_back(ev.evaluate(dp, tp, pp, zero, chunks, sp));
         }
       }
     }
@@ -245,7 +248,9 @@ std::string format_plan(const ModelSpec& m, const ClusterSpec& c, const PlanResu
   out += fmt::format("# {}: {:.4g}B parameters, {:.4g} GFLOP per sample, batch {} on {} host(s) x {} device(s) of {:.3g} GB\n",
                      m.name, m.params / 1e9, m.flops_per_sample / 1e9, m.global_batch, c.hosts, c.devices_per_host,
                      c.device_memory_gb);
-  if (c.memory_gbs <= 0)
+  if (m.sample_ms > 0)
+    out += "# the optimizer step is in --sample-ms (a measured step's time per sample)\n";
+  else if (c.memory_gbs <= 0)
     out += "# the optimizer step is not modelled: give --memory-gbs (the device's memory bandwidth) or a --cluster preset\n";
   out += fmt::format("# {:<44} {:>9} {:>10} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>6} {:>10}\n", "layout", "mem GB",
                      "step ms", "compute", "bubble", "tp", "pp", "dp(exp)", "optim", "eff", "TFLOP/s/d");
