@@ -259,11 +259,14 @@ class COHORT_API FullyShardedDataParallel {
   std::vector<NamedTensor> optimizer_state_shard(::torch::optim::Optimizer& optimizer) const;
   void load_optimizer_state_shards(::torch::optim::Optimizer& optimizer,
                                    const std::function<std::vector<NamedTensor>(int rank)>& read);
-  // A plain optimizer's state, as optimizer_state() saves it (LibTorch's SGD,
-  // Adam or AdamW over the unwrapped model's trainable parameters in
-  // registration order, one param group: what DDP or one process
-  // checkpoints), cut into this rank's shards. Not collective.
-  // InvalidArgument, changing nothing, when it does not fit.
+  // A plain optimizer's state (LibTorch's SGD, Adam or AdamW), cut into this
+  // rank's shards: as optimizer_state() saves an optimizer over the
+  // unwrapped model's trainable parameters in registration order, one param
+  // group (what DDP or one process checkpoints), or named by parameter as
+  // tp::full_optimizer_state(model, optimizer) saves one with any param
+  // groups. optimizer_state() of several groups is refused: its positions do
+  // not say which parameter each is. Not collective. InvalidArgument,
+  // changing nothing, when it does not fit.
   void load_full_optimizer_state(::torch::optim::Optimizer& optimizer, const std::vector<NamedTensor>& full);
 
   FsdpMemory memory() const;

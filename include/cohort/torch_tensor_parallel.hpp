@@ -272,9 +272,16 @@ COHORT_API void load_full_module_state(::torch::nn::Module& module, const std::v
 COHORT_API std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& module,
                                                          ::torch::optim::Optimizer& optimizer);
 // Loads such a state (from any layout) for `module`'s parameters into
-// `optimizer`: each rank keeps its slices. No communication. Throws
-// InvalidArgument as load_optimizer_state does (another optimizer, a shape
-// that does not fit).
+// `optimizer`, whatever its param groups: each rank keeps its slices. No
+// communication. Also takes optimizer_state() of one group over `module`'s
+// parameters() (DDP's and one process's; ZeRO's and FSDP's full state), as
+// the i-th trainable parameter's (without that group's learning rate).
+// Throws InvalidArgument as load_optimizer_state does (another optimizer, a
+// shape that does not fit), and for positions in a second group.
+// On a model without tensor-parallel layers this pair (full_optimizer_state
+// too) is a plain renaming: the way to move a grouped optimizer's state
+// (weight decay off for biases and norms) between one process, DDP, ZeRO
+// and FSDP.
 COHORT_API void load_full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
                                           const std::vector<NamedTensor>& tensors);
 

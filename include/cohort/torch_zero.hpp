@@ -170,13 +170,15 @@ class COHORT_API ZeroOptimizer {
   // does not fit this model and these options (another model, bucket_cap_mb
   // or optimizer), naming what differs.
   void load_state_shards(const std::function<std::vector<NamedTensor>(int rank)>& read);
-  // A plain optimizer's state, as optimizer_state() saves it (LibTorch's SGD,
-  // Adam or AdamW over this module's trainable parameters in registration
-  // order, one param group: what DDP or one process checkpoints), cut into
-  // this rank's shard. The state is per element, so this optimizer's own
-  // param groups do not matter; a plain optimizer with several groups names
-  // its state per group and is refused. Not collective. Throws InvalidArgument, changing
-  // nothing, when it does not fit.
+  // A plain optimizer's state (LibTorch's SGD, Adam or AdamW), cut into this
+  // rank's shard: as optimizer_state() saves an optimizer over this module's
+  // trainable parameters in registration order, one param group (what DDP or
+  // one process checkpoints), or named by parameter as
+  // tp::full_optimizer_state(module, optimizer) saves one with any param
+  // groups. The state is per element, so this optimizer's own param groups
+  // do not matter; optimizer_state() of several groups is refused (its
+  // positions do not say which parameter each is). Not collective. Throws
+  // InvalidArgument, changing nothing, when it does not fit.
   void load_full_state(const std::vector<NamedTensor>& full);
   ZeroStage stage() const { return opts_.stage; }
   DistributedDataParallel& ddp() { return *ddp_; }

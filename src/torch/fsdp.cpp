@@ -1331,26 +1331,6 @@ std::multimap<const void*, size_t> plain_indices(const ::torch::nn::Module& modu
   return out;
 }
 
-// A plain optimizer with several param groups names its state by position
-// within each group (group<g>.param<k>), which does not say which of the
-// model's parameters it is; load_full_optimizer_state reads the one-group
-// naming (group0.param<i>: the i-th trainable parameter). shard::param_field
-// refused the others with words from before parameter_groups() ("sharded
-// optimizer state has one" group, untrue since) and no way out: refused here
-// first, naming the conversion that works (the grouped optimizer's own state
-// is not read: groups could list their parameters in any order).
-void refuse_grouped_plain_state(const std::vector<NamedTensor>& full, const char* who) {
-  for (const auto& t : full)
-    if (t.name.rfind("group", 0) == 0 && t.name.rfind("group0.", 0) != 0)
-      throw InvalidArgument(fmt::format(
-          "{}: the state has \"{}\", so it is a plain optimizer's with several param groups, named by position "
-          "within each group; this reads the state of a plain optimizer over the model's parameters() in one group "
-          "(\"group0.param<i>\"), whatever groups this FSDP's optimizer has. HINT: copy the grouped optimizer's "
-          "state into one over the model's parameters() (LibTorch keys it by tensor: flat.state()[key] = "
-          "state->clone() for each entry) and pass optimizer_state() of that",
-          who, t.name));
-}
-
 }  // namespace
 
 std::vector<NamedTensor> fsdp_state_to_full(const ::torch::nn::Module& module,
@@ -1429,8 +1409,9 @@ void FullyShardedDataParallel::load_full_optimizer_state(::torch::optim::Optimiz
   (void)optimizer_chunks(optimizer, st.units, st.runs, kWho);  // checked before any work
   const shard::Kind kind = shard::kind_of(optimizer);
   const auto index = plain_indices(*module_);
-  refuse_grouped_plain_state(full, kWho);
-  const shard::PlainState plain = shard::parse_plain_state(full, index.size(), kind, kWho);
+  // By position (one group), or by parameter name (any groups: tp::full_optimizer_state).
+  const std::vector<NamedTensor> positional = shard::plain_state_by_position(full, shard::trainable_names(*module_), kWho);
+  const shard::PlainState plain = shard::parse_plain_state(positional, index.size(), kind, kWho);
   // One shard of a world of 1 (no padding), which load_optimizer_state_shards cuts to this world.
   FsdpLayout layout{.world = 1, .units = {}};
   std::vector<NamedTensor> shard;

@@ -135,7 +135,9 @@ class ShardFiles {
 inline std::optional<std::pair<size_t, std::string>> param_field(const std::string& name, const char* who) {
   if (name.rfind("group", 0) != 0) return std::nullopt;
   if (name.rfind("group0.", 0) != 0)
-    throw InvalidArgument(fmt::format("{}: \"{}\" belongs to a second param group; sharded optimizer state has one",
+    throw InvalidArgument(fmt::format("{}: \"{}\" belongs to a second param group, and a plain optimizer's state "
+                                      "by position names its parameters by place in each group, not in the model; "
+                                      "HINT: save it named by parameter with cohort::torch::tp::full_optimizer_state",
                                       who, name));
   constexpr std::string_view kParam = "group0.param";
   if (name.rfind(kParam, 0) != 0) return std::nullopt;
@@ -147,6 +149,71 @@ inline std::optional<std::pair<size_t, std::string>> param_field(const std::stri
                                       "not an optimizer's",
                                       who, name));
   return std::pair{static_cast<size_t>(std::stoul(index)), name.substr(dot + 1)};
+}
+
+// The fields a plain optimizer's state holds per parameter (SGD, Adam, AdamW).
+inline bool is_state_field(std::string_view f) {
+  return f == "momentum_buffer" || f == "exp_avg" || f == "exp_avg_sq" || f == "max_exp_avg_sq" || f == "step";
+}
+
+// A plain optimizer's state in the naming parse_plain_state reads, by
+// position in one group over the module's trainable parameters
+// ("group0.param<i>.<field>"). Two namings come in:
+//   - by position (optimizer_state() of an optimizer over parameters(), as
+//     DDP, one process, fsdp_optimizer_state_to_full and ZeRO save it):
+//     kept. With several param groups the positions do not say which of the
+//     model's parameters each is: refused, naming the way that works.
+//   - by parameter ("<name>.<field>", tp::full_optimizer_state of an
+//     optimizer with any param groups): renamed by the parameter's index in
+//     `trainable` (the module's trainable parameters' names in parameters()
+//     order). The groups' learning rates are the saving optimizer's: dropped.
+inline std::vector<NamedTensor> plain_state_by_position(const std::vector<NamedTensor>& full,
+                                                        const std::vector<std::string>& trainable, const char* who) {
+  const bool by_name =
+      std::any_of(full.begin(), full.end(), [](const NamedTensor& t) { return t.name.rfind("group", 0) != 0; });
+  if (!by_name) {
+    // Any trace of a second group (its learning rate too: its parameters may
+    // not have stepped yet) means the positions are not the model's.
+    for (const NamedTensor& t : full)
+      if (t.name.rfind("group0.", 0) != 0) (void)param_field(t.name, who);  // throws, naming the way out
+    return full;
+  }
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < trainable.size(); ++i) index.emplace(trainable[i], i);  // a shared one: its first place
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& t : full) {
+    if (t.name.rfind("group", 0) == 0) {
+      if (t.name.find(".param") != std::string::npos)
+        throw InvalidArgument(fmt::format("{}: the state names parameters both by position (\"{}\") and by name: "
+                                          "it is damaged, or two states were mixed",
+                                          who, t.name));
+      continue;  // a group's learning rate
+    }
+    const size_t dot = t.name.rfind('.');
+    const std::string field = dot == std::string::npos ? std::string() : t.name.substr(dot + 1);
+    if (!is_state_field(field))
+      throw InvalidArgument(fmt::format("{}: \"{}\" is not a parameter's optimizer state (<parameter>.exp_avg, "
+                                        ".exp_avg_sq, .max_exp_avg_sq, .step or .momentum_buffer)",
+                                        who, t.name));
+    const auto it = index.find(t.name.substr(0, dot));
+    if (it == index.end())
+      throw InvalidArgument(fmt::format("{}: the state has \"{}\", but the module has no trainable parameter \"{}\": "
+                                        "another model",
+                                        who, t.name, t.name.substr(0, dot)));
+    NamedTensor renamed = t;
+    renamed.name = fmt::format("group0.param{}.{}", it->second, field);
+    out.push_back(std::move(renamed));
+  }
+  return out;
+}
+
+// The names of `module`'s trainable parameters in parameters() order (each
+// appearance counted): the places of plain_state_by_position.
+inline std::vector<std::string> trainable_names(const ::torch::nn::Module& module) {
+  std::vector<std::string> out;
+  for (const auto& p : module.named_parameters(/*recurse=*/true))
+    if (p.value().requires_grad()) out.push_back(p.key());
+  return out;
 }
 
 // A plain optimizer's state as optimizer_state() saves it (one param group,

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -12,6 +13,7 @@
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
 #include "device.hpp"
+#include "shard_state.hpp"
 
 namespace cohort::torch::tp {
 
@@ -527,6 +529,40 @@ std::map<const void*, std::string> names_of(::torch::nn::Module& module) {
 
 constexpr const char* kStateFields[] = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"};
 
+// A one-group state by position ("group0.param<i>.<field>": optimizer_state()
+// of an optimizer over `module`'s parameters(), as DDP and one process save
+// it, and the full state of ZeRO and FSDP) renamed by parameter, i being the
+// i-th trainable parameter; the saving group's learning rate is left out
+// (this optimizer's groups are others). A state by name is returned as it is.
+// Positions in a second group do not say which parameter they are: refused.
+std::vector<NamedTensor> named_by_parameter(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
+  constexpr const char* kWho = "load_full_optimizer_state";
+  const bool positional = std::any_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) {
+    return t.name.rfind("group", 0) == 0 && t.name.find(".param") != std::string::npos;
+  });
+  if (!positional) return tensors;
+  const std::vector<std::string> names = shard::trainable_names(module);
+  std::vector<NamedTensor> out;
+  for (const NamedTensor& t : tensors) {
+    const auto pf = shard::param_field(t.name, kWho);  // throws for a second group
+    if (!pf) {
+      if (t.name.rfind("group", 0) != 0)
+        throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it "
+                                          "is damaged, or two states were mixed",
+                                          kWho, t.name));
+      continue;  // group0.lr
+    }
+    if (pf->first >= names.size())
+      throw InvalidArgument(fmt::format("{}: \"{}\" is for parameter {}, but the module has {} trainable ones: another "
+                                        "model",
+                                        kWho, t.name, pf->first, names.size()));
+    NamedTensor renamed = t;
+    renamed.name = names[pf->first] + "." + pf->second;
+    out.push_back(std::move(renamed));
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer) {
@@ -556,7 +592,8 @@ std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& module, ::tor
 }
 
 void load_full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
-                               const std::vector<NamedTensor>& tensors) {
+                               const std::vector<NamedTensor>& given) {
+  const std::vector<NamedTensor> tensors = named_by_parameter(module, given);
   std::map<std::string, const NamedTensor*> by_name;
   for (const auto& t : tensors) by_name[t.name] = &t;
   const auto names = names_of(module);

@@ -13,6 +13,7 @@
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_fsdp.hpp"
+#include "cohort/torch_tensor_parallel.hpp"
 #include "cohort/torch_train.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
@@ -824,10 +825,11 @@ TEST(FsdpGroups, GroupedAndUngroupedStateConvertAcrossWorlds) {
 }
 
 // A grouped FSDP's files (world 4) in one process without FSDP:
-// fsdp_optimizer_state_to_full names the state by the model's parameters()
-// (one group), so a plain optimizer with the groups refuses it, naming the
-// grouping and changing nothing; through an optimizer over parameters(),
-// whose state it then takes, it continues as the run that never stopped.
+// fsdp_optimizer_state_to_full names the state by position in one group
+// over the model's parameters(), which load_optimizer_state refuses for an
+// optimizer with the groups (naming the grouping, changing nothing) and
+// tp::load_full_optimizer_state takes, by the parameters' places in the
+// model: it continues as the run that never stopped.
 TEST(FsdpGroups, GroupedShardsResumeInOneProcessWithTheSameGroups) {
   const SavedRun saved = save_mid_run(4, grouped);
   FNet plain;
@@ -839,9 +841,7 @@ TEST(FsdpGroups, GroupedShardsResumeInOneProcessWithTheSameGroups) {
   expect_invalid([&] { cohort::torch::load_optimizer_state(*opt, full); }, "parameter grouping");
   EXPECT_TRUE(opt->state().empty()) << "a refused load installed state";
   EXPECT_EQ(opt->param_groups()[1].options().get_lr(), no_decay().lr()) << "a refused load changed a learning rate";
-  torch::optim::AdamW flat(plain->parameters(), adamw());
-  cohort::torch::load_optimizer_state(flat, full);
-  copy_state(flat, *opt);
+  cohort::torch::tp::load_full_optimizer_state(*plain, *opt, full);
   const auto losses = plain_steps(plain, *opt, 5, 10);
   ASSERT_EQ(saved.losses.size(), 5u);
   for (size_t s = 0; s < 5; ++s)
@@ -850,11 +850,10 @@ TEST(FsdpGroups, GroupedShardsResumeInOneProcessWithTheSameGroups) {
 }
 
 // A one-process AdamW with the two groups, after 5 steps, resumed in FSDP
-// with the same groups at worlds 2 and 3. load_full_optimizer_state reads a
-// plain optimizer over the model's parameters() (one group, as DDP's), so
-// the grouped optimizer's own state is refused by name, changing nothing;
-// copied into an optimizer over parameters() (by tensor), its state loads
-// and FSDP continues as the one process does.
+// with the same groups at worlds 2 and 3: its state named by parameter
+// (tp::full_optimizer_state) loads, and FSDP continues as the one process
+// does. optimizer_state() of the grouped optimizer names positions in each
+// group, not parameters: refused, naming the way that works, changing nothing.
 TEST(FsdpGroups, APlainGroupedStateResumesInFsdpWithTheSameGroups) {
   FNet plain;
   plain->to(torch::kDouble);
@@ -862,19 +861,17 @@ TEST(FsdpGroups, APlainGroupedStateResumesInFsdpWithTheSameGroups) {
   plain_steps(plain, *opt, 0, 5);
   const auto model = cohort::torch::module_state(*plain);
   const auto grouped_state = cohort::torch::optimizer_state(*opt);
-  torch::optim::AdamW flat(plain->parameters(), adamw());
-  copy_state(*opt, flat);
-  const auto flat_state = cohort::torch::optimizer_state(flat);
+  const auto named_state = cohort::torch::tp::full_optimizer_state(*plain, *opt);
   const auto want_losses = plain_steps(plain, *opt, 5, 10);
   const auto want = by_name(cohort::torch::module_state(*plain));
   for (int world : {2, 3}) {
     const Resumed got = resume_in_fsdp(world, grouped, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& o) {
       fsdp.load_full_state(model);
-      expect_invalid([&] { fsdp.load_full_optimizer_state(o, grouped_state); }, "optimizer's with several param groups");
+      expect_invalid([&] { fsdp.load_full_optimizer_state(o, grouped_state); }, "belongs to a second param group");
       expect_invalid([&] { fsdp.load_full_optimizer_state(o, grouped_state); },
-                     "HINT: copy the grouped optimizer's state into one over the model's parameters()");
+                     "HINT: save it named by parameter with cohort::torch::tp::full_optimizer_state");
       EXPECT_TRUE(o.state().empty()) << "a refused load installed state";
-      fsdp.load_full_optimizer_state(o, flat_state);
+      fsdp.load_full_optimizer_state(o, named_state);
     });
     expect_resumed(got, want_losses, want, 1e-9, 1e-9, "world " + std::to_string(world));
   }

@@ -7,6 +7,7 @@
 #include <limits>
 #include <set>
 
+#include "cohort/torch_tensor_parallel.hpp"
 #include "cohort/torch_zero.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
@@ -644,6 +645,84 @@ TEST(ZeroGroups, StateOfGroupsReshards) {
         EXPECT_LT(rel_error(got[r], want), 1e-9) << setup.what << ", world " << world << " rank " << r;
     }
   }
+}
+
+// LibTorch's AdamW over a Net with the biases in a second group (no_decay), at constant learning rates.
+std::unique_ptr<torch::optim::AdamW> plain_grouped(Net& net) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{net->fc1->weight, net->fc2->weight},
+                      std::make_unique<torch::optim::AdamWOptions>(adamw()));
+  groups.emplace_back(std::vector<torch::Tensor>{net->fc1->bias, net->fc2->bias},
+                      std::make_unique<torch::optim::AdamWOptions>(no_decay()));
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), adamw());
+}
+
+// A grouped optimizer's state moves between one process and ZeRO named by
+// parameter (tp::full_optimizer_state; no tensor-parallel layers here, so no
+// communication): one process's, 5 steps in, continues under ZeRO with the
+// same groups at world 2, and ZeRO's (world 3, gathered by position) in one
+// process with the groups; each as the one process that never stopped.
+// optimizer_state() of the grouped optimizer names positions in each group,
+// not parameters: refused, naming the way that works, changing nothing.
+TEST(ZeroGroups, AGroupedPlainStateMovesByName) {
+  Net plain;
+  plain->to(torch::kDouble);
+  const auto opt = plain_grouped(plain);
+  plain_steps(*opt, plain, 0, 5);
+  const auto model = cohort::torch::module_state(*plain);
+  const auto named = cohort::torch::tp::full_optimizer_state(*plain, *opt);
+  const auto positional = cohort::torch::optimizer_state(*opt);
+  plain_steps(*opt, plain, 5, 10);
+  const auto want = params_of(*plain);
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
+    const std::string what = "ZeRO-" + std::to_string(static_cast<int>(stage));
+    std::vector<std::vector<torch::Tensor>> got(2);
+    run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+      torch::set_num_threads(1);
+      Net net;
+      net->to(torch::kDouble);
+      cohort::torch::load_module_state(*net, model);
+      ZeroOptimizer zero(net.ptr(), borrowed(pg), adamw(), grouped(stage, no_decay()));
+      try {
+        zero.load_full_state(positional);
+        ADD_FAILURE() << what << ": a grouped state by position was taken";
+      } catch (const cohort::InvalidArgument& e) {
+        EXPECT_TRUE(std::string(e.what()).find("HINT: save it named by parameter") != std::string::npos) << e.what();
+      }
+      EXPECT_EQ(cohort::torch::optimizer_state_bytes(zero.shard_optimizer()), 0u) << "a refused load installed state";
+      zero.load_full_state(named);
+      zero_steps(zero, net, pg, 5, 10);
+      got[pg.rank()] = params_of(*net);
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << what << " rank " << r;
+  }
+  // The other way: ZeRO with the groups at world 3, 5 steps, gathered by position into one process's groups.
+  std::vector<std::vector<cohort::NamedTensor>> shards(3);
+  std::vector<cohort::NamedTensor> zero_model;
+  run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    Net net;
+    net->to(torch::kDouble);
+    ZeroOptimizer zero(net.ptr(), borrowed(pg), adamw(), grouped(ZeroStage::Two, no_decay()));
+    zero_steps(zero, net, pg, 0, 5);
+    shards[pg.rank()] = zero.state_shard();
+    if (pg.rank() == 0) zero_model = cohort::torch::module_state(*net);
+  });
+  Net resumed;
+  resumed->to(torch::kDouble);
+  cohort::torch::load_module_state(*resumed, zero_model);
+  const auto resumed_opt = plain_grouped(resumed);
+  const auto full = cohort::torch::zero_state_to_full(*resumed, [&](int k) { return shards.at(k); });
+  try {  // positions in two groups say nothing about which parameter: refused here too
+    cohort::torch::tp::load_full_optimizer_state(*resumed, *resumed_opt, positional);
+    ADD_FAILURE() << "a grouped state by position was taken";
+  } catch (const cohort::InvalidArgument& e) {
+    EXPECT_TRUE(std::string(e.what()).find("belongs to a second param group") != std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(resumed_opt->state().empty()) << "a refused load installed state";
+  cohort::torch::tp::load_full_optimizer_state(*resumed, *resumed_opt, full);
+  plain_steps(*resumed_opt, resumed, 5, 10);
+  EXPECT_LT(rel_error(params_of(*resumed), want), 1e-9) << "ZeRO's state in one process with the groups";
 }
 
 TEST(ZeroGroups, BadGroupsAreNamed) {
