@@ -274,8 +274,10 @@ COHORT_API std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& mo
 // Loads such a state (from any layout) for `module`'s parameters into
 // `optimizer`, whatever its param groups: each rank keeps its slices. No
 // communication. Also takes optimizer_state() of one group over `module`'s
-// parameters() (DDP's and one process's; ZeRO's and FSDP's full state), as
-// the i-th trainable parameter's (without that group's learning rate).
+// trainable parameters() in order (DDP's and one process's; ZeRO's and
+// FSDP's full state): "group0.param<i>" is the i-th trainable parameter's,
+// and that group's learning rate is not applied (this optimizer's groups
+// are others; a state by name sets each group's).
 // Throws InvalidArgument as load_optimizer_state does (another optimizer, a
 // shape that does not fit), and for positions in a second group.
 // On a model without tensor-parallel layers this pair (full_optimizer_state

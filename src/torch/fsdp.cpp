@@ -1410,7 +1410,7 @@ void FullyShardedDataParallel::load_full_optimizer_state(::torch::optim::Optimiz
   const shard::Kind kind = shard::kind_of(optimizer);
   const auto index = plain_indices(*module_);
   // By position (one group), or by parameter name (any groups: tp::full_optimizer_state).
-  const std::vector<NamedTensor> positional = shard::plain_state_by_position(full, shard::trainable_names(*module_), kWho);
+  const std::vector<NamedTensor> positional = shard::plain_state_by_position(full, shard::trainable_places(*module_), kWho);
   const shard::PlainState plain = shard::parse_plain_state(positional, index.size(), kind, kWho);
   // One shard of a world of 1 (no padding), which load_optimizer_state_shards cuts to this world.
   FsdpLayout layout{.world = 1, .units = {}};

@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <memory>
@@ -156,39 +158,74 @@ inline bool is_state_field(std::string_view f) {
   return f == "momentum_buffer" || f == "exp_avg" || f == "exp_avg_sq" || f == "max_exp_avg_sq" || f == "step";
 }
 
+// The names optimizer_state() gives by position, exactly: "group<g>.lr" and
+// "group<g>.param<k>.<field>" (g, k decimal). A parameter's own name may
+// begin with "group" too (a submodule "group_norm"): only these patterns
+// are positional.
+inline bool is_group_lr(const std::string& name) {
+  size_t g = 0;
+  int end = 0;
+  return name.size() > 5 && std::isdigit(static_cast<unsigned char>(name[5])) != 0 &&
+         std::sscanf(name.c_str(), "group%zu.lr%n", &g, &end) == 1 && static_cast<size_t>(end) == name.size();
+}
+inline bool is_positional(const std::string& name) {
+  size_t g = 0, k = 0;
+  int end = 0;
+  return name.size() > 5 && std::isdigit(static_cast<unsigned char>(name[5])) != 0 &&
+         std::sscanf(name.c_str(), "group%zu.param%zu.%n", &g, &k, &end) == 2 && end > 0;
+}
+
+// Each trainable parameter of `module` in parameters() order (each
+// appearance counted: the i of "group0.param<i>"), its name there, and the
+// first place of the same tensor (a tensor registered under two names, tied
+// weights, has its state at its first place).
+struct TrainablePlaces {
+  std::vector<std::string> names;
+  std::vector<size_t> first;
+};
+inline TrainablePlaces trainable_places(const ::torch::nn::Module& module) {
+  TrainablePlaces out;
+  std::map<const void*, size_t> first;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    if (!p.value().requires_grad()) continue;
+    out.first.push_back(first.emplace(p.value().unsafeGetTensorImpl(), out.names.size()).first->second);
+    out.names.push_back(p.key());
+  }
+  return out;
+}
+
 // A plain optimizer's state in the naming parse_plain_state reads, by
 // position in one group over the module's trainable parameters
 // ("group0.param<i>.<field>"). Two namings come in:
 //   - by position (optimizer_state() of an optimizer over parameters(), as
 //     DDP, one process, fsdp_optimizer_state_to_full and ZeRO save it):
-//     kept. With several param groups the positions do not say which of the
-//     model's parameters each is: refused, naming the way that works.
+//     kept. With any trace of a second param group (its learning rate too:
+//     its parameters may not have stepped) the positions do not say which
+//     of the model's parameters each is: refused, naming the way that works.
 //   - by parameter ("<name>.<field>", tp::full_optimizer_state of an
-//     optimizer with any param groups): renamed by the parameter's index in
-//     `trainable` (the module's trainable parameters' names in parameters()
-//     order). The groups' learning rates are the saving optimizer's: dropped.
+//     optimizer with any param groups): renamed by the first place of the
+//     parameter's tensor in `places`. The groups' learning rates are the
+//     saving optimizer's: dropped (ZeRO and FSDP keep their own). A state of
+//     learning rates only (saved before any step) is read this way: empty.
 inline std::vector<NamedTensor> plain_state_by_position(const std::vector<NamedTensor>& full,
-                                                        const std::vector<std::string>& trainable, const char* who) {
-  const bool by_name =
-      std::any_of(full.begin(), full.end(), [](const NamedTensor& t) { return t.name.rfind("group", 0) != 0; });
-  if (!by_name) {
-    // Any trace of a second group (its learning rate too: its parameters may
-    // not have stepped yet) means the positions are not the model's.
+                                                        const TrainablePlaces& places, const char* who) {
+  const bool positional = std::any_of(full.begin(), full.end(), [](const NamedTensor& t) { return is_positional(t.name); });
+  const auto named = std::find_if(full.begin(), full.end(),
+                                  [](const NamedTensor& t) { return !is_positional(t.name) && !is_group_lr(t.name); });
+  if (positional && named != full.end())
+    throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it is "
+                                      "damaged, or two states were mixed",
+                                      who, named->name));
+  if (positional) {
     for (const NamedTensor& t : full)
       if (t.name.rfind("group0.", 0) != 0) (void)param_field(t.name, who);  // throws, naming the way out
     return full;
   }
   std::map<std::string, size_t> index;
-  for (size_t i = 0; i < trainable.size(); ++i) index.emplace(trainable[i], i);  // a shared one: its first place
+  for (size_t i = 0; i < places.names.size(); ++i) index.emplace(places.names[i], places.first[i]);
   std::vector<NamedTensor> out;
   for (const NamedTensor& t : full) {
-    if (t.name.rfind("group", 0) == 0) {
-      if (t.name.find(".param") != std::string::npos)
-        throw InvalidArgument(fmt::format("{}: the state names parameters both by position (\"{}\") and by name: "
-                                          "it is damaged, or two states were mixed",
-                                          who, t.name));
-      continue;  // a group's learning rate
-    }
+    if (is_group_lr(t.name)) continue;
     const size_t dot = t.name.rfind('.');
     const std::string field = dot == std::string::npos ? std::string() : t.name.substr(dot + 1);
     if (!is_state_field(field))
@@ -204,15 +241,6 @@ inline std::vector<NamedTensor> plain_state_by_position(const std::vector<NamedT
     renamed.name = fmt::format("group0.param{}.{}", it->second, field);
     out.push_back(std::move(renamed));
   }
-  return out;
-}
-
-// The names of `module`'s trainable parameters in parameters() order (each
-// appearance counted): the places of plain_state_by_position.
-inline std::vector<std::string> trainable_names(const ::torch::nn::Module& module) {
-  std::vector<std::string> out;
-  for (const auto& p : module.named_parameters(/*recurse=*/true))
-    if (p.value().requires_grad()) out.push_back(p.key());
   return out;
 }
 

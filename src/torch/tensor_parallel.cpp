@@ -530,34 +530,35 @@ std::map<const void*, std::string> names_of(::torch::nn::Module& module) {
 constexpr const char* kStateFields[] = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"};
 
 // A one-group state by position ("group0.param<i>.<field>": optimizer_state()
-// of an optimizer over `module`'s parameters(), as DDP and one process save
-// it, and the full state of ZeRO and FSDP) renamed by parameter, i being the
-// i-th trainable parameter; the saving group's learning rate is left out
-// (this optimizer's groups are others). A state by name is returned as it is.
-// Positions in a second group do not say which parameter they are: refused.
-std::vector<NamedTensor> named_by_parameter(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
+// of an optimizer over `module`'s trainable parameters(), as DDP and one
+// process save it, and the full state of ZeRO and FSDP) renamed by
+// parameter, i being the i-th trainable parameter, under the name `names`
+// (names_of) gives its tensor (tied weights have one); the saving group's
+// learning rate is left out (this optimizer's groups are others). A state
+// by name is returned as it is. Positions in a second group do not say
+// which parameter they are: refused.
+std::vector<NamedTensor> named_by_parameter(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors,
+                                            const std::map<const void*, std::string>& names) {
   constexpr const char* kWho = "load_full_optimizer_state";
-  const bool positional = std::any_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) {
-    return t.name.rfind("group", 0) == 0 && t.name.find(".param") != std::string::npos;
-  });
-  if (!positional) return tensors;
-  const std::vector<std::string> names = shard::trainable_names(module);
+  if (std::none_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) { return shard::is_positional(t.name); }))
+    return tensors;
+  std::vector<const void*> trainable;
+  for (const auto& p : module.parameters(/*recurse=*/true))
+    if (p.requires_grad()) trainable.push_back(p.unsafeGetTensorImpl());
   std::vector<NamedTensor> out;
   for (const NamedTensor& t : tensors) {
+    if (!shard::is_positional(t.name) && !shard::is_group_lr(t.name))
+      throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it "
+                                        "is damaged, or two states were mixed",
+                                        kWho, t.name));
     const auto pf = shard::param_field(t.name, kWho);  // throws for a second group
-    if (!pf) {
-      if (t.name.rfind("group", 0) != 0)
-        throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it "
-                                          "is damaged, or two states were mixed",
-                                          kWho, t.name));
-      continue;  // group0.lr
-    }
-    if (pf->first >= names.size())
+    if (!pf) continue;                                  // group0.lr
+    if (pf->first >= trainable.size())
       throw InvalidArgument(fmt::format("{}: \"{}\" is for parameter {}, but the module has {} trainable ones: another "
                                         "model",
-                                        kWho, t.name, pf->first, names.size()));
+                                        kWho, t.name, pf->first, trainable.size()));
     NamedTensor renamed = t;
-    renamed.name = names[pf->first] + "." + pf->second;
+    renamed.name = names.at(trainable[pf->first]) + "." + pf->second;
     out.push_back(std::move(renamed));
   }
   return out;
@@ -593,10 +594,10 @@ std::vector<NamedTensor> full_optimizer_state(::torch::nn::Module& module, ::tor
 
 void load_full_optimizer_state(::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
                                const std::vector<NamedTensor>& given) {
-  const std::vector<NamedTensor> tensors = named_by_parameter(module, given);
+  const auto names = names_of(module);
+  const std::vector<NamedTensor> tensors = named_by_parameter(module, given, names);
   std::map<std::string, const NamedTensor*> by_name;
   for (const auto& t : tensors) by_name[t.name] = &t;
-  const auto names = names_of(module);
   const auto where = layouts(module);
   const auto& groups = optimizer.param_groups();
   std::vector<NamedTensor> local;

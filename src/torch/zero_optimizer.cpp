@@ -653,7 +653,7 @@ void ZeroOptimizer::load_full_state(const std::vector<NamedTensor>& full) {
   const std::vector<::torch::Tensor>& params = params_;
   const Kind kind = kind_of(*optimizer_);
   // By position (one group), or by parameter name (any groups: tp::full_optimizer_state).
-  const std::vector<NamedTensor> positional = plain_state_by_position(full, trainable_names(*module_), kWho);
+  const std::vector<NamedTensor> positional = plain_state_by_position(full, trainable_places(*module_), kWho);
   const PlainState plain = parse_plain_state(positional, params.size(), kind, kWho);
   const auto& by_param = plain.by_param;
   const int64_t steps = plain.steps;

@@ -11,6 +11,7 @@
 #include "cohort/torch_zero.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
+#include "torch/shard_state.hpp"
 
 namespace {
 
@@ -723,6 +724,51 @@ TEST(ZeroGroups, AGroupedPlainStateMovesByName) {
   cohort::torch::tp::load_full_optimizer_state(*resumed, *resumed_opt, full);
   plain_steps(*resumed_opt, resumed, 5, 10);
   EXPECT_LT(rel_error(params_of(*resumed), want), 1e-9) << "ZeRO's state in one process with the groups";
+}
+
+// How ZeRO and FSDP read a state named by parameter: only "group<g>.lr" and
+// "group<g>.param<k>.<field>" are positional (a submodule may be called
+// "group_norm"), a tensor registered twice (tied weights) has its state at
+// its first place, a state of learning rates only (saved before any step)
+// holds nothing, and what cannot be read is named.
+TEST(ZeroGroups, StateByNameFindsEveryParameter) {
+  struct Tied : torch::nn::Module {
+    Tied() {
+      register_module("group_norm", torch::nn::Linear(2, 3));
+      torch::nn::Linear shared(2, 2);
+      register_module("a", shared);
+      register_module("b", shared);
+    }
+  } m;
+  namespace shard = cohort::torch::shard;
+  const shard::TrainablePlaces places = shard::trainable_places(m);
+  ASSERT_EQ(places.names.size(), 6u);  // group_norm.weight, .bias, a.weight, a.bias, b.weight, b.bias
+  EXPECT_EQ(places.first, (std::vector<size_t>{0, 1, 2, 3, 2, 3}));
+  using cohort::torch::to_named;
+  const auto one = torch::ones({1}, torch::kDouble);
+  const std::vector<cohort::NamedTensor> by_name = {
+      to_named("group0.lr", one), to_named("group1.lr", one), to_named("group_norm.weight.exp_avg", torch::ones({3, 2})),
+      to_named("group_norm.weight.step", one), to_named("b.bias.exp_avg", torch::ones({2}))};
+  std::vector<std::string> got;
+  for (const auto& t : shard::plain_state_by_position(by_name, places, "test")) got.push_back(t.name);
+  EXPECT_EQ(got, (std::vector<std::string>{"group0.param0.exp_avg", "group0.param0.step", "group0.param3.exp_avg"}));
+  EXPECT_TRUE(shard::plain_state_by_position({to_named("group0.lr", one), to_named("group1.lr", one)}, places, "test")
+                  .empty());
+  auto error_of = [&](std::vector<cohort::NamedTensor> state) {
+    try {
+      (void)shard::plain_state_by_position(state, places, "test");
+    } catch (const cohort::InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const auto x = torch::ones({2});
+  EXPECT_NE(error_of({to_named("group0.param0.exp_avg", x), to_named("a.bias.exp_avg", x)}).find("both by position and by name"),
+            std::string::npos);
+  EXPECT_NE(error_of({to_named("c.weight.exp_avg", x)}).find("no trainable parameter \"c.weight\""), std::string::npos);
+  EXPECT_NE(error_of({to_named("a.bias.velocity", x)}).find("is not a parameter's optimizer state"), std::string::npos);
+  EXPECT_NE(error_of({to_named("group0.param0.exp_avg", x), to_named("group1.lr", one)}).find("second param group"),
+            std::string::npos);
 }
 
 TEST(ZeroGroups, BadGroupsAreNamed) {
