@@ -7,6 +7,7 @@
 // compression hooks convert through it; the results are the same closed-form
 // averages as on the host. The real CUDA memory is exercised by
 // tests/torch/ddp_cuda_test.cpp on a GPU (scripts/gpu-check.sh).
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <set>
@@ -59,6 +60,14 @@ class CountingDeviceMemory final : public GradMemory {
   void bucket_to_grad(void* grad, const void* bucket, size_t bytes) override {
     counted_copy(bucket_to_grad_calls, bucket, grad, bucket, bytes);
   }
+  void grads_to_buckets(std::span<const Copy> copies) override {
+    ++grads_batches;
+    for (const Copy& c : copies) counted_copy(grads_batched, c.dst, c.dst, c.src, c.bytes);
+  }
+  void buckets_to_grads(std::span<const Copy> copies) override {
+    ++results_batches;
+    for (const Copy& c : copies) counted_copy(results_batched, c.src, c.dst, c.src, c.bytes);
+  }
   void zero_bucket(void* bucket, size_t bytes) override {
     expect_bucket(bucket, bytes);
     ++zero_calls;
@@ -81,6 +90,7 @@ class CountingDeviceMemory final : public GradMemory {
 
   int allocations = 0, grad_to_bucket_calls = 0, bucket_to_grad_calls = 0, zero_calls = 0, convert_calls = 0;
   int staged_in = 0, staged_out = 0;
+  int grads_batches = 0, grads_batched = 0, results_batches = 0, results_batched = 0;
 
  private:
   // A copy one of whose sides (`bucket`) must be memory this allocated.
@@ -102,60 +112,83 @@ class GradMemoryTest : public ::testing::TestWithParam<Config> {};
 
 TEST_P(GradMemoryTest, EveryByteMovesThroughTheMemoryAndTheAverageIsExact) {
   auto [transport, n] = GetParam();
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    const int r = pg.rank();
-    Grads g(mixed_model());
-    auto mem = std::make_shared<CountingDeviceMemory>();
-    ReducerOptions o = small_buckets();
-    o.memory = mem;
-    o.grads_valid_until_finalize = true;  // ignored for device gradients: the group reads buckets only
-    Reducer red(pg, g.specs, o);
-    EXPECT_GE(mem->allocations, 1);
-    // The construction check (an allgather of signatures) went through bucket memory.
-    EXPECT_EQ(mem->staged_in, n > 1 ? 2 : 0);
-    const size_t np = g.specs.size();
-    size_t nonempty = 0;
-    for (const ParamSpec& s : g.specs) nonempty += s.count > 0;
-    for (int t = 0; t < 2; ++t) {
-      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
-      for (size_t p : shuffled(np, 31 * r + t)) red.mark_ready(p, g.ptr(p));
-      red.finalize();
-      expect_values(g.specs, r, "device memory", [&](size_t p, size_t i) { return g.at(p, i); },
-                    [&](size_t p, size_t i) { return avg_value(n, p, i, t); });
-    }
-    EXPECT_EQ(mem->grad_to_bucket_calls, static_cast<int>(2 * nonempty));
-    EXPECT_EQ(mem->bucket_to_grad_calls, static_cast<int>(2 * nonempty));
-  });
+  for (const bool valid_until_finalize : {false, true}) {
+    run_ranks(n, transport, [&](ProcessGroup& pg) {
+      const int r = pg.rank();
+      Grads g(mixed_model());
+      auto mem = std::make_shared<CountingDeviceMemory>();
+      ReducerOptions o = small_buckets();
+      o.memory = mem;
+      // Device gradients are never read in place (the group reads buckets
+      // only); gradients that stay valid are copied in one batch per bucket.
+      o.grads_valid_until_finalize = valid_until_finalize;
+      Reducer red(pg, g.specs, o);
+      EXPECT_GE(mem->allocations, 1);
+      // The construction check (an allgather of signatures) went through bucket memory.
+      EXPECT_EQ(mem->staged_in, n > 1 ? 2 : 0);
+      const size_t np = g.specs.size();
+      size_t nonempty = 0;
+      for (const ParamSpec& s : g.specs) nonempty += s.count > 0;
+      for (int t = 0; t < 2; ++t) {
+        g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+        for (size_t p : shuffled(np, 31 * r + t)) red.mark_ready(p, g.ptr(p));
+        red.finalize();
+        expect_values(g.specs, r, "device memory", [&](size_t p, size_t i) { return g.at(p, i); },
+                      [&](size_t p, size_t i) { return avg_value(n, p, i, t); });
+      }
+      // Every result goes back in one batch per finalize.
+      EXPECT_EQ(mem->bucket_to_grad_calls, 0);
+      EXPECT_EQ(mem->results_batches, 2);
+      EXPECT_EQ(mem->results_batched, static_cast<int>(2 * nonempty));
+      if (!valid_until_finalize) {
+        // A gradient that may change after mark_ready is copied at once.
+        EXPECT_EQ(mem->grad_to_bucket_calls, static_cast<int>(2 * nonempty));
+        EXPECT_EQ(mem->grads_batches, 0);
+        return;
+      }
+      // One batch per bucket that has bytes, at its launch.
+      size_t with_bytes = 0;
+      for (const PlannedBucket& b : red.plan())
+        with_bytes += std::any_of(b.params.begin(), b.params.end(), [&](size_t p) { return g.specs[p].count > 0; });
+      EXPECT_EQ(mem->grad_to_bucket_calls, 0);
+      EXPECT_EQ(mem->grads_batches, static_cast<int>(2 * with_bytes));
+      EXPECT_EQ(mem->grads_batched, static_cast<int>(2 * nonempty));
+    });
+  }
 }
 
 TEST_P(GradMemoryTest, UnusedParametersAndTheUsedMapGoThroughTheMemory) {
   auto [transport, n] = GetParam();
-  run_ranks(n, transport, [&](ProcessGroup& pg) {
-    const int r = pg.rank();
-    Grads g(mixed_model());
-    const size_t never = 9, registered = 0;
-    g.specs[never].grad = nullptr;
-    auto mem = std::make_shared<CountingDeviceMemory>();
-    ReducerOptions o = small_buckets();
-    o.find_unused_parameters = true;
-    o.memory = mem;
-    Reducer red(pg, g.specs, o);
-    const int staged_before = mem->staged_in;
-    g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
-    for (size_t p = g.specs.size(); p-- > 0;)
-      if (p != never && p != registered) red.mark_ready(p, g.ptr(p));
-    red.finalize();
-    EXPECT_EQ(mem->zero_calls, 1);                 // `never`: no gradient anywhere, zeros
-    EXPECT_EQ(mem->staged_in, staged_before + 1);  // the used map, allreduced in bucket memory
-    EXPECT_EQ(mem->staged_out, mem->staged_in);
-    EXPECT_FALSE(red.used_anywhere(never));
-    EXPECT_TRUE(red.used_anywhere(registered));
-    auto got = [&](size_t p, size_t i) {
-      return p == never ? get_value(red.bucket_slot(p), i, g.specs[p].dtype) : g.at(p, i);
-    };
-    expect_values(g.specs, r, "device find_unused", got,
-                  [&](size_t p, size_t i) { return p == never ? 0.0 : avg_value(n, p, i, 0); });
-  });
+  // (valid_until_finalize: the unused parameters' registered gradients join their buckets' batches.)
+  for (const bool valid_until_finalize : {false, true}) {
+    run_ranks(n, transport, [&](ProcessGroup& pg) {
+      const int r = pg.rank();
+      Grads g(mixed_model());
+      const size_t never = 9, registered = 0;
+      g.specs[never].grad = nullptr;
+      auto mem = std::make_shared<CountingDeviceMemory>();
+      ReducerOptions o = small_buckets();
+      o.find_unused_parameters = true;
+      o.memory = mem;
+      o.grads_valid_until_finalize = valid_until_finalize;
+      Reducer red(pg, g.specs, o);
+      const int staged_before = mem->staged_in;
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
+      for (size_t p = g.specs.size(); p-- > 0;)
+        if (p != never && p != registered) red.mark_ready(p, g.ptr(p));
+      red.finalize();
+      EXPECT_EQ(mem->zero_calls, 1);                 // `never`: no gradient anywhere, zeros
+      EXPECT_EQ(mem->staged_in, staged_before + 1);  // the used map, allreduced in bucket memory
+      EXPECT_EQ(mem->staged_out, mem->staged_in);
+      EXPECT_FALSE(red.used_anywhere(never));
+      EXPECT_TRUE(red.used_anywhere(registered));
+      auto got = [&](size_t p, size_t i) {
+        return p == never ? get_value(red.bucket_slot(p), i, g.specs[p].dtype) : g.at(p, i);
+      };
+      expect_values(g.specs, r, "device find_unused", got,
+                    [&](size_t p, size_t i) { return p == never ? 0.0 : avg_value(n, p, i, 0); });
+    });
+  }
 }
 
 TEST_P(GradMemoryTest, CompressionHooksConvertThroughTheMemory) {

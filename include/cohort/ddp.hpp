@@ -101,6 +101,20 @@ class COHORT_API GradMemory {
   virtual std::shared_ptr<std::byte[]> allocate(ProcessGroup& group, size_t bytes) = 0;
   virtual void grad_to_bucket(void* bucket, const void* grad, size_t bytes) = 0;
   virtual void bucket_to_grad(void* grad, const void* bucket, size_t bytes) = 0;
+  // Several copies handed over at once (none of them overlap). With
+  // grads_valid_until_finalize and buckets outside host memory, the reducer
+  // gives a bucket's gradients in one call when it launches the bucket, and
+  // every result in one call at the end of finalize(). The defaults call
+  // grad_to_bucket and bucket_to_grad for each; a GPU memory queues them as
+  // one kernel, because there a small model's step waits for the host's
+  // cost per copy, not for the bytes.
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+  };
+  virtual void grads_to_buckets(std::span<const Copy> copies);
+  virtual void buckets_to_grads(std::span<const Copy> copies);
   virtual void zero_bucket(void* bucket, size_t bytes) = 0;
   // Waits for a bucket's collective before its result is used (finalize):
   // on the host here; GPU memory makes the stream that uses the gradients
@@ -326,7 +340,8 @@ struct COHORT_API ReducerOptions {
   Millis timeout{0};             // finalize()'s wait per bucket; zero: the group's timeout
   // Where buckets and gradients live (null: host memory). With gradients
   // outside host memory, grads_valid_until_finalize saves no copy (the group
-  // reads only bucket memory).
+  // reads only bucket memory), but lets the reducer hand each bucket's copies
+  // to the memory in one batch at its launch (GradMemory::grads_to_buckets).
   std::shared_ptr<GradMemory> memory;
   // ZeRO-2's gradient memory. 0: every bucket has its own buffer for the
   // reducer's lifetime (a full replica of the gradients). K > 0: a bucket

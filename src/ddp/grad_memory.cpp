@@ -29,6 +29,13 @@ class HostGradMemory final : public GradMemory {
 
 }  // namespace
 
+void GradMemory::grads_to_buckets(std::span<const Copy> copies) {
+  for (const Copy& c : copies) grad_to_bucket(c.dst, c.src, c.bytes);
+}
+void GradMemory::buckets_to_grads(std::span<const Copy> copies) {
+  for (const Copy& c : copies) bucket_to_grad(c.dst, c.src, c.bytes);
+}
+
 void GradMemory::convert(Buffer, Buffer, double) { device_only("convert"); }
 void GradMemory::host_to_bucket(void*, const void*, size_t) { device_only("host_to_bucket"); }
 void GradMemory::bucket_to_host(void*, const void*, size_t) { device_only("bucket_to_host"); }

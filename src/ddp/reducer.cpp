@@ -58,6 +58,8 @@ struct COHORT_HIDDEN Reducer::Impl {
     // gradients left there (InputPiece), by parameter, in marking order.
     size_t direct_first = 0, direct_end = 0;
     std::vector<InputPiece> pieces;
+    // batch_copies: this iteration's gradients, copied in when the bucket launches.
+    std::vector<GradMemory::Copy> copies;
     size_t pending = 0;
     CommFuture future;
     std::shared_ptr<std::byte[]> lease;  // recycled_buckets: the pool buffer `data` points into
@@ -70,6 +72,10 @@ struct COHORT_HIDDEN Reducer::Impl {
   // Gradients may be left where they are until finalize (pieces the group
   // reads in place): only when the group reads them as host memory.
   const bool leave_in_place;
+  // Gradients in device memory that stay valid until finalize: each bucket's
+  // are handed to the memory in one batch when it launches
+  // (GradMemory::grads_to_buckets), rather than one copy per mark.
+  const bool batch_copies;
   std::vector<ParamSpec> params;
   const BucketPlan plan;
   std::vector<Bucket> buckets;
@@ -105,6 +111,7 @@ struct COHORT_HIDDEN Reducer::Impl {
   // waiting): checked for errors when the next iteration begins, and their
   // buckets are never freed while one runs.
   std::vector<WorkPtr> unconfirmed;
+  std::vector<GradMemory::Copy> results;  // finalize's copies of the results, reused
 
   Impl(ProcessGroup& g, std::vector<ParamSpec> ps, ReducerOptions o)
       : group(g),
@@ -112,6 +119,7 @@ struct COHORT_HIDDEN Reducer::Impl {
         mem(opts.memory ? opts.memory : host_grad_memory()),
         leave_in_place(opts.grads_valid_until_finalize && opts.recycled_buckets == 0 && mem->buckets_on_host() &&
                        mem->grads_on_host()),
+        batch_copies(opts.grads_valid_until_finalize && !mem->buckets_on_host()),
         params(std::move(ps)),
         plan(plan_buckets(params, {.cap_bytes = mib_to_bytes(opts.bucket_cap_mb, "bucket_cap_mb"),
                                    .first_cap_bytes = mib_to_bytes(opts.first_bucket_mb, "first_bucket_mb"),
@@ -243,10 +251,15 @@ struct COHORT_HIDDEN Reducer::Impl {
     }
   }
 
-  // Puts parameter p's gradient `src` into its slot, except the part the group
-  // will read in place (Bucket::direct_first..direct_end), which it records.
+  // Puts parameter p's gradient `src` into its slot (batch_copies: queues the
+  // copy for the bucket's launch), except the part the group will read in
+  // place (Bucket::direct_first..direct_end), which it records.
   void copy_to_slot(size_t p, const void* src, void* dst) {
     Bucket& bucket = buckets[bucket_of[p]];
+    if (batch_copies) {
+      bucket.copies.push_back({dst, src, param_bytes(p)});
+      return;
+    }
     const size_t es = dtype_size(params[p].dtype), a = offset_of[p], e = a + params[p].count;
     const size_t lo = std::max(a, bucket.direct_first), hi = std::min(e, bucket.direct_end);
     if (lo >= hi) {
@@ -367,6 +380,7 @@ struct COHORT_HIDDEN Reducer::Impl {
       k.pending = plan[b].params.size();
       k.future = {};
       k.pieces.clear();
+      k.copies.clear();
     }
     reset_stats();
     stats.started = std::chrono::steady_clock::now();
@@ -402,6 +416,10 @@ struct COHORT_HIDDEN Reducer::Impl {
       return;
     }
     Bucket& bucket = buckets[b];
+    if (!bucket.copies.empty()) {
+      mem->grads_to_buckets(bucket.copies);  // queued on the stream of the mark that completed the bucket
+      bucket.copies.clear();
+    }
     std::sort(bucket.pieces.begin(), bucket.pieces.end(),
               [](const InputPiece& x, const InputPiece& y) { return x.offset < y.offset; });
     bucket.rows.clear();  // (the plan may be rebuilt after the first iteration)
@@ -530,6 +548,8 @@ struct COHORT_HIDDEN Reducer::Impl {
         const size_t bytes = param_bytes(p);
         if (bytes > 0 && src == nullptr)
           mem->zero_bucket(dst, bytes);
+        else if (bytes > 0 && src != dst && batch_copies)
+          buckets[bucket_of[p]].copies.push_back({dst, src, bytes});
         else if (bytes > 0 && src != dst)
           mem->grad_to_bucket(dst, src, bytes);
         set_ready(p);
@@ -561,13 +581,15 @@ struct COHORT_HIDDEN Reducer::Impl {
     open = false;
     ++finalized;
     if (!opts.gradient_as_bucket_view && !recycling()) {
+      results.clear();
       for (size_t p = 0; p < params.size(); ++p) {
         void* result = slot(p);
         if (opts.on_reduced)
           opts.on_reduced(p, result);
         else if (params[p].grad != nullptr && params[p].grad != result && param_bytes(p) > 0)
-          mem->bucket_to_grad(params[p].grad, result, param_bytes(p));
+          results.push_back({params[p].grad, result, param_bytes(p)});
       }
+      if (!results.empty()) mem->buckets_to_grads(results);
     }
     stats.finalized = std::chrono::steady_clock::now();
     record_iteration(stats, group);  // timeline spans and step metrics (iteration_record.hpp)

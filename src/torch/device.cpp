@@ -5,8 +5,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <sstream>
 
 namespace cohort::torch {
@@ -42,6 +44,20 @@ std::string device_text(const ::torch::Device& d) {
   return wrap(const_cast<void*>(p), {static_cast<int64_t>(n)}, bytes_on(d));
 }
 
+// at::_foreach_copy_ (LibTorch 2.1 on; found by argument-dependent lookup,
+// so that 1.13, which lacks it and never runs device mode, still compiles).
+template <class List>
+concept HasForeachCopy = requires(List l) { _foreach_copy_(l, l, false); };
+
+template <class List>
+void foreach_copy(List dst, List src) {
+  if constexpr (HasForeachCopy<List>) {
+    _foreach_copy_(dst, src, false);
+  } else {
+    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+  }
+}
+
 // Device mode: buckets in the GPU's memory; every operation is queued on
 // LibTorch's current stream of the calling thread (autograd's stream in a
 // hook, the caller's in the end-of-backward callback).
@@ -59,6 +75,8 @@ class DeviceGradMemory final : public ddp::GradMemory {
   }
   void grad_to_bucket(void* bucket, const void* grad, size_t n) override { copy(bucket, grad, n); }
   void bucket_to_grad(void* grad, const void* bucket, size_t n) override { copy(grad, bucket, n); }
+  void grads_to_buckets(std::span<const Copy> copies) override { copy_all(copies); }
+  void buckets_to_grads(std::span<const Copy> copies) override { copy_all(copies); }
   void zero_bucket(void* bucket, size_t n) override {
     ::torch::NoGradGuard no_grad;
     bytes(bucket, n, dev_).zero_();
@@ -97,6 +115,27 @@ class DeviceGradMemory final : public ddp::GradMemory {
   void copy(void* dst, const void* src, size_t n) {
     ::torch::NoGradGuard no_grad;
     bytes(dst, n, dev_).copy_(bytes(src, n, dev_));
+  }
+  // All of them in one multi-tensor kernel: a copy_ each costs the host a
+  // dispatch and a launch (some 10 us) per parameter, which a small model's
+  // step waits for. As 32-bit words where every address and length allows
+  // (16-byte loads; integers, so every bit pattern is copied as is), else bytes.
+  void copy_all(std::span<const Copy> copies) {
+    if (copies.size() == 1) return copy(copies[0].dst, copies[0].src, copies[0].bytes);
+    bool words = true;
+    for (const Copy& c : copies)
+      words = words && ((reinterpret_cast<uintptr_t>(c.dst) | reinterpret_cast<uintptr_t>(c.src) | c.bytes) & 3) == 0;
+    const auto opts = ::torch::TensorOptions().dtype(words ? ::torch::kInt : ::torch::kByte).device(dev_);
+    std::vector<::torch::Tensor> dst, src;
+    dst.reserve(copies.size());
+    src.reserve(copies.size());
+    for (const Copy& c : copies) {
+      const int64_t n = static_cast<int64_t>(words ? c.bytes / 4 : c.bytes);
+      dst.push_back(wrap(c.dst, {n}, opts));
+      src.push_back(wrap(const_cast<void*>(c.src), {n}, opts));
+    }
+    ::torch::NoGradGuard no_grad;
+    foreach_copy<at::TensorList>(dst, src);
   }
   ::torch::Device dev_;
   bool wait_on_stream_;
