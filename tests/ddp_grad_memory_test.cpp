@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <set>
 
 #include "core/reduce.hpp"
@@ -61,13 +62,28 @@ class CountingDeviceMemory final : public GradMemory {
     counted_copy(bucket_to_grad_calls, bucket, grad, bucket, bytes);
   }
   void grads_to_buckets(std::span<const Copy> copies) override {
+    if (fail_batches) throw Error("out of device memory (a stand-in failure)");
     ++grads_batches;
-    for (const Copy& c : copies) counted_copy(grads_batched, c.dst, c.dst, c.src, c.bytes);
+    for (const Copy& c : copies) {
+      // Each copy names the queue that was current when the reducer took it.
+      const auto it = queue_of.find(c.dst);
+      if (it != queue_of.end()) {
+        EXPECT_EQ(c.queue, it->second);
+      }
+      counted_copy(grads_batched, c.dst, c.dst, c.src, c.bytes);
+    }
   }
   void buckets_to_grads(std::span<const Copy> copies) override {
     ++results_batches;
-    for (const Copy& c : copies) counted_copy(results_batched, c.src, c.dst, c.src, c.bytes);
+    for (const Copy& c : copies) {
+      EXPECT_EQ(c.queue, 0u);  // the results go on whatever queue finalize runs on
+      counted_copy(results_batched, c.src, c.dst, c.src, c.bytes);
+    }
   }
+  uint64_t copy_queue() override { return queue; }
+  bool fail_batches = false;
+  uint64_t queue = 0;                          // what copy_queue() says now (a stand-in for the current stream)
+  std::map<const void*, uint64_t> queue_of;    // by bucket slot: the queue current at its mark
   void zero_bucket(void* bucket, size_t bytes) override {
     expect_bucket(bucket, bytes);
     ++zero_calls;
@@ -131,7 +147,11 @@ TEST_P(GradMemoryTest, EveryByteMovesThroughTheMemoryAndTheAverageIsExact) {
       for (const ParamSpec& s : g.specs) nonempty += s.count > 0;
       for (int t = 0; t < 2; ++t) {
         g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
-        for (size_t p : shuffled(np, 31 * r + t)) red.mark_ready(p, g.ptr(p));
+        for (size_t p : shuffled(np, 31 * r + t)) {
+          mem->queue = 1 + (p + t) % 3;  // marks from three streams
+          if (g.specs[p].count > 0) mem->queue_of[red.bucket_slot(p)] = mem->queue;  // (an empty one shares its slot)
+          red.mark_ready(p, g.ptr(p));
+        }
         red.finalize();
         expect_values(g.specs, r, "device memory", [&](size_t p, size_t i) { return g.at(p, i); },
                       [&](size_t p, size_t i) { return avg_value(n, p, i, t); });
@@ -178,6 +198,15 @@ TEST_P(GradMemoryTest, UnusedParametersAndTheUsedMapGoThroughTheMemory) {
         if (p != never && p != registered) red.mark_ready(p, g.ptr(p));
       red.finalize();
       EXPECT_EQ(mem->zero_calls, 1);                 // `never`: no gradient anywhere, zeros
+    if (valid_until_finalize) {
+      // `registered` joins its bucket's batch from finalize: no copy on its own, none twice.
+      EXPECT_EQ(mem->grad_to_bucket_calls, 0);
+      int copied = 0;  // every parameter with bytes but `never` (zeroed instead)
+      for (size_t p = 0; p < g.specs.size(); ++p) copied += p != never && g.specs[p].count > 0;
+      EXPECT_EQ(mem->grads_batched, copied);
+    } else {
+      EXPECT_EQ(mem->grads_batches, 0);
+    }
       EXPECT_EQ(mem->staged_in, staged_before + 1);  // the used map, allreduced in bucket memory
       EXPECT_EQ(mem->staged_out, mem->staged_in);
       EXPECT_FALSE(red.used_anywhere(never));
@@ -222,6 +251,39 @@ TEST_P(GradMemoryTest, CompressionHooksConvertThroughTheMemory) {
     red.mark_ready(0, w.data());
     red.finalize();
     for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(w[i], 1.0f) << "rank " << pg.rank() << " element " << i;
+  });
+}
+
+// A batch of copies that fails when its bucket launches: the mark that
+// launched it throws the cause, and the reducer refuses to go on (no
+// collective was issued for the bucket, so the ranks no longer agree).
+TEST_P(GradMemoryTest, ABatchThatFailsStopsTheReducerWithItsCause) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    Grads g(mixed_model());
+    auto mem = std::make_shared<CountingDeviceMemory>();
+    ReducerOptions o = small_buckets();
+    o.memory = mem;
+    o.grads_valid_until_finalize = true;
+    Reducer red(pg, g.specs, o);
+    mem->fail_batches = true;
+    bool thrown = false;
+    for (size_t p = g.specs.size(); p-- > 0 && !thrown;) {
+      try {
+        red.mark_ready(p, g.ptr(p));
+      } catch (const Error& e) {
+        thrown = true;
+        EXPECT_NE(std::string(e.what()).find("stand-in failure"), std::string::npos) << e.what();
+      }
+    }
+    EXPECT_TRUE(thrown);
+    try {
+      red.finalize();
+      ADD_FAILURE() << "finalize after a failed launch returned";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("can no longer be used"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("stand-in failure"), std::string::npos) << e.what();
+    }
   });
 }
 

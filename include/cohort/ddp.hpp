@@ -112,9 +112,15 @@ class COHORT_API GradMemory {
     void* dst;
     const void* src;
     size_t bytes;
+    // copy_queue() when the copy was asked for (0 for the results): a GPU
+    // memory reads each gradient on the stream that wrote it.
+    uint64_t queue = 0;
   };
   virtual void grads_to_buckets(std::span<const Copy> copies);
   virtual void buckets_to_grads(std::span<const Copy> copies);
+  // Where this memory's operations are queued now, as a token (a GPU memory:
+  // LibTorch's current stream); 0 where there is no such queue.
+  virtual uint64_t copy_queue() { return 0; }
   virtual void zero_bucket(void* bucket, size_t bytes) = 0;
   // Waits for a bucket's collective before its result is used (finalize):
   // on the host here; GPU memory makes the stream that uses the gradients

@@ -257,7 +257,7 @@ struct COHORT_HIDDEN Reducer::Impl {
   void copy_to_slot(size_t p, const void* src, void* dst) {
     Bucket& bucket = buckets[bucket_of[p]];
     if (batch_copies) {
-      bucket.copies.push_back({dst, src, param_bytes(p)});
+      bucket.copies.push_back({dst, src, param_bytes(p), mem->copy_queue()});
       return;
     }
     const size_t es = dtype_size(params[p].dtype), a = offset_of[p], e = a + params[p].count;
@@ -416,10 +416,6 @@ struct COHORT_HIDDEN Reducer::Impl {
       return;
     }
     Bucket& bucket = buckets[b];
-    if (!bucket.copies.empty()) {
-      mem->grads_to_buckets(bucket.copies);  // queued on the stream of the mark that completed the bucket
-      bucket.copies.clear();
-    }
     std::sort(bucket.pieces.begin(), bucket.pieces.end(),
               [](const InputPiece& x, const InputPiece& y) { return x.offset < y.offset; });
     bucket.rows.clear();  // (the plan may be rebuilt after the first iteration)
@@ -434,6 +430,17 @@ struct COHORT_HIDDEN Reducer::Impl {
     while (hooked > 0 && plan[hooked - 1].count == 0) --hooked;
     GradBucket gb(b, hooked, Buffer{bucket.data, plan[b].count, plan[b].dtype}, group, opts.timeout,
                   plan[b].params, *mem, bucket.scratch, &bucket.pieces, plan[b].offsets, bucket.counts, bucket.rows);
+    if (!bucket.copies.empty()) {
+      try {
+        mem->grads_to_buckets(bucket.copies);  // each on its mark's queue, all ordered before the hook's collective
+        bucket.copies.clear();
+      } catch (const std::exception& e) {
+        failed = fmt::format("rank {}: this reducer can no longer be used: copying the gradients into bucket {} of "
+                             "iteration {} failed, and its collective was never issued: {}",
+                             group.rank(), b, stats.iteration, e.what());
+        throw;
+      }
+    }
     try {
       bucket.future = hook(gb);
       (void)gb.buffer();  // a hook that used neither buffer() nor allreduce() still gets every gradient in place
@@ -549,7 +556,7 @@ struct COHORT_HIDDEN Reducer::Impl {
         if (bytes > 0 && src == nullptr)
           mem->zero_bucket(dst, bytes);
         else if (bytes > 0 && src != dst && batch_copies)
-          buckets[bucket_of[p]].copies.push_back({dst, src, bytes});
+          buckets[bucket_of[p]].copies.push_back({dst, src, bytes, mem->copy_queue()});
         else if (bytes > 0 && src != dst)
           mem->grad_to_bucket(dst, src, bytes);
         set_ready(p);

@@ -2,9 +2,13 @@
 // memory for a CUDA module, and small collectives on any group (device.hpp).
 #include "device.hpp"
 
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
+#include <torch/version.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -49,6 +53,10 @@ std::string device_text(const ::torch::Device& d) {
 template <class List>
 concept HasForeachCopy = requires(List l) { _foreach_copy_(l, l, false); };
 
+#if defined(TORCH_VERSION_MAJOR) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
+static_assert(HasForeachCopy<at::TensorList>, "LibTorch 2.1+ has at::_foreach_copy_: the batched copies need it");
+#endif
+
 template <class List>
 void foreach_copy(List dst, List src) {
   if constexpr (HasForeachCopy<List>) {
@@ -77,6 +85,13 @@ class DeviceGradMemory final : public ddp::GradMemory {
   void bucket_to_grad(void* grad, const void* bucket, size_t n) override { copy(grad, bucket, n); }
   void grads_to_buckets(std::span<const Copy> copies) override { copy_all(copies); }
   void buckets_to_grads(std::span<const Copy> copies) override { copy_all(copies); }
+  uint64_t copy_queue() override {
+    const c10::Stream now = stream_now();
+    for (size_t i = 0; i < queues_.size(); ++i)
+      if (queues_[i] == now) return i + 1;
+    queues_.push_back(now);
+    return queues_.size();
+  }
   void zero_bucket(void* bucket, size_t n) override {
     ::torch::NoGradGuard no_grad;
     bytes(bucket, n, dev_).zero_();
@@ -116,29 +131,65 @@ class DeviceGradMemory final : public ddp::GradMemory {
     ::torch::NoGradGuard no_grad;
     bytes(dst, n, dev_).copy_(bytes(src, n, dev_));
   }
-  // All of them in one multi-tensor kernel: a copy_ each costs the host a
-  // dispatch and a launch (some 10 us) per parameter, which a small model's
-  // step waits for. As 32-bit words where every address and length allows
-  // (16-byte loads; integers, so every bit pattern is copied as is), else bytes.
+  c10::Stream stream_now() const { return c10::impl::getDeviceGuardImpl(dev_.type())->getStream(dev_); }
+
+  // The copies on the current stream, except those of gradients written on
+  // another (copy_queue() said so when the reducer queued them: a backward
+  // that runs parts on side streams): each such group is copied on its own
+  // stream, and the current stream waits for it there, so that whatever
+  // the current stream queues next (the bucket's collective) comes after.
   void copy_all(std::span<const Copy> copies) {
-    if (copies.size() == 1) return copy(copies[0].dst, copies[0].src, copies[0].bytes);
-    bool words = true;
-    for (const Copy& c : copies)
-      words = words && ((reinterpret_cast<uintptr_t>(c.dst) | reinterpret_cast<uintptr_t>(c.src) | c.bytes) & 3) == 0;
-    const auto opts = ::torch::TensorOptions().dtype(words ? ::torch::kInt : ::torch::kByte).device(dev_);
-    std::vector<::torch::Tensor> dst, src;
-    dst.reserve(copies.size());
-    src.reserve(copies.size());
+    const c10::Stream now = stream_now();
+    std::vector<Copy> here;
+    std::vector<uint64_t> elsewhere;
     for (const Copy& c : copies) {
-      const int64_t n = static_cast<int64_t>(words ? c.bytes / 4 : c.bytes);
-      dst.push_back(wrap(c.dst, {n}, opts));
-      src.push_back(wrap(const_cast<void*>(c.src), {n}, opts));
+      if (c.queue == 0 || queues_.at(c.queue - 1) == now)
+        here.push_back(c);
+      else if (std::find(elsewhere.begin(), elsewhere.end(), c.queue) == elsewhere.end())
+        elsewhere.push_back(c.queue);
+    }
+    for (const uint64_t q : elsewhere) {
+      const c10::Stream there = queues_.at(q - 1);
+      std::vector<Copy> group;
+      for (const Copy& c : copies)
+        if (c.queue == q) group.push_back(c);
+      {
+        c10::StreamGuard on(there);
+        copy_batch(group);
+      }
+      c10::Event done(dev_.type());
+      done.record(there);
+      done.block(now);
+    }
+    copy_batch(here);
+  }
+
+  // One multi-tensor kernel for many copies: a copy_ each costs the host a
+  // dispatch and a launch (some 10 us) per parameter, which a small model's
+  // step waits for. As 32-bit words where address and length allow (16-byte
+  // loads; integers, so every bit pattern is copied as is), the rest as bytes.
+  void copy_batch(const std::vector<Copy>& copies) {
+    if (copies.empty()) return;
+    if (copies.size() == 1) return copy(copies[0].dst, copies[0].src, copies[0].bytes);
+    const auto word_opts = ::torch::TensorOptions().dtype(::torch::kInt).device(dev_);
+    std::vector<::torch::Tensor> words_to, words_from, bytes_to, bytes_from;
+    for (const Copy& c : copies) {
+      void* from = const_cast<void*>(c.src);
+      if (((reinterpret_cast<uintptr_t>(c.dst) | reinterpret_cast<uintptr_t>(from) | c.bytes) & 3) == 0) {
+        words_to.push_back(wrap(c.dst, {static_cast<int64_t>(c.bytes / 4)}, word_opts));
+        words_from.push_back(wrap(from, {static_cast<int64_t>(c.bytes / 4)}, word_opts));
+      } else {
+        bytes_to.push_back(bytes(c.dst, c.bytes, dev_));
+        bytes_from.push_back(bytes(from, c.bytes, dev_));
+      }
     }
     ::torch::NoGradGuard no_grad;
-    foreach_copy<at::TensorList>(dst, src);
+    if (!words_to.empty()) foreach_copy<at::TensorList>(words_to, words_from);
+    if (!bytes_to.empty()) foreach_copy<at::TensorList>(bytes_to, bytes_from);
   }
   ::torch::Device dev_;
   bool wait_on_stream_;
+  std::vector<c10::Stream> queues_;  // copy_queue()'s tokens, less one: the streams marks came from
 };
 
 // Staged mode: host buckets (the group's memory, shared on one host);

@@ -194,6 +194,21 @@ inline TrainablePlaces trainable_places(const ::torch::nn::Module& module) {
   return out;
 }
 
+// Whether an optimizer state names its parameters by position
+// ("group<g>.param<k>.<field>") rather than by name ("<name>.<field>"); the
+// groups' learning rates ("group<g>.lr") go with either. A state that mixes
+// the two is refused: damaged, or two states put together.
+inline bool names_by_position(const std::vector<NamedTensor>& full, const char* who) {
+  const bool positional = std::any_of(full.begin(), full.end(), [](const NamedTensor& t) { return is_positional(t.name); });
+  const auto named = std::find_if(full.begin(), full.end(),
+                                  [](const NamedTensor& t) { return !is_positional(t.name) && !is_group_lr(t.name); });
+  if (positional && named != full.end())
+    throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it is "
+                                      "damaged, or two states were mixed",
+                                      who, named->name));
+  return positional;
+}
+
 // A plain optimizer's state in the naming parse_plain_state reads, by
 // position in one group over the module's trainable parameters
 // ("group0.param<i>.<field>"). Two namings come in:
@@ -209,14 +224,7 @@ inline TrainablePlaces trainable_places(const ::torch::nn::Module& module) {
 //     learning rates only (saved before any step) is read this way: empty.
 inline std::vector<NamedTensor> plain_state_by_position(const std::vector<NamedTensor>& full,
                                                         const TrainablePlaces& places, const char* who) {
-  const bool positional = std::any_of(full.begin(), full.end(), [](const NamedTensor& t) { return is_positional(t.name); });
-  const auto named = std::find_if(full.begin(), full.end(),
-                                  [](const NamedTensor& t) { return !is_positional(t.name) && !is_group_lr(t.name); });
-  if (positional && named != full.end())
-    throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it is "
-                                      "damaged, or two states were mixed",
-                                      who, named->name));
-  if (positional) {
+  if (names_by_position(full, who)) {
     for (const NamedTensor& t : full)
       if (t.name.rfind("group0.", 0) != 0) (void)param_field(t.name, who);  // throws, naming the way out
     return full;

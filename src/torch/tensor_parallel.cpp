@@ -540,17 +540,12 @@ constexpr const char* kStateFields[] = {"momentum_buffer", "exp_avg", "exp_avg_s
 std::vector<NamedTensor> named_by_parameter(::torch::nn::Module& module, const std::vector<NamedTensor>& tensors,
                                             const std::map<const void*, std::string>& names) {
   constexpr const char* kWho = "load_full_optimizer_state";
-  if (std::none_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) { return shard::is_positional(t.name); }))
-    return tensors;
+  if (!shard::names_by_position(tensors, kWho)) return tensors;
   std::vector<const void*> trainable;
   for (const auto& p : module.parameters(/*recurse=*/true))
     if (p.requires_grad()) trainable.push_back(p.unsafeGetTensorImpl());
   std::vector<NamedTensor> out;
   for (const NamedTensor& t : tensors) {
-    if (!shard::is_positional(t.name) && !shard::is_group_lr(t.name))
-      throw InvalidArgument(fmt::format("{}: the state names parameters both by position and by name (\"{}\"): it "
-                                        "is damaged, or two states were mixed",
-                                        kWho, t.name));
     const auto pf = shard::param_field(t.name, kWho);  // throws for a second group
     if (!pf) continue;                                  // group0.lr
     if (pf->first >= trainable.size())
