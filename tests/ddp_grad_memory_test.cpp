@@ -194,19 +194,25 @@ TEST_P(GradMemoryTest, UnusedParametersAndTheUsedMapGoThroughTheMemory) {
       Reducer red(pg, g.specs, o);
       const int staged_before = mem->staged_in;
       g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
-      for (size_t p = g.specs.size(); p-- > 0;)
-        if (p != never && p != registered) red.mark_ready(p, g.ptr(p));
+      mem->queue = 4;  // the marks' stream; finalize runs on another
+      for (size_t p = g.specs.size(); p-- > 0;) {
+        if (p == never || p == registered) continue;
+        if (g.specs[p].count > 0) mem->queue_of[red.bucket_slot(p)] = 4;
+        red.mark_ready(p, g.ptr(p));
+      }
+      mem->queue = 9;
+      mem->queue_of[red.bucket_slot(registered)] = 9;  // copied in by finalize, on its stream
       red.finalize();
-      EXPECT_EQ(mem->zero_calls, 1);                 // `never`: no gradient anywhere, zeros
-    if (valid_until_finalize) {
-      // `registered` joins its bucket's batch from finalize: no copy on its own, none twice.
-      EXPECT_EQ(mem->grad_to_bucket_calls, 0);
-      int copied = 0;  // every parameter with bytes but `never` (zeroed instead)
-      for (size_t p = 0; p < g.specs.size(); ++p) copied += p != never && g.specs[p].count > 0;
-      EXPECT_EQ(mem->grads_batched, copied);
-    } else {
-      EXPECT_EQ(mem->grads_batches, 0);
-    }
+      EXPECT_EQ(mem->zero_calls, 1);  // `never`: no gradient anywhere, zeros
+      if (valid_until_finalize) {
+        // `registered` joins its bucket's batch from finalize: no copy on its own, none twice.
+        EXPECT_EQ(mem->grad_to_bucket_calls, 0);
+        int copied = 0;  // every parameter with bytes but `never` (zeroed instead)
+        for (size_t p = 0; p < g.specs.size(); ++p) copied += p != never && g.specs[p].count > 0;
+        EXPECT_EQ(mem->grads_batched, copied);
+      } else {
+        EXPECT_EQ(mem->grads_batches, 0);
+      }
       EXPECT_EQ(mem->staged_in, staged_before + 1);  // the used map, allreduced in bucket memory
       EXPECT_EQ(mem->staged_out, mem->staged_in);
       EXPECT_FALSE(red.used_anywhere(never));

@@ -596,7 +596,14 @@ struct COHORT_HIDDEN Reducer::Impl {
         else if (params[p].grad != nullptr && params[p].grad != result && param_bytes(p) > 0)
           results.push_back({params[p].grad, result, param_bytes(p)});
       }
-      if (!results.empty()) mem->buckets_to_grads(results);
+      try {
+        if (!results.empty()) mem->buckets_to_grads(results);
+      } catch (const std::exception& e) {
+        failed = fmt::format("rank {}: this reducer can no longer be used: copying the results of iteration {} back "
+                             "into the gradients failed (some may hold the average, some not): {}",
+                             group.rank(), stats.iteration, e.what());
+        throw;
+      }
     }
     stats.finalized = std::chrono::steady_clock::now();
     record_iteration(stats, group);  // timeline spans and step metrics (iteration_record.hpp)
