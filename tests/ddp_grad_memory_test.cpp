@@ -124,6 +124,14 @@ class CountingDeviceMemory final : public GradMemory {
   std::vector<std::pair<const std::byte*, size_t>> regions;
 };
 
+// small_buckets() over a fresh counting memory, which `mem` receives.
+ReducerOptions in_counting_memory(std::shared_ptr<CountingDeviceMemory>& mem) {
+  mem = std::make_shared<CountingDeviceMemory>();
+  ReducerOptions o = small_buckets();
+  o.memory = mem;
+  return o;
+}
+
 class GradMemoryTest : public ::testing::TestWithParam<Config> {};
 
 TEST_P(GradMemoryTest, EveryByteMovesThroughTheMemoryAndTheAverageIsExact) {
@@ -132,9 +140,8 @@ TEST_P(GradMemoryTest, EveryByteMovesThroughTheMemoryAndTheAverageIsExact) {
     run_ranks(n, transport, [&](ProcessGroup& pg) {
       const int r = pg.rank();
       Grads g(mixed_model());
-      auto mem = std::make_shared<CountingDeviceMemory>();
-      ReducerOptions o = small_buckets();
-      o.memory = mem;
+      std::shared_ptr<CountingDeviceMemory> mem;
+      ReducerOptions o = in_counting_memory(mem);
       // Device gradients are never read in place (the group reads buckets
       // only); gradients that stay valid are copied in one batch per bucket.
       o.grads_valid_until_finalize = valid_until_finalize;
@@ -232,9 +239,8 @@ TEST_P(GradMemoryTest, CompressionHooksConvertThroughTheMemory) {
     run_ranks(n, transport, [&](ProcessGroup& pg) {
       const int r = pg.rank();
       Grads g(mixed_model());
-      auto mem = std::make_shared<CountingDeviceMemory>();
-      ReducerOptions o = small_buckets();
-      o.memory = mem;
+      std::shared_ptr<CountingDeviceMemory> mem;
+      ReducerOptions o = in_counting_memory(mem);
       o.comm_hook = hook;
       Reducer red(pg, g.specs, o);
       g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, 0); });
@@ -267,9 +273,8 @@ TEST_P(GradMemoryTest, ABatchThatFailsStopsTheReducerWithItsCause) {
   auto [transport, n] = GetParam();
   run_ranks(n, transport, [&](ProcessGroup& pg) {
     Grads g(mixed_model());
-    auto mem = std::make_shared<CountingDeviceMemory>();
-    ReducerOptions o = small_buckets();
-    o.memory = mem;
+    std::shared_ptr<CountingDeviceMemory> mem;
+    ReducerOptions o = in_counting_memory(mem);
     o.grads_valid_until_finalize = true;
     Reducer red(pg, g.specs, o);
     mem->fail_batches = true;
