@@ -257,7 +257,7 @@ struct COHORT_HIDDEN Reducer::Impl {
   void copy_to_slot(size_t p, const void* src, void* dst) {
     Bucket& bucket = buckets[bucket_of[p]];
     if (batch_copies) {
-      bucket.copies.push_back({dst, src, param_bytes(p), mem->copy_queue()});
+      queue_copy(p, src, dst);
       return;
     }
     const size_t es = dtype_size(params[p].dtype), a = offset_of[p], e = a + params[p].count;
@@ -271,6 +271,12 @@ struct COHORT_HIDDEN Reducer::Impl {
     std::memcpy(d, from, (lo - a) * es);
     std::memcpy(d + (hi - a) * es, from + (hi - a) * es, (e - hi) * es);
     bucket.pieces.push_back({lo, hi - lo, from + (lo - a) * es});
+  }
+
+  // batch_copies: p's copy waits in its bucket for the launch, with the
+  // memory's queue of the moment (the stream that wrote the gradient).
+  void queue_copy(size_t p, const void* src, void* dst) {
+    buckets[bucket_of[p]].copies.push_back({dst, src, param_bytes(p), mem->copy_queue()});
   }
 
   void* slot(size_t p) {
@@ -556,7 +562,7 @@ struct COHORT_HIDDEN Reducer::Impl {
         if (bytes > 0 && src == nullptr)
           mem->zero_bucket(dst, bytes);
         else if (bytes > 0 && src != dst && batch_copies)
-          buckets[bucket_of[p]].copies.push_back({dst, src, bytes, mem->copy_queue()});
+          queue_copy(p, src, dst);
         else if (bytes > 0 && src != dst)
           mem->grad_to_bucket(dst, src, bytes);
         set_ready(p);

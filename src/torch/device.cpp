@@ -140,10 +140,12 @@ class DeviceGradMemory final : public ddp::GradMemory {
   // the current stream queues next (the bucket's collective) comes after.
   void copy_all(std::span<const Copy> copies) {
     const c10::Stream now = stream_now();
+    const auto foreign = [&](const Copy& c) { return c.queue != 0 && queues_.at(c.queue - 1) != now; };
+    if (std::none_of(copies.begin(), copies.end(), foreign)) return copy_batch(copies);  // the usual case
     std::vector<Copy> here;
     std::vector<uint64_t> elsewhere;
     for (const Copy& c : copies) {
-      if (c.queue == 0 || queues_.at(c.queue - 1) == now)
+      if (!foreign(c))
         here.push_back(c);
       else if (std::find(elsewhere.begin(), elsewhere.end(), c.queue) == elsewhere.end())
         elsewhere.push_back(c.queue);
@@ -168,7 +170,7 @@ class DeviceGradMemory final : public ddp::GradMemory {
   // dispatch and a launch (some 10 us) per parameter, which a small model's
   // step waits for. As 32-bit words where address and length allow (16-byte
   // loads; integers, so every bit pattern is copied as is), the rest as bytes.
-  void copy_batch(const std::vector<Copy>& copies) {
+  void copy_batch(std::span<const Copy> copies) {
     if (copies.empty()) return;
     if (copies.size() == 1) return copy(copies[0].dst, copies[0].src, copies[0].bytes);
     const auto word_opts = ::torch::TensorOptions().dtype(::torch::kInt).device(dev_);
