@@ -118,6 +118,36 @@ TEST(PowerSgd, ARankOneGradientSurvivesRankOneCompression) {
   });
 }
 
+// A gradient of rank 5 compressed at rank 5 comes back exactly averaged (the
+// span of P is the span of the averaged matrix). 7 x 13 and rank 5 are not
+// multiples of 4: the products' vector loops (4 doubles of the rank at a
+// time, 4 rows or columns at a time) take every one of their remainders.
+TEST(PowerSgd, ARankFiveGradientOfOddShapeSurvivesRankFiveCompression) {
+  run_ranks(2, "shm", [&](ProcessGroup& pg) {
+    const size_t rows = 7, cols = 13, r = 5;
+    const auto exact = [&](int rank, size_t i, size_t j) {
+      double s = 0;
+      for (size_t k = 0; k < r; ++k) s += (rank + 1.0 + 0.5 * k) * std::sin(0.7 * (k + 1) * i + 0.1 * k) * std::cos(0.3 * (k + 2) * j);
+      return s;
+    };
+    std::vector<float> w(rows * cols);
+    auto state = std::make_shared<PowerSgdState>(
+        PowerSgdOptions{.rank = static_cast<int>(r), .start_iter = 2, .min_compression_rate = 0.1});
+    ReducerOptions o;
+    o.comm_hook = powersgd_hook(state);
+    Reducer red(pg, {{"w", w.size(), DType::F32, w.data(), rows}}, o);
+    for (int step = 0; step < 5; ++step) {
+      for (size_t i = 0; i < rows; ++i)
+        for (size_t j = 0; j < cols; ++j) w[i * cols + j] = float(exact(pg.rank(), i, j));
+      red.mark_ready(0, w.data());
+      red.finalize();
+      for (size_t i = 0; i < rows; ++i)
+        for (size_t j = 0; j < cols; ++j)
+          ASSERT_NEAR(w[i * cols + j], (exact(0, i, j) + exact(1, i, j)) / 2, 1e-4) << "step " << step << " at " << i << "," << j;
+    }
+  });
+}
+
 // Padding at the bucket's end (bucket_count_multiple, as ZeRO uses) belongs
 // to no parameter: a 3 x 100 gradient stays a 3 x 100 matrix, and a gradient
 // whose rows do not divide its count is averaged as it is.

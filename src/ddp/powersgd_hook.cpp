@@ -31,6 +31,10 @@
 
 #include "cohort/ddp.hpp"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace cohort::ddp {
 namespace {
 
@@ -63,8 +67,17 @@ void orthogonalise(float* a, size_t rows, size_t cols, float eps) {
   for (size_t x = 0; x < rows * cols; ++x) a[x] = static_cast<float>(d[x]);
 }
 
+// The three products, over every compressed gradient each iteration: r
+// multiply-adds per gradient element each, the hook's whole arithmetic
+// (about 40 M per product for the example's 10 M-parameter MLP at rank 4).
+// Products accumulate in double; the portable loops are below, the x86-64
+// ones (AVX2 + FMA, picked at run time) take 4 doubles of the rank at a
+// time and are 3-5x faster on the VM (2048 x 2048, rank 4: 9.0 -> 2.5 ms
+// for P, 6.6 -> 1.6 for Q, 8.4 -> 2.6 for M). Both round the double sums to
+// the same floats up to the order of the additions.
+
 // p (n x r) = m (n x c) q (c x r)
-void mul(const float* m, const float* q, float* p, size_t n, size_t c, size_t r) {
+void mul_portable(const float* m, const float* q, float* p, size_t n, size_t c, size_t r) {
   std::vector<double> acc(r);
   for (size_t i = 0; i < n; ++i) {
     std::fill(acc.begin(), acc.end(), 0.0);
@@ -76,7 +89,7 @@ void mul(const float* m, const float* q, float* p, size_t n, size_t c, size_t r)
 }
 
 // q (c x r) = m^T (c x n) p (n x r)
-void mul_transposed(const float* m, const float* p, float* q, size_t n, size_t c, size_t r) {
+void mul_transposed_portable(const float* m, const float* p, float* q, size_t n, size_t c, size_t r) {
   std::vector<double> acc(c * r, 0.0);
   for (size_t i = 0; i < n; ++i) {
     const float* row = m + i * c;
@@ -87,13 +100,135 @@ void mul_transposed(const float* m, const float* p, float* q, size_t n, size_t c
 }
 
 // m (n x c) = p (n x r) q^T (r x c)
-void mul_outer(const float* p, const float* q, float* m, size_t n, size_t c, size_t r) {
+void mul_outer_portable(const float* p, const float* q, float* m, size_t n, size_t c, size_t r) {
   for (size_t i = 0; i < n; ++i)
     for (size_t j = 0; j < c; ++j) {
       double s = 0;
       for (size_t k = 0; k < r; ++k) s += double(p[i * r + k]) * q[j * r + k];
       m[i * c + j] = float(s);
     }
+}
+
+#if defined(__x86_64__)
+bool have_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+// A c x r float matrix as doubles, each row padded with zeros to `stride` (a multiple of 4).
+std::vector<double> padded_rows(const float* a, size_t c, size_t r, size_t stride) {
+  std::vector<double> out(c * stride, 0.0);
+  for (size_t j = 0; j < c; ++j)
+    for (size_t k = 0; k < r; ++k) out[j * stride + k] = a[j * r + k];
+  return out;
+}
+
+// P: for each row of m and each 4 columns of Q, four accumulators (one per
+// j mod 4, so that the additions do not wait on each other).
+__attribute__((target("avx2,fma"))) void mul_avx2(const float* m, const float* q, float* p, size_t n, size_t c,
+                                                  size_t r) {
+  const size_t stride = (r + 3) / 4 * 4;
+  const std::vector<double> qd = padded_rows(q, c, r, stride);
+  alignas(32) double out[4];
+  for (size_t i = 0; i < n; ++i) {
+    const float* row = m + i * c;
+    for (size_t v = 0; v < stride; v += 4) {
+      const double* qv = qd.data() + v;
+      __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+      size_t j = 0;
+      for (; j + 4 <= c; j += 4) {
+        a0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_broadcast_ss(row + j)), _mm256_loadu_pd(qv + j * stride), a0);
+        a1 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_broadcast_ss(row + j + 1)), _mm256_loadu_pd(qv + (j + 1) * stride), a1);
+        a2 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_broadcast_ss(row + j + 2)), _mm256_loadu_pd(qv + (j + 2) * stride), a2);
+        a3 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_broadcast_ss(row + j + 3)), _mm256_loadu_pd(qv + (j + 3) * stride), a3);
+      }
+      for (; j < c; ++j)
+        a0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_broadcast_ss(row + j)), _mm256_loadu_pd(qv + j * stride), a0);
+      _mm256_store_pd(out, _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+      for (size_t k = v; k < std::min(r, v + 4); ++k) p[i * r + k] = float(out[k - v]);
+    }
+  }
+}
+
+// Q: four rows of m at a time into each row of the accumulator (one load and
+// store of it for four multiply-adds).
+__attribute__((target("avx2,fma"))) void mul_transposed_avx2(const float* m, const float* p, float* q, size_t n,
+                                                             size_t c, size_t r) {
+  const size_t stride = (r + 3) / 4 * 4;
+  const std::vector<double> pd = padded_rows(p, n, r, stride);
+  std::vector<double> acc(c * stride, 0.0);
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float *m0 = m + i * c, *m1 = m0 + c, *m2 = m1 + c, *m3 = m2 + c;
+    for (size_t v = 0; v < stride; v += 4) {
+      const double* pv = pd.data() + i * stride + v;
+      const __m256d p0 = _mm256_loadu_pd(pv), p1 = _mm256_loadu_pd(pv + stride);
+      const __m256d p2 = _mm256_loadu_pd(pv + 2 * stride), p3 = _mm256_loadu_pd(pv + 3 * stride);
+      double* a = acc.data() + v;
+      for (size_t j = 0; j < c; ++j) {
+        __m256d s = _mm256_loadu_pd(a + j * stride);
+        s = _mm256_fmadd_pd(_mm256_set1_pd(m0[j]), p0, s);
+        s = _mm256_fmadd_pd(_mm256_set1_pd(m1[j]), p1, s);
+        s = _mm256_fmadd_pd(_mm256_set1_pd(m2[j]), p2, s);
+        s = _mm256_fmadd_pd(_mm256_set1_pd(m3[j]), p3, s);
+        _mm256_storeu_pd(a + j * stride, s);
+      }
+    }
+  }
+  for (; i < n; ++i)
+    for (size_t v = 0; v < stride; v += 4) {
+      const __m256d p0 = _mm256_loadu_pd(pd.data() + i * stride + v);
+      double* a = acc.data() + v;
+      for (size_t j = 0; j < c; ++j)
+        _mm256_storeu_pd(a + j * stride, _mm256_fmadd_pd(_mm256_set1_pd(m[i * c + j]), p0, _mm256_loadu_pd(a + j * stride)));
+    }
+  for (size_t j = 0; j < c; ++j)
+    for (size_t k = 0; k < r; ++k) q[j * r + k] = float(acc[j * stride + k]);
+}
+
+// M: four columns of a row at a time, from Q transposed (r rows of c doubles).
+__attribute__((target("avx2,fma"))) void mul_outer_avx2(const float* p, const float* q, float* m, size_t n, size_t c,
+                                                        size_t r) {
+  std::vector<double> qt(r * c);
+  for (size_t j = 0; j < c; ++j)
+    for (size_t k = 0; k < r; ++k) qt[k * c + j] = q[j * r + k];
+  for (size_t i = 0; i < n; ++i) {
+    const float* pi = p + i * r;
+    float* out = m + i * c;
+    size_t j = 0;
+    for (; j + 4 <= c; j += 4) {
+      __m256d s = _mm256_setzero_pd();
+      for (size_t k = 0; k < r; ++k) s = _mm256_fmadd_pd(_mm256_set1_pd(pi[k]), _mm256_loadu_pd(qt.data() + k * c + j), s);
+      _mm_storeu_ps(out + j, _mm256_cvtpd_ps(s));
+    }
+    for (; j < c; ++j) {
+      double s = 0;
+      for (size_t k = 0; k < r; ++k) s = std::fma(double(pi[k]), qt[k * c + j], s);
+      out[j] = float(s);
+    }
+  }
+}
+#endif
+
+void mul(const float* m, const float* q, float* p, size_t n, size_t c, size_t r) {
+#if defined(__x86_64__)
+  if (have_avx2_fma()) return mul_avx2(m, q, p, n, c, r);
+#endif
+  mul_portable(m, q, p, n, c, r);
+}
+
+void mul_transposed(const float* m, const float* p, float* q, size_t n, size_t c, size_t r) {
+#if defined(__x86_64__)
+  if (have_avx2_fma()) return mul_transposed_avx2(m, p, q, n, c, r);
+#endif
+  mul_transposed_portable(m, p, q, n, c, r);
+}
+
+void mul_outer(const float* p, const float* q, float* m, size_t n, size_t c, size_t r) {
+#if defined(__x86_64__)
+  if (have_avx2_fma()) return mul_outer_avx2(p, q, m, n, c, r);
+#endif
+  mul_outer_portable(p, q, m, n, c, r);
 }
 
 // The bucket's matrices to compress, grouped by shape in order of first
@@ -237,11 +372,12 @@ CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
     const size_t count = buf.count;
     PowerSgdState::Bucket* st = &state->bucket(index);
     auto sp = std::make_shared<Split>(split(bucket, o));
-    std::shared_ptr<std::vector<float>> before;
     if (o.error_feedback) {
+      // x = g + e, and e keeps x (x_before) until finish() subtracts the
+      // approximation: no copy of the bucket per iteration.
       if (st->error.size() != count) st->error.assign(count, 0.f);
-      for (size_t i = 0; i < count; ++i) x[i] += st->error[i];
-      before = std::make_shared<std::vector<float>>(x, x + count);
+      float* e = st->error.data();
+      for (size_t i = 0; i < count; ++i) e[i] = x[i] += e[i];
     }
     // Ps and Qs, random Qs the first time (or always without warm start).
     const bool random_q = !o.warm_start || st->q.size() != sp->q_total;
@@ -268,8 +404,8 @@ CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
       for (float& v : st->q) v /= static_cast<float>(n);
       for (const Matrix& mx : sp->compress)
         mul_outer(st->p.data() + mx.p_at, st->q.data() + mx.q_at, x + mx.offset, mx.rows, mx.cols, mx.rank);
-      if (before)
-        for (size_t i = 0; i < count; ++i) st->error[i] = (*before)[i] - x[i];
+      if (o.error_feedback)
+        for (size_t i = 0; i < count; ++i) st->error[i] -= x[i];
       if (!o.warm_start) st->q.clear();
       if (last) state->next_iteration();
     };
