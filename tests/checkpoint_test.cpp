@@ -157,6 +157,31 @@ TEST(Checkpoint, KeepLastDeletesOlderCompleteCheckpoints) {
     EXPECT_FALSE(ckpt::is_temp_name(e.path().filename().string())) << e.path();
 }
 
+// keep_last_among: a run saving beside an earlier run's checkpoints (another
+// run id in the config) keeps N of its own and deletes none of the other's,
+// whatever their steps; without it every checkpoint counts, as before.
+TEST(Checkpoint, KeepLastAmongCountsAndDeletesOnlyTheCheckpointsItAccepts) {
+  TempDir dir;
+  const auto of_run = [](const std::string& run) {
+    Manifest m;
+    m.config = "{\"run\": \"" + run + "\"}";
+    return m;
+  };
+  for (int64_t step : {5, 10, 15, 20}) save_checkpoint(dir.path(), step, sample_files(0), of_run("earlier"));
+  SaveOptions mine{.keep_last = 2};
+  mine.keep_last_among = [](const Manifest& m) { return m.config.find("\"now\"") != std::string::npos; };
+  for (int64_t step : {4, 8, 12}) save_checkpoint(dir.path(), step, sample_files(1), of_run("now"), mine);
+  EXPECT_EQ(list_checkpoint_steps(dir.path()), (std::vector<int64_t>{5, 8, 10, 12, 15, 20}));
+  // A predicate that throws keeps the checkpoint (when in doubt, keep it).
+  SaveOptions throwing{.keep_last = 1};
+  throwing.keep_last_among = [](const Manifest&) -> bool { throw std::runtime_error("cannot tell"); };
+  save_checkpoint(dir.path(), 16, sample_files(1), of_run("now"), throwing);
+  EXPECT_EQ(list_checkpoint_steps(dir.path()), (std::vector<int64_t>{5, 8, 10, 12, 15, 16, 20}));
+  // Without it, every checkpoint at or below the step counts.
+  save_checkpoint(dir.path(), 17, sample_files(1), of_run("now"), {.keep_last = 2});
+  EXPECT_EQ(list_checkpoint_steps(dir.path()), (std::vector<int64_t>{16, 17, 20}));
+}
+
 TEST(Checkpoint, RetentionPlanIsAPureFunction) {
   using S = ckpt::StepState;
   EXPECT_EQ(ckpt::steps_to_delete({{1, true}, {2, true}, {3, true}}, 3, 2), std::vector<int64_t>{1});
@@ -168,6 +193,9 @@ TEST(Checkpoint, RetentionPlanIsAPureFunction) {
   EXPECT_TRUE(ckpt::steps_to_delete({S{1, false}, S{2, true}}, 2, 2).empty());
   // Steps above the saved one are never deleted.
   EXPECT_EQ(ckpt::steps_to_delete({S{1, true}, S{5, true}, S{9, true}}, 5, 1), std::vector<int64_t>{1});
+  // Not ours: neither counted nor deleted.
+  EXPECT_EQ(ckpt::steps_to_delete({S{1, true, true}, S{2, true, false}, S{3, true, true}, S{4, true, false}}, 4, 1),
+            std::vector<int64_t>{1});
 }
 
 TEST(Checkpoint, SavingTheSameStepAgainReplacesIt) {

@@ -34,6 +34,16 @@ TEST(LaunchOptions, NprocAndNnodes) {
   EXPECT_EQ(parse_nproc("cpu"), cpu_count());
   EXPECT_GE(cpu_count(), 1);
   for (const char* bad : {"0", "-2", "two", "gpu", ""}) EXPECT_THROW(parse_nproc(bad), InvalidArgument) << bad;
+  // A count past any node's cores would only exhaust the machine before the job starts.
+  EXPECT_EQ(parse_nproc("4096"), 4096);
+  for (const char* bad : {"4097", "100000", "999999999"}) {
+    try {
+      parse_nproc(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("at most 4096"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_EQ(parse_nnodes("3").min, 3);
   EXPECT_EQ(parse_nnodes("3").max, 3);
   EXPECT_EQ(parse_nnodes("2:2").max, 2);

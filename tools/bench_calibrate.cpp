@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "bench_colls.hpp"
@@ -34,9 +35,20 @@ double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The CPUs the machine (or its container) gives the job, which the ranks
+// share: not this rank's affinity, which `cohort run --bind auto` narrows to
+// one core per rank (2 ranks on 2 cores would record 1). The container's
+// cpuset (cgroup v2, then v1), else the CPUs online.
 int machine_cores() {
-  const size_t cpus = core::current_affinity().size();
-  return cpus > 0 ? int(cpus) : int(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  for (const char* path : {"/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
+                           "/sys/fs/cgroup/cpuset/cpuset.cpus"}) {
+    std::ifstream in(path);
+    std::string text;
+    if (!in || !std::getline(in, text)) continue;
+    const auto cpus = core::parse_cpu_list(text);
+    if (cpus && !cpus->empty()) return int(cpus->size());
+  }
+  return int(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
 plan::LinkClass class_of(const c::TunerInput& in, int nranks) {
@@ -83,14 +95,36 @@ double time_calls(ProcessGroup& pg, const BenchCase& bc, size_t send_count, size
   return blocks[2];
 }
 
+// Before measuring: a file that is there but cannot take the samples (another
+// version, damaged), or a directory where none can be written, stops the run
+// now rather than after minutes of measuring.
+void check_target(const std::string& file) {
+  namespace fs = std::filesystem;
+  if (fs::exists(file)) {
+    try {
+      plan::read_calibration(file, COHORT_VERSION);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("--calibrate {}: the file exists and this run's samples cannot be merged into "
+                                        "it: {}. HINT: move the file aside (or delete it) to start a new one, or name "
+                                        "another file",
+                                        file, e.what()));
+    }
+  }
+  std::error_code ec;
+  const fs::path dir = fs::absolute(fs::path(file), ec).parent_path();
+  if (ec || !fs::is_directory(dir, ec) || access(dir.c_str(), W_OK) != 0)
+    throw InvalidArgument(fmt::format("--calibrate {}: cannot write the file: {} is not a directory this process may "
+                                      "write. HINT: create the directory, or name a file elsewhere",
+                                      file, dir.string()));
+}
+
 }  // namespace
 
 int run_calibrate(const CalibrateFlags& f) {
   auto max_bytes = core::parse_bytes(f.max_bytes);
   if (!max_bytes || *max_bytes < 8)
     throw InvalidArgument(fmt::format("-e {}: the largest size must be a byte size of at least 8 (e.g. 64M)", f.max_bytes));
-  // Before measuring: a file that is there but cannot take the samples stops the run now.
-  if (std::filesystem::exists(f.file)) plan::read_calibration(f.file, COHORT_VERSION);
+  check_target(f.file);
   auto pg = init_process_group();
   auto* native = dynamic_cast<group::NativeGroup*>(pg.get());
   if (native == nullptr)

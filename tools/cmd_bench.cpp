@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -59,8 +60,14 @@ std::vector<size_t> size_list(const BenchFlags& f) {
   auto lo = core::parse_bytes(f.min_bytes), hi = core::parse_bytes(f.max_bytes);
   if (!lo || !hi || *lo > *hi)
     throw InvalidArgument(fmt::format("-b {} -e {}: need two byte sizes with -b <= -e (e.g. -b 8 -e 64M)", f.min_bytes, f.max_bytes));
-  if (f.factor <= 1) throw InvalidArgument(fmt::format("-f {}: the step factor must be > 1", f.factor));
-  for (double s = double(*lo); s <= double(*hi) * 1.0000001; s *= f.factor) out.push_back(size_t(s));
+  if (*lo == 0)
+    throw InvalidArgument(fmt::format("-b {}: the smallest size must be at least 1 byte (e.g. -b 8); a size of 0 "
+                                      "never grows by -f",
+                                      f.min_bytes));
+  if (!(f.factor > 1) || !std::isfinite(f.factor))
+    throw InvalidArgument(fmt::format("-f {}: the step factor must be a finite number > 1 (e.g. -f 2)", f.factor));
+  for (double s = double(*lo); s <= double(*hi) * 1.0000001; s *= f.factor)
+    if (out.empty() || size_t(s) != out.back()) out.push_back(size_t(s));  // a factor near 1 repeats sizes
   return out;
 }
 

@@ -6,6 +6,8 @@
 //     best first.
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 #include "collectives/tuner.hpp"
@@ -35,8 +37,23 @@ plan::CostTable load_costs(const PlanFlags& f) {
   return plan::cost_table(plan::read_calibration(f.calibration, COHORT_VERSION), "calibration file " + f.calibration);
 }
 
+// A finite number > 0 (CLI11's PositiveNumber lets "nan" through, and its
+// Range names the largest double in its message).
+CLI::Validator finite_above(double low, double high = HUGE_VAL) {
+  return CLI::Validator(
+      [low, high](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !std::isfinite(x) || !(x > low) || x > high)
+          return std::isfinite(high) ? fmt::format("expected a number in ({}, {}], got {}", low, high, text)
+                                     : fmt::format("expected a finite number > {}, got {}", low, text);
+        return "";
+      },
+      "");
+}
+
 void add_cluster_options(CLI::App& cmd, plan::ClusterFlags& c) {
-  const auto positive = CLI::PositiveNumber;
+  const auto positive = finite_above(0);
   cmd.add_option("--cluster", c.preset, "a100-80g or h100-80g: 8 GPUs per host, NVLink, 8 InfiniBand NICs (datasheet)");
   cmd.add_option("--hosts", c.spec.hosts, "hosts (machines)")->check(positive);
   auto* gpus = cmd.add_option("--gpus-per-host", c.spec.devices_per_host, "GPUs per host (NCCL)")->check(positive);
@@ -53,7 +70,7 @@ void add_cluster_options(CLI::App& cmd, plan::ClusterFlags& c) {
                  "memory bandwidth of one device in GB/s (a GPU's HBM, or a CPU rank's share): the optimizer step's rate")
       ->check(positive);
   cmd.add_option("--mfu", c.spec.mfu, "the fraction of that peak the model's kernels reach, in (0, 1] (default 0.5)")
-      ->check(CLI::Range(1e-6, 1.0));
+      ->check(finite_above(0, 1.0));
   cmd.add_option("--intra-host-gbs", c.spec.intra_gbs, "GPU-to-GPU bandwidth inside a host, GB/s each way per GPU")
       ->check(positive);
   cmd.add_option("--inter-host-gbps", c.spec.inter_gbps,
@@ -64,7 +81,7 @@ void add_cluster_options(CLI::App& cmd, plan::ClusterFlags& c) {
 }
 
 void add_model_options(CLI::App& cmd, plan::ModelFlags& m) {
-  const auto positive = CLI::PositiveNumber;
+  const auto positive = finite_above(0);
   cmd.add_option("--model", m.preset, "gpt:1.7b, gpt:3.6b, gpt:7.5b, gpt:18.4b, gpt:39.1b, gpt:145.6b, gpt:175b (Megatron-LM's "
                                       "Table 1), mlp or cnn (examples/fashion_mnist); flags below override it");
   cmd.add_option("--params", m.spec.params, "parameters")->check(positive);
@@ -139,7 +156,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--transport", f.transport, "with --collective, between the ranks of one host: shm (default) or tcp");
   add_cluster_options(*cmd, f.cluster);
   add_model_options(*cmd, f.model);
-  cmd->add_option("--top", f.top, "print this many layouts (best first)")->check(CLI::PositiveNumber);
+  cmd->add_option("--top", f.top, "print this many layouts (best first)")->check(finite_above(0));
   cmd->callback([&exit_code] { exit_code = f.collective.empty() ? plan_layouts(f) : plan_collective(f); });
 }
 

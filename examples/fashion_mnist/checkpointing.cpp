@@ -61,7 +61,8 @@ void note_earlier_checkpoints(const std::string& dir) {
   const auto steps = cohort::list_checkpoint_steps(dir);
   if (!steps.empty())
     std::printf("note: --checkpoint-dir %s holds checkpoints of an earlier run (newest: step %lld); this run saves "
-                "beside them and a restart resumes only its own (pass --resume to continue that run instead)\n",
+                "beside them (replacing any of the same step), --keep counts only its own, and a restart resumes "
+                "only its own (pass --resume to continue that run instead, or use another directory)\n",
                 dir.c_str(), static_cast<long long>(steps.back()));
 }
 
@@ -448,6 +449,20 @@ cohort::Manifest manifest_of(cohort::ProcessGroup& pg, const TrainConfig& cfg, c
   return m;
 }
 
+// --keep N counts and deletes this run's checkpoints only: an earlier run's
+// in the same directory (another run id in the config) neither takes this
+// run's places nor is deleted by it.
+cohort::SaveOptions retention(const TrainConfig& cfg, const nlohmann::json& config) {
+  cohort::SaveOptions o{.keep_last = cfg.keep};
+  const std::string run = config.value("run", "");
+  if (!run.empty())
+    o.keep_last_among = [run](const cohort::Manifest& m) {
+      const auto c = nlohmann::json::parse(m.config, nullptr, false);
+      return c.is_object() && c.value("run", "") == run;
+    };
+  return o;
+}
+
 }  // namespace
 
 void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, const Model& model,
@@ -478,12 +493,12 @@ void write_checkpoint(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Pr
     if (powersgd) files[fmt::format("powersgd.rank{}", pg.rank())] = powersgd->state();
     path = cohort::save_checkpoint_sharded(pg, cfg.ckpt_dir, at.step, files,
                                            lead ? manifest_of(pg, cfg, at, scaler, schedule, config) : cohort::Manifest{},
-                                           {.keep_last = cfg.keep});
+                                           retention(cfg, config));
   } else if (lead) {
     path = cohort::save_checkpoint(
         cfg.ckpt_dir, at.step,
         {{"model", cohort::torch::module_state(*model.module)}, {"optimizer", cohort::torch::optimizer_state(optimizer)}},
-        manifest_of(pg, cfg, at, scaler, schedule, config), {.keep_last = cfg.keep});
+        manifest_of(pg, cfg, at, scaler, schedule, config), retention(cfg, config));
   }
   if (lead) {
     std::printf("checkpoint: step %lld saved to %s (%.0f ms)\n", static_cast<long long>(at.step), path.c_str(),

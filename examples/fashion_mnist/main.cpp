@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   auto* ckpt_dir = app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)");
   app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)")
       ->check(kNonNegative);
-  app.add_option("--keep", cfg.keep, "checkpoints to keep (0: all)")
+  app.add_option("--keep", cfg.keep, "checkpoints of this run to keep (0: all); an earlier run's in the same directory are left alone")
       ->check(kNonNegative);
   app.add_flag("--resume", cfg.resume, "continue from the newest valid checkpoint in --checkpoint-dir")
       ->needs(ckpt_dir);

@@ -115,6 +115,12 @@ struct COHORT_API SaveOptions {
   // below the new one (the new one included) and delete the older ones.
   // 0 keeps everything. Checkpoints with a higher step than the new one are left alone.
   int keep_last = 0;
+  // Which checkpoints keep_last counts and deletes: those whose manifest this
+  // returns true for (say, those whose config names this run), so that a run
+  // saving beside another run's checkpoints neither deletes them nor lets them
+  // take its own places. Unset: every checkpoint in the directory. When set,
+  // the others, and those whose manifest cannot be read, are left alone.
+  std::function<bool(const Manifest&)> keep_last_among;
   Filesystem* fs = nullptr;  // nullptr: posix_filesystem()
 };
 

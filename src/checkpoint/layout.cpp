@@ -55,7 +55,7 @@ std::vector<int64_t> steps_to_delete(std::vector<StepState> existing, int64_t sa
   int kept = 0;
   std::optional<int64_t> horizon;  // the oldest step kept
   for (const StepState& s : existing) {
-    if (s.step > saved || !s.valid) continue;
+    if (s.step > saved || !s.valid || !s.ours) continue;
     if (kept < keep_last) {
       ++kept;
       horizon = s.step;
@@ -64,7 +64,7 @@ std::vector<int64_t> steps_to_delete(std::vector<StepState> existing, int64_t sa
   std::vector<int64_t> out;
   if (kept < keep_last || !horizon) return out;  // fewer than keep_last valid: nothing is old enough
   for (const StepState& s : existing)
-    if (s.step < *horizon) out.push_back(s.step);
+    if (s.step < *horizon && s.ours) out.push_back(s.step);
   return out;
 }
 

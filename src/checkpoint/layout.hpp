@@ -39,6 +39,7 @@ void check_file_name(std::string_view name);
 struct StepState {
   int64_t step = 0;
   bool valid = false;
+  bool ours = true;  // counted and deleted by retention (SaveOptions::keep_last_among)
 };
 std::vector<int64_t> steps_to_delete(std::vector<StepState> existing, int64_t saved, int keep_last);
 

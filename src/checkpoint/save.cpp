@@ -23,7 +23,9 @@
 //      step X only under that name: the loader still finds it there, and the
 //      next save renames it back (step 2) instead of deleting it.
 //   6. Retention (keep_last): counting only checkpoints whose manifest parses
-//      and whose files exist with the sizes it lists, rename each expired
+//      and whose files exist with the sizes it lists (and, with
+//      keep_last_among, whose manifest it accepts: only those are deleted
+//      then), rename each expired
 //      step_Y to a temporary name,
 //      fsync ckpt_dir, then remove it. A checkpoint is never half-deleted
 //      under its visible name. Failures here are logged, not thrown: the new
@@ -109,11 +111,24 @@ bool restore_moved_aside(Filesystem& fs, const std::string& dir, const std::stri
 }
 
 // Step 6. Never throws: the new checkpoint is committed already.
-void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, int keep_last) {
+void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, const SaveOptions& options) {
+  const int keep_last = options.keep_last;
+  if (keep_last <= 0) return;
   try {
     std::vector<StepDir> dirs = list_step_dirs(fs, dir);
     std::vector<StepState> states;
-    for (const StepDir& d : dirs) states.push_back({d.step, looks_complete(fs, join_path(dir, d.name))});
+    for (const StepDir& d : dirs) {
+      const std::string path = join_path(dir, d.name);
+      StepState s{d.step, looks_complete(fs, path)};
+      if (options.keep_last_among) {
+        try {
+          s.ours = s.valid && options.keep_last_among(read_manifest(fs, path).manifest);
+        } catch (...) {
+          s.ours = false;  // when in doubt, keep it
+        }
+      }
+      states.push_back(s);
+    }
     std::vector<int64_t> expired = steps_to_delete(states, saved, keep_last);
     std::vector<std::string> trash;
     for (const StepDir& d : dirs) {
@@ -195,7 +210,7 @@ SaveInProgress::~SaveInProgress() {
 
 // Steps 4 to 6.
 std::string SaveInProgress::commit(const Manifest& manifest, const std::map<std::string, FileInfo>& files,
-                                   int keep_last) {
+                                   const SaveOptions& options) {
   std::map<std::string, FileInfo> infos;  // by full file name
   for (const auto& [name, info] : files) infos[name + std::string(kTensorFileSuffix)] = info;
   bool moved_old = false;
@@ -235,7 +250,7 @@ std::string SaveInProgress::commit(const Manifest& manifest, const std::map<std:
   }
   COHORT_INFO(kInit, "checkpoint: saved step {} to '{}'", step_, final_dir_);
   // 6. Retention.
-  apply_retention(fs_, dir_, step_, keep_last);
+  apply_retention(fs_, dir_, step_, options);
   return final_dir_;
 }
 
@@ -253,7 +268,7 @@ std::string save_checkpoint(const std::string& dir_arg, int64_t step,
   std::map<std::string, FileInfo> infos;
   for (const auto& [name, tensors] : files)  // 3. The tensor files.
     infos[name] = write_tensor_file(fs, save.tmp_dir(), name, headers.at(name), tensors);
-  return save.commit(manifest, infos, options.keep_last);  // 4-6.
+  return save.commit(manifest, infos, options);  // 4-6.
 }
 
 }  // namespace cohort

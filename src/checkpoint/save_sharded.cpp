@@ -120,7 +120,7 @@ std::string save_checkpoint_sharded(ProcessGroup& group, const std::string& dir_
           infos[line.substr(0, t1)] =
               FileInfo{std::stoull(line.substr(t1 + 1, t2 - t1 - 1)), static_cast<uint32_t>(std::stoul(line.substr(t2 + 1)))};
         }
-      final_dir = save->commit(manifest, infos, options.keep_last);
+      final_dir = save->commit(manifest, infos, options);
     } catch (const std::exception& e) {
       error = e.what();
     }

@@ -40,7 +40,7 @@ class SaveInProgress {
 
   const std::string& tmp_dir() const { return tmp_dir_; }
   // `files`: by name without ".safetensors", as written into tmp_dir(). Returns the step directory.
-  std::string commit(const Manifest& manifest, const std::map<std::string, FileInfo>& files, int keep_last);
+  std::string commit(const Manifest& manifest, const std::map<std::string, FileInfo>& files, const SaveOptions& options);
 
  private:
   Filesystem& fs_;

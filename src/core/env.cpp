@@ -93,7 +93,7 @@ std::optional<uint64_t> parse_bytes(const std::string& s) {
   if (s.empty()) return std::nullopt;
   char* end = nullptr;
   double x = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || x < 0) return std::nullopt;
+  if (end == s.c_str() || !(x >= 0) || !std::isfinite(x)) return std::nullopt;  // NaN, inf, negative
   std::string unit = lower(std::string(end));
   if (!unit.empty() && unit.back() == 'b') unit.pop_back();
   if (!unit.empty() && unit.back() == 'i') unit.pop_back();
@@ -103,6 +103,7 @@ std::optional<uint64_t> parse_bytes(const std::string& s) {
   else if (unit == "m") mult = 1024.0 * 1024;
   else if (unit == "g") mult = 1024.0 * 1024 * 1024;
   else return std::nullopt;
+  if (x * mult >= 18446744073709551616.0) return std::nullopt;  // 2^64: no uint64_t holds it
   return static_cast<uint64_t>(x * mult);
 }
 

@@ -97,6 +97,15 @@ int parse_nproc(const std::string& text) {
   if (n < 1)
     throw InvalidArgument(fmt::format("--nproc-per-node {}: expected a positive number of workers per node, "
                                       "or auto / cpu (one per CPU)", text));
+  // Each worker is a process with its own environment, pipes and shared
+  // memory: far past any node's cores or GPUs the launcher would only run the
+  // machine out of memory or processes before the job could start.
+  constexpr long kMost = 4096;
+  if (n > kMost)
+    throw InvalidArgument(fmt::format("--nproc-per-node {}: at most {} workers per node (this machine has {} CPUs); "
+                                      "HINT: one worker per GPU or per core (--nproc-per-node auto), and more nodes "
+                                      "(--nnodes) for more ranks",
+                                      text, kMost, cpu_count()));
   return static_cast<int>(n);
 }
 

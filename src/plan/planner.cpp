@@ -128,6 +128,16 @@ ClusterSpec resolve_cluster(const ClusterFlags& f) {
   if (c.devices_per_host <= 0) c.devices_per_host = 1;
   if (c.hosts < 1)
     throw InvalidArgument(fmt::format("--hosts {}: a cluster has 1 or more hosts", c.hosts));
+  // As `cohort run` starts at most 4096 workers per node; and a world that an int holds.
+  constexpr int kMostPerHost = 4096;
+  constexpr int64_t kMostDevices = int64_t(1) << 24;
+  if (c.devices_per_host > kMostPerHost)
+    throw InvalidArgument(fmt::format("--gpus-per-host / --ranks-per-host {}: at most {} per host", c.devices_per_host,
+                                      kMostPerHost));
+  if (int64_t(c.hosts) * c.devices_per_host > kMostDevices)
+    throw InvalidArgument(fmt::format("--hosts {} x {} per host: more than {} devices in all; the model plans clusters up "
+                                      "to that size",
+                                      c.hosts, c.devices_per_host, kMostDevices));
   return c;
 }
 

@@ -175,11 +175,16 @@ struct Evaluator {
   }
 };
 
+// n's divisors, ascending, in sqrt(n) steps (a 64-bit counter: no wrap at INT_MAX).
 std::vector<int> divisors(int n) {
-  std::vector<int> out;
-  for (int d = 1; d <= n; ++d)
-    if (n % d == 0) out.push_back(d);
-  return out;
+  std::vector<int> low, high;
+  for (int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) {
+      low.push_back(int(d));
+      if (d * d != n) high.push_back(int(n / d));
+    }
+  low.insert(low.end(), high.rbegin(), high.rend());
+  return low;
 }
 
 }  // namespace
