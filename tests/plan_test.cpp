@@ -100,6 +100,18 @@ TEST(PlanFit, CoefficientsStayNonNegative) {
   EXPECT_GT(fit.alpha_us, 3);  // the level of the samples, in alpha
 }
 
+// A band the calibration reached with one size (its largest, -e 1M): the
+// time is bytes there, so twice the size takes twice the time, not the same
+// (alpha alone gave that band an infinite bandwidth); a small size is steps.
+TEST(PlanFit, OneSizeIsBytesWhenLargeAndStepsWhenSmall) {
+  const AlgoCost large = fit_algo({{Coll::Allreduce, Algo::Ring, 2, 2, 1 << 20, 144}}, 2, 256 * 1024);
+  EXPECT_EQ(large.alpha_us, 0);
+  EXPECT_GT(large.beta_us_per_byte, 0);
+  const AlgoCost small = fit_algo({{Coll::Allreduce, Algo::Ring, 2, 2, 1024, 3}}, 2, 256 * 1024);
+  EXPECT_GT(small.alpha_us, 0);
+  EXPECT_EQ(small.beta_us_per_byte, 0);
+}
+
 Calibration small_calibration(const char* version) {
   Calibration cal;
   cal.cohort_version = version;

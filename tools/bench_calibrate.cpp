@@ -181,9 +181,10 @@ int run_calibrate(const CalibrateFlags& f) {
                 f.file.c_str());
     std::printf("# %-36s %10s %12s %12s %7s %8s\n", "algorithm", "alpha_us", "alpha_os_us", "GB/s(1/beta)", "points",
                 "max_err");
-    for (const auto& [key, fit] : costs.fits)
-      std::printf("  %-36s %10.3f %12.3f %12.3f %7d %7.0f%%\n", key.c_str(), fit.alpha_us, fit.alpha_os_us,
-                  fit.beta_us_per_byte > 0 ? 1e-3 / fit.beta_us_per_byte : 0.0, fit.points, 100 * fit.max_rel_err);
+    for (const auto& [key, fit] : costs.fits)  // "-": no per-byte term (a band of small sizes)
+      std::printf("  %-36s %10.3f %12.3f %12s %7d %7.0f%%\n", key.c_str(), fit.alpha_us, fit.alpha_os_us,
+                  fit.beta_us_per_byte > 0 ? fmt::format("{:.3f}", 1e-3 / fit.beta_us_per_byte).c_str() : "-",
+                  fit.points, 100 * fit.max_rel_err);
     std::fflush(stdout);
   }
   pg->shutdown();

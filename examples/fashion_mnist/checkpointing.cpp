@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -364,10 +365,26 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   // and optimizer.rank<r> for every rank r (restore_state reads them).
   const Chosen chosen = choose_checkpoint(pg, cfg.ckpt_dir, cfg.resume, config.at("run").get<std::string>());
   if (chosen.path.empty()) {
-    if (lead)
-      std::printf("resume: no usable checkpoint in %s (none valid, or none of this run: see above), starting from "
-                  "scratch\n",
-                  cfg.ckpt_dir.c_str());
+    std::vector<int64_t> steps;
+    try {
+      steps = cohort::list_checkpoint_steps(cfg.ckpt_dir);
+    } catch (const std::exception&) {  // not a directory: nothing to resume here, said below
+    }
+    // An explicit --resume over checkpoints that all failed their checks
+    // stops: starting over beside them would quietly lose the run. (A
+    // restart's auto-resume only finds none of its own run: it starts over.)
+    if (cfg.resume && !steps.empty())
+      throw cohort::InvalidArgument(fmt::format(
+          "--resume: none of the {} checkpoint(s) in {} can be resumed (each one's reason is above); nothing was "
+          "changed. HINT: move the damaged ones aside (they are never deleted or overwritten by a resume), or drop "
+          "--resume to start from scratch",
+          steps.size(), cfg.ckpt_dir));
+    if (lead) {
+      const std::string why = !std::filesystem::exists(cfg.ckpt_dir) ? "does not exist yet"
+                              : steps.empty()                        ? "holds no checkpoints"
+                                                                     : "holds no valid checkpoint of this run (see above)";
+      std::printf("resume: %s %s: starting from scratch\n", cfg.ckpt_dir.c_str(), why.c_str());
+    }
     return {};
   }
   // What this rank reads now: the whole model (with the whole optimizer state for a run without

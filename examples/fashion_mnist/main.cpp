@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <optional>
 
 #include "cohort/cohort.hpp"
@@ -96,7 +97,16 @@ int main(int argc, char** argv) {
   app.add_flag("--eval-at-stop", cfg.eval_at_stop,
                "when --max-steps stops the run mid-epoch, still measure and print the test accuracy");
   app.add_option("--data-dir", cfg.data_dir, "directory with the four Fashion-MNIST .gz files");
-  auto* ckpt_dir = app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)");
+  auto* ckpt_dir = app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)")
+                       ->check(CLI::Validator(
+                           [](std::string& dir) -> std::string {
+                             // Refused now, not at the first save after a whole epoch.
+                             std::error_code ec;
+                             if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
+                               return dir + " exists and is not a directory; name a directory (it is created if missing)";
+                             return "";
+                           },
+                           ""));
   app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)")
       ->check(kNonNegative);
   app.add_option("--keep", cfg.keep, "checkpoints of this run to keep (0: all); an earlier run's in the same directory are left alone")

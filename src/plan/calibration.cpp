@@ -64,7 +64,15 @@ AlgoCost fit_algo(const std::vector<Sample>& samples, int cores, double segment)
   const auto rows = design_rows(samples, cores, segment);
   AlgoCost best;
   double best_sse = INFINITY;
+  // Samples of one size only (a band the calibration reached with one size,
+  // its largest): per step (alpha) and per byte (beta) cannot be told apart,
+  // and alpha alone would give the band an infinite bandwidth for the sizes
+  // above. From 64 KiB the time is taken as bytes, below as steps.
+  const bool one_size = std::all_of(samples.begin(), samples.end(),
+                                    [&](const Sample& s) { return s.bytes == samples.front().bytes; });
+  const int not_fitted = !one_size ? 0 : samples.front().bytes >= 65536 ? 1 : 4;  // column 0: alpha; 2: beta
   for (int mask = 1; mask < 8; ++mask) {
+    if (mask & not_fitted) continue;
     std::vector<int> cols;
     for (int c = 0; c < 3; ++c)
       if (mask & (1 << c)) cols.push_back(c);
