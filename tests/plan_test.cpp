@@ -166,6 +166,17 @@ TEST(PlanCalibration, BadFilesSayWhatIsWrongAndWhatToRun) {
   std::ofstream(path) << "{\"format\": \"cohort-calibration\", \"format_version\": 7}";
   e = error_of([&] { read_calibration(path, "0.1.0"); });
   EXPECT_TRUE(contains(e, "format version 7")) << e;
+  // Values no measurement gives (an edited file): refused, not silently fitted or dropped.
+  const std::string head = "{\"format\": \"cohort-calibration\", \"format_version\": 1, \"cohort_version\": \"0.1.0\", "
+                           "\"classes\": {\"shm\": {";
+  for (const char* bad : {"\"cores\": 2, \"samples\": [[\"allreduce\", \"ring\", 2, 2, -1024, 3.0]]",
+                          "\"cores\": 2, \"samples\": [[\"allreduce\", \"ring\", 2, 2, 1024, -3.0]]",
+                          "\"cores\": 2, \"samples\": [[\"allreduce\", \"ring\", 2, 4, 1024, 3.0]]",
+                          "\"cores\": 0, \"samples\": [[\"allreduce\", \"ring\", 2, 2, 1024, 3.0]]"}) {
+    std::ofstream(path) << head << bad << "}}}";
+    e = error_of([&] { read_calibration(path, "0.1.0"); });
+    EXPECT_TRUE(contains(e, "edited or damaged")) << bad << ": " << e;
+  }
   std::filesystem::remove_all(dir);
 }
 

@@ -235,6 +235,13 @@ Sample parse_sample(const nlohmann::json& s, const std::string& where) {
   out.machine_ranks = s[3].get<int>();
   out.bytes = s[4].get<double>();
   out.us = s[5].get<double>();
+  // What `cohort bench --calibrate` writes; anything else was edited or damaged.
+  if (out.n < 1 || out.machine_ranks < 1 || out.machine_ranks > out.n || !std::isfinite(out.bytes) || out.bytes < 0 ||
+      !std::isfinite(out.us) || out.us <= 0)
+    throw InvalidArgument(fmt::format("{}: the sample {} is not a measurement (ranks >= 1, ranks on the machine "
+                                      "between 1 and the ranks, bytes >= 0, microseconds > 0): the file was edited "
+                                      "or damaged; calibrate again into a new file",
+                                      where, s.dump()));
   return out;
 }
 
@@ -272,6 +279,10 @@ Calibration read_calibration(const std::string& path, const std::string& expect_
       cs.cores = c.value("cores", 1);
       cs.single_copy = c.value("single_copy", false);
       cs.segment = c.value("segment", 256.0 * 1024);
+      if (cs.cores < 1 || !(cs.segment > 0) || !std::isfinite(cs.segment))
+        throw InvalidArgument(fmt::format("calibration file {} class {}: cores {} and segment {} must be >= 1 and > 0: "
+                                          "the file was edited or damaged; calibrate again into a new file",
+                                          path, name, cs.cores, cs.segment));
       cs.measured = c.value("measured", "");
       for (const auto& s : c.at("samples")) cs.samples.push_back(parse_sample(s, path + " class " + name));
       cal.classes[*cls] = std::move(cs);
