@@ -95,6 +95,15 @@ TEST(BenchFlags, BadInputIsRefusedClearly) {
   EXPECT_TRUE(contains(r.err, "-d complex: unknown dtype")) << r.err;
   r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench", "allreduce", "-b", "1M", "-e", "1K"});
   EXPECT_TRUE(contains(r.err, "need two byte sizes with -b <= -e")) << r.err;
+  // -b 0 never grew by -f: the size list filled memory until something killed it.
+  r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench", "allreduce", "-b", "0", "-e", "8"},
+              {}, 60);
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "-b 0: the smallest size must be at least 1 byte")) << r.err;
+  // A size past 2^64 is no size (it became 0).
+  r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench", "allreduce", "--sizes",
+               "99999999999999999999"});
+  EXPECT_TRUE(contains(r.err, "is not a byte size")) << r.err;
 }
 
 TEST(KillThroughLauncher, LauncherNamesTheKilledRankAndOthersNameItToo) {

@@ -635,6 +635,16 @@ TEST(PlanCli, ClusterPresetAndBadNumbers) {
   r = lt::run({"plan", "--model", "mlp", "--device-memory-gb", "8"});  // no compute rate
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(contains(r.err, "--sample-ms")) << r.err;
+  // NaN passed CLI11's checks; a huge --gpus-per-host wrapped the divisor loop into SIGFPE.
+  r = lt::run({"plan", "--model", "gpt:7.5b", "--cluster", "a100-80g", "--hosts", "1", "--mfu", "nan"});
+  EXPECT_EQ(r.status != 0 && contains(r.err, "--mfu: expected a number in (0, 1], got nan"), true) << r.err;
+  r = lt::run({"plan", "--model", "gpt:1.7b", "--cluster", "a100-80g", "--hosts", "1", "--gpus-per-host", "2147483647"});
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "at most 4096 per host")) << r.err;
+  // A first word that is no command is named.
+  r = lt::run({"bogus"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_TRUE(contains(r.err, "'bogus' is not a cohort command")) << r.err;
 }
 
 TEST(PlanCli, ModelThatFitsNowhere) {

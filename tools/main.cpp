@@ -1,6 +1,7 @@
 // cohort: one binary, subcommands like git (run, bench, env, topo, ...).
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "cohort/error.hpp"
 #include "cohort/process_group.hpp"
@@ -18,6 +19,22 @@ int main(int argc, char** argv) {
   cohort::tools::add_doctor_command(app, exit_code);
   cohort::tools::add_trace_command(app, exit_code);
   cohort::tools::add_plan_command(app, exit_code);
+  // A first word that is no command (`cohort bogus`): CLI11 would only say
+  // that a subcommand is required.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string word = argv[1];
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+      known = known || sub->check_name(word);
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "cohort: error: '%s' is not a cohort command; the commands are %s (cohort --help)\n",
+                   word.c_str(), names.c_str());
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
