@@ -291,6 +291,16 @@ Progress restore(const cohort::LoadedCheckpoint& ck, const TrainConfig& cfg, coh
               .resumed_from = ck.path, .saved_shard = saved, .saved_world = ck.manifest.world_size,
               .saved_powersgd = ck.file_info.contains("powersgd.rank0"),
               .same_buckets = number("bucket_cap_mb") == cfg.bucket_cap_mb && number("first_bucket_mb") == cfg.first_bucket_mb};
+  if (saved_config.is_object()) {
+    const auto add = [&](const nlohmann::json& run) {
+      if (run.is_string() && !run.get<std::string>().empty() &&
+          std::find(at.lineage.begin(), at.lineage.end(), run.get<std::string>()) == at.lineage.end())
+        at.lineage.push_back(run.get<std::string>());
+    };
+    if (const auto l = saved_config.find("lineage"); l != saved_config.end() && l->is_array())
+      for (const auto& run : *l) add(run);
+    if (const auto r = saved_config.find("run"); r != saved_config.end()) add(*r);
+  }
   // The schedule's own step (it differs from `step` after an earlier change of world size).
   if (auto sched = nlohmann::json::parse(ck.manifest.lr_schedule, nullptr, false); sched.is_object()) {
     schedule.offset = sched.value("step", at.step) - at.step;
@@ -431,8 +441,15 @@ void restore_sharded_optimizer(cohort::torch::ZeroOptimizer& zero, const Model& 
     const auto optim_part = [&](int rank) { return part_of(at.resumed_from, "optimizer", rank); };
     if (at.saved_shard == "fsdp") {
       zero.load_full_state(cohort::torch::fsdp_optimizer_state_to_full(*model.module, optim_part));
+    } else if (at.saved_shard != "none" && at.same_buckets) {
+      zero.load_state_shards(optim_part);  // any world size, the same bucket layout
     } else if (at.saved_shard != "none") {
-      zero.load_state_shards(optim_part);
+      // Another bucket layout (--bucket-cap-mb / --first-bucket-mb changed):
+      // gathered by the layout the shards recorded, then cut by this run's.
+      if (pg.rank() == 0)
+        std::printf("resume: the checkpoint's ZeRO buckets are not this run's (another --bucket-cap-mb or "
+                    "--first-bucket-mb): gathering its optimizer state and cutting it into this run's buckets\n");
+      zero.load_full_state(cohort::torch::zero_state_to_full(*model.module, optim_part));
     } else {
       auto ck = cohort::load_checkpoint(at.resumed_from, {.only_files = {"optimizer"}});
       zero.load_full_state(ck.files.at("optimizer"));
@@ -466,17 +483,23 @@ cohort::Manifest manifest_of(cohort::ProcessGroup& pg, const TrainConfig& cfg, c
   return m;
 }
 
-// --keep N counts and deletes this run's checkpoints only: an earlier run's
-// in the same directory (another run id in the config) neither takes this
-// run's places nor is deleted by it.
+// --keep N counts and deletes this run's checkpoints only, and those of the
+// runs it continues (--resume, a restart: the config's "lineage"): another
+// run's in the same directory neither takes this run's places nor is deleted
+// by it.
 cohort::SaveOptions retention(const TrainConfig& cfg, const nlohmann::json& config) {
   cohort::SaveOptions o{.keep_last = cfg.keep};
   const std::string run = config.value("run", "");
-  if (!run.empty())
-    o.keep_last_among = [run](const cohort::Manifest& m) {
-      const auto c = nlohmann::json::parse(m.config, nullptr, false);
-      return c.is_object() && c.value("run", "") == run;
-    };
+  if (run.empty()) return o;  // no job id (run outside a launcher): every checkpoint counts, as before
+  std::vector<std::string> ours{run};
+  if (const auto l = config.find("lineage"); l != config.end() && l->is_array())
+    for (const auto& r : *l)
+      if (r.is_string()) ours.push_back(r.get<std::string>());
+  o.keep_last_among = [ours](const cohort::Manifest& m) {
+    const auto c = nlohmann::json::parse(m.config, nullptr, false);
+    const auto r = c.is_object() ? c.find("run") : c.end();
+    return r != c.end() && r->is_string() && std::find(ours.begin(), ours.end(), r->get<std::string>()) != ours.end();
+  };
   return o;
 }
 

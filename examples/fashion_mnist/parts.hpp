@@ -97,6 +97,9 @@ struct Progress {
   int saved_world = 0;                // the world size that wrote it
   bool saved_powersgd = false;        // it holds PowerSGD's state ("powersgd.rank<r>") ...
   bool same_buckets = false;          // ... for DDP buckets cut as this run's (--bucket-cap-mb, --first-bucket-mb)
+  // The runs (job ids) this one continues: the resumed checkpoint's run and
+  // the runs that one continued. --keep counts their checkpoints as this run's.
+  std::vector<std::string> lineage;
 };
 
 // Linear warmup, then cosine decay to 0 at `total` steps, from `peak` (the

@@ -135,8 +135,9 @@ int train(const TrainConfig& cfg) {
   cohort::data::DistributedSampler sampler(train_n, {.num_replicas = world, .rank = pg->rank(), .seed = cfg.seed});
   LrSchedule schedule{.peak = peak_lr, .warmup = cfg.warmup_steps, .total = batches(sampler.size(), cfg.batch_size) * cfg.epochs};
 
-  const nlohmann::json config = run_config(cfg, device, train_n, world, job_run_id());
+  nlohmann::json config = run_config(cfg, device, train_n, world, job_run_id());
   Progress at = resume(cfg, *pg, config, sampler.size(), model, *optimizer.optimizer, scaler, schedule, fsdp.get());
+  if (!at.lineage.empty()) config["lineage"] = at.lineage;  // the runs this one continues: --keep counts theirs too
   const auto zero = make_zero(cfg, model, pg, peak_lr);  // --shard: in place of DDP (and of `optimizer`'s step)
   if (zero && !at.resumed_from.empty()) restore_sharded_optimizer(*zero, model, *pg, at);
   const auto powersgd = make_powersgd_state(cfg);  // --comm-hook powersgd: saved with the checkpoints

@@ -40,6 +40,9 @@ Config load() {
   if (lv == "INFO") c.level = 2;
   else if (lv == "TRACE") c.level = 3;
   else if (lv == "NONE" || lv == "OFF") c.level = 0;
+  else if (lv != "WARN")  // said once per process, on stderr: the logger is what is being set up
+    std::fprintf(stderr, "cohort: warning: COHORT_DEBUG=%s is not a log level (WARN, INFO, TRACE or NONE); logging at "
+                         "WARN\n", kDebug.str().c_str());
   std::string list = kDebugSubsys.str();
   bool any_positive = false;
   uint32_t plus = 0, minus = 0;
@@ -47,8 +50,13 @@ Config load() {
   std::string tok;
   while (std::getline(ss, tok, ',')) {
     for (auto& ch : tok) ch = static_cast<char>(toupper(ch));
-    if (!tok.empty() && tok[0] == '^') minus |= subsys_bit(tok.substr(1));
-    else { plus |= subsys_bit(tok); any_positive = true; }
+    if (tok.empty()) continue;
+    const std::string name = tok[0] == '^' ? tok.substr(1) : tok;
+    if (subsys_bit(name) == 0)
+      std::fprintf(stderr, "cohort: warning: COHORT_DEBUG_SUBSYS: '%s' is not a subsystem (INIT, COLL, NET, TUNING, "
+                           "DDP, LAUNCH, STORE or ALL; ^X excludes X); ignored\n", name.c_str());
+    if (tok[0] == '^') minus |= subsys_bit(name);
+    else { plus |= subsys_bit(name); any_positive = true; }
   }
   c.mask = (any_positive ? plus : kAllSubsys) & ~minus;
   return c;

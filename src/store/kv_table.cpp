@@ -94,7 +94,8 @@ std::string wait_timeout_message(std::string_view op, const std::vector<std::str
                                  const std::vector<std::string>& missing, Millis timeout, std::string_view where) {
   constexpr const char* kHint =
       "HINT: the rank(s) that should set them have not got there yet: they may be slower, stuck or dead "
-      "(look at their logs first); if they are just slow, raise the timeout (the call's argument or Store::set_timeout)";
+      "(look at their logs first); if they are just slow, raise the timeout (COHORT_TIMEOUT for a process "
+      "group's set-up, or the call's argument / Store::set_timeout in your own code)";
   if (keys.size() == 1 && missing.size() <= 1)
     return fmt::format("store {} timed out after {} ms waiting for key {} on {}; {}", op, timeout.count(), keys[0],
                        where, kHint);
