@@ -272,9 +272,11 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("-e,--maxbytes", f.max_bytes, "largest size");
   cmd->add_option("-f,--stepfactor", f.factor, "multiply the size by this between rows");
   cmd->add_option("--sizes", f.sizes, "explicit comma list of sizes instead of -b/-e/-f (e.g. 8,1K,1M,64M)");
-  cmd->add_option("-n,--iters", f.iters, "timed iterations per size (0: clamp(2 GiB / size, 5, 1000), as the peer scripts)");
-  cmd->add_option("-w,--warmup_iters", f.warmup, "untimed iterations first");
-  cmd->add_option("-c,--check", f.check, "1: check every element of the result after the timed loop");
+  cmd->add_option("-n,--iters", f.iters, "timed iterations per size (0: clamp(2 GiB / size, 5, 1000), as the peer scripts)")
+      ->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("-w,--warmup_iters", f.warmup, "untimed iterations first")->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("-c,--check", f.check, "1: check every element of the result after the timed loop")
+      ->check(CLI::IsMember({0, 1}));
   cmd->add_option("-d,--datatype", f.dtype, "float, double, half, bf16, int8, uint8, int32, int64");
   cmd->add_option("-o,--op", f.op, "sum, prod, min, max, avg");
   cmd->add_option("-r,--root", f.root, "root rank of rooted collectives");

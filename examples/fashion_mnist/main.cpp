@@ -55,6 +55,19 @@ const CLI::Validator kPositive = number_check(false);
 const CLI::Validator kNonNegative = number_check(true);
 const CLI::Validator kMegabytes = number_check(false, 1 << 20);  // a bucket of up to 1 TiB
 
+// A path that is a directory or not there yet: a file is refused at start,
+// not at the first save an epoch later.
+CLI::Validator directory_or_missing() {
+  return CLI::Validator(
+      [](std::string& dir) -> std::string {
+        std::error_code ec;
+        if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
+          return dir + " exists and is not a directory; name a directory (it is created if missing)";
+        return "";
+      },
+      "");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,15 +111,7 @@ int main(int argc, char** argv) {
                "when --max-steps stops the run mid-epoch, still measure and print the test accuracy");
   app.add_option("--data-dir", cfg.data_dir, "directory with the four Fashion-MNIST .gz files");
   auto* ckpt_dir = app.add_option("--checkpoint-dir", cfg.ckpt_dir, "write checkpoints here (empty: none)")
-                       ->check(CLI::Validator(
-                           [](std::string& dir) -> std::string {
-                             // Refused now, not at the first save after a whole epoch.
-                             std::error_code ec;
-                             if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec))
-                               return dir + " exists and is not a directory; name a directory (it is created if missing)";
-                             return "";
-                           },
-                           ""));
+                       ->check(directory_or_missing());
   app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)")
       ->check(kNonNegative);
   app.add_option("--keep", cfg.keep, "checkpoints of this run to keep (0: all); an earlier run's in the same directory are left alone")
