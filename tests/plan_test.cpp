@@ -110,6 +110,13 @@ TEST(PlanFit, OneSizeIsBytesWhenLargeAndStepsWhenSmall) {
   const AlgoCost small = fit_algo({{Coll::Allreduce, Algo::Ring, 2, 2, 1024, 3}}, 2, 256 * 1024);
   EXPECT_GT(small.alpha_us, 0);
   EXPECT_EQ(small.beta_us_per_byte, 0);
+  // Oversubscribed (8 ranks on 2 cores), and sizes a multiple of n apart: still bytes.
+  const AlgoCost crowded = fit_algo({{Coll::Allgather, Algo::Ring, 4, 4, 1 << 20, 300},
+                                     {Coll::Allgather, Algo::Ring, 7, 7, (1 << 20) - 28, 700}},
+                                    2, 256 * 1024);
+  EXPECT_EQ(crowded.alpha_us, 0);
+  EXPECT_EQ(crowded.alpha_os_us, 0);
+  EXPECT_GT(crowded.beta_us_per_byte, 0);
 }
 
 Calibration small_calibration(const char* version) {

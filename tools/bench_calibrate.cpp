@@ -13,9 +13,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <vector>
 
 #include "bench_colls.hpp"
@@ -35,20 +35,24 @@ double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// The CPUs the machine (or its container) gives the job, which the ranks
-// share: not this rank's affinity, which `cohort run --bind auto` narrows to
-// one core per rank (2 ranks on 2 cores would record 1). The container's
-// cpuset (cgroup v2, then v1), else the CPUs online.
-int machine_cores() {
-  for (const char* path : {"/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
-                           "/sys/fs/cgroup/cpuset/cpuset.cpus"}) {
-    std::ifstream in(path);
-    std::string text;
-    if (!in || !std::getline(in, text)) continue;
-    const auto cpus = core::parse_cpu_list(text);
-    if (cpus && !cpus->empty()) return int(cpus->size());
-  }
-  return int(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+// The CPUs the ranks on one machine share: the union of their affinities
+// (a collective), not this rank's own, which `cohort run --bind auto`
+// narrows to one core per rank (2 ranks on 2 cores would record 1). Across
+// hosts (one rank per host) a rank's own. CPUs numbered past 1023 count as
+// online CPUs.
+int machine_cores(ProcessGroup& pg, bool one_machine) {
+  const core::CpuList mine = core::current_affinity();
+  const int online = int(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  if (mine.empty() || mine.back() >= 1024) return online;
+  if (!one_machine) return int(mine.size());
+  constexpr size_t kWords = 1024 / 64;
+  std::vector<uint64_t> bits(kWords, 0), all(kWords * size_t(pg.size()), 0);
+  for (const int cpu : mine) bits[size_t(cpu) / 64] |= uint64_t(1) << (cpu % 64);
+  pg.allgather(Buffer{bits.data(), kWords, DType::I64}, Buffer{all.data(), all.size(), DType::I64})->wait();
+  for (size_t i = kWords; i < all.size(); ++i) all[i % kWords] |= all[i];
+  int count = 0;
+  for (size_t w = 0; w < kWords; ++w) count += __builtin_popcountll(all[w]);
+  return count > 0 ? count : online;
 }
 
 plan::LinkClass class_of(const c::TunerInput& in, int nranks) {
@@ -124,7 +128,9 @@ int run_calibrate(const CalibrateFlags& f) {
   auto max_bytes = core::parse_bytes(f.max_bytes);
   if (!max_bytes || *max_bytes < 8)
     throw InvalidArgument(fmt::format("-e {}: the largest size must be a byte size of at least 8 (e.g. 64M)", f.max_bytes));
-  check_target(f.file);
+  // Rank 0 writes the file, so only it checks where (another host's ranks
+  // may not see that directory); if it refuses, the launcher stops the rest.
+  if (const char* rank = std::getenv("RANK"); rank == nullptr || std::string(rank) == "0") check_target(f.file);
   auto pg = init_process_group();
   auto* native = dynamic_cast<group::NativeGroup*>(pg.get());
   if (native == nullptr)
@@ -136,7 +142,7 @@ int run_calibrate(const CalibrateFlags& f) {
   const c::TunerInput shape = native->tuner_input(c::Coll::Allreduce, 0);
   const plan::LinkClass cls = class_of(shape, n);
   plan::ClassSamples fresh;
-  fresh.cores = machine_cores();
+  fresh.cores = machine_cores(*pg, shape.hosts == 1 || f.same_machine);
   fresh.single_copy = shape.single_copy;
   fresh.segment = double(native->pipeline_segment());
   const int machine_ranks = f.same_machine ? n : n / shape.hosts;

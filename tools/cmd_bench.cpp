@@ -66,6 +66,9 @@ std::vector<size_t> size_list(const BenchFlags& f) {
                                       f.min_bytes));
   if (!(f.factor > 1) || !std::isfinite(f.factor))
     throw InvalidArgument(fmt::format("-f {}: the step factor must be a finite number > 1 (e.g. -f 2)", f.factor));
+  if (std::log(double(*hi) / double(*lo)) / std::log(f.factor) > 10000)
+    throw InvalidArgument(fmt::format("-b {} -e {} -f {}: more than 10000 sizes; use a larger -f (e.g. 2) or --sizes",
+                                      f.min_bytes, f.max_bytes, f.factor));
   for (double s = double(*lo); s <= double(*hi) * 1.0000001; s *= f.factor)
     if (out.empty() || size_t(s) != out.back()) out.push_back(size_t(s));  // a factor near 1 repeats sizes
   return out;

@@ -375,23 +375,29 @@ Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann
   // and optimizer.rank<r> for every rank r (restore_state reads them).
   const Chosen chosen = choose_checkpoint(pg, cfg.ckpt_dir, cfg.resume, config.at("run").get<std::string>());
   if (chosen.path.empty()) {
-    std::vector<int64_t> steps;
-    try {
-      steps = cohort::list_checkpoint_steps(cfg.ckpt_dir);
-    } catch (const std::exception&) {  // not a directory: nothing to resume here, said below
+    // Rank 0 lists the directory and every rank takes its count, so that all
+    // stop or all start over together.
+    std::string listed;
+    if (lead) {
+      try {
+        listed = std::to_string(cohort::list_checkpoint_steps(cfg.ckpt_dir).size());
+      } catch (const std::exception&) {  // not a directory: nothing to resume here, said below
+        listed = "0";
+      }
     }
+    const size_t steps = std::stoul(cohort::torch::broadcast_string(pg, listed, 0));
     // An explicit --resume over checkpoints that all failed their checks
     // stops: starting over beside them would quietly lose the run. (A
     // restart's auto-resume only finds none of its own run: it starts over.)
-    if (cfg.resume && !steps.empty())
+    if (cfg.resume && steps > 0)
       throw cohort::InvalidArgument(fmt::format(
           "--resume: none of the {} checkpoint(s) in {} can be resumed (each one's reason is above); nothing was "
           "changed. HINT: move the damaged ones aside (they are never deleted or overwritten by a resume), or drop "
           "--resume to start from scratch",
-          steps.size(), cfg.ckpt_dir));
+          steps, cfg.ckpt_dir));
     if (lead) {
       const std::string why = !std::filesystem::exists(cfg.ckpt_dir) ? "does not exist yet"
-                              : steps.empty()                        ? "holds no checkpoints"
+                              : steps == 0                           ? "holds no checkpoints"
                                                                      : "holds no valid checkpoint of this run (see above)";
       std::printf("resume: %s %s: starting from scratch\n", cfg.ckpt_dir.c_str(), why.c_str());
     }
@@ -490,7 +496,9 @@ cohort::Manifest manifest_of(cohort::ProcessGroup& pg, const TrainConfig& cfg, c
 cohort::SaveOptions retention(const TrainConfig& cfg, const nlohmann::json& config) {
   cohort::SaveOptions o{.keep_last = cfg.keep};
   const std::string run = config.value("run", "");
-  if (run.empty()) return o;  // no job id (run outside a launcher): every checkpoint counts, as before
+  // No job id (run outside a launcher), or torchrun's shared default "none":
+  // every checkpoint counts, as before.
+  if (run.empty() || run == "none") return o;
   std::vector<std::string> ours{run};
   if (const auto l = config.find("lineage"); l != config.end() && l->is_array())
     for (const auto& r : *l)

@@ -119,7 +119,9 @@ struct COHORT_API SaveOptions {
   // returns true for (say, those whose config names this run), so that a run
   // saving beside another run's checkpoints neither deletes them nor lets them
   // take its own places. Unset: every checkpoint in the directory. When set,
-  // the others, and those whose manifest cannot be read, are left alone.
+  // the others, and those whose manifest cannot be read, are left alone (an
+  // accepted one whose files are damaged is not counted, and is deleted once
+  // older than the oldest kept, as without a predicate).
   std::function<bool(const Manifest&)> keep_last_among;
   Filesystem* fs = nullptr;  // nullptr: posix_filesystem()
 };

@@ -289,6 +289,7 @@ class COHORT_API PowerSgdState {
 
   struct Bucket {
     std::vector<float> p, q, error;
+    std::vector<float> next_error;  // the iteration under way's (swapped into error when it completes)
   };
   Bucket& bucket(size_t index) { return buckets_[index]; }
   void next_iteration() { ++iter_; }

@@ -122,9 +122,11 @@ void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, cons
       StepState s{d.step, looks_complete(fs, path)};
       if (options.keep_last_among) {
         try {
-          s.ours = s.valid && options.keep_last_among(read_manifest(fs, path).manifest);
+          // A damaged checkpoint whose manifest names this run is this run's:
+          // not counted (not valid), deleted once past the horizon.
+          s.ours = options.keep_last_among(read_manifest(fs, path).manifest);
         } catch (...) {
-          s.ours = false;  // when in doubt, keep it
+          s.ours = false;  // no manifest to tell, or the predicate threw: when in doubt, keep it
         }
       }
       states.push_back(s);

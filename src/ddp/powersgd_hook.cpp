@@ -373,11 +373,14 @@ CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
     PowerSgdState::Bucket* st = &state->bucket(index);
     auto sp = std::make_shared<Split>(split(bucket, o));
     if (o.error_feedback) {
-      // x = g + e, and e keeps x (x_before) until finish() subtracts the
-      // approximation: no copy of the bucket per iteration.
+      // x = g + e; next_error keeps x (x_before) until finish() subtracts the
+      // approximation and swaps it in. No allocation per iteration, and an
+      // iteration that fails leaves the last completed error in place.
       if (st->error.size() != count) st->error.assign(count, 0.f);
-      float* e = st->error.data();
-      for (size_t i = 0; i < count; ++i) e[i] = x[i] += e[i];
+      st->next_error.resize(count);
+      const float* e = st->error.data();
+      float* before = st->next_error.data();
+      for (size_t i = 0; i < count; ++i) before[i] = x[i] += e[i];
     }
     // Ps and Qs, random Qs the first time (or always without warm start).
     const bool random_q = !o.warm_start || st->q.size() != sp->q_total;
@@ -404,8 +407,10 @@ CommHook powersgd_hook(std::shared_ptr<PowerSgdState> state) {
       for (float& v : st->q) v /= static_cast<float>(n);
       for (const Matrix& mx : sp->compress)
         mul_outer(st->p.data() + mx.p_at, st->q.data() + mx.q_at, x + mx.offset, mx.rows, mx.cols, mx.rank);
-      if (o.error_feedback)
-        for (size_t i = 0; i < count; ++i) st->error[i] -= x[i];
+      if (o.error_feedback) {
+        for (size_t i = 0; i < count; ++i) st->next_error[i] -= x[i];
+        st->error.swap(st->next_error);
+      }
       if (!o.warm_start) st->q.clear();
       if (last) state->next_iteration();
     };

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -89,7 +90,11 @@ int cpu_count() {
 }
 
 int parse_nproc(const std::string& text) {
-  if (text == "auto" || text == "cpu") return cpu_count();
+  // Each worker is a process with its own environment, pipes and shared
+  // memory: far past any node's cores or GPUs the launcher would only run the
+  // machine out of memory or processes before the job could start.
+  constexpr long kMost = 4096;
+  if (text == "auto" || text == "cpu") return static_cast<int>(std::min<long>(cpu_count(), kMost));
   if (text == "gpu")
     throw InvalidArgument("--nproc-per-node gpu: this build of cohort has no GPU support; "
                           "give a number, or auto / cpu for one worker per CPU");
@@ -97,12 +102,8 @@ int parse_nproc(const std::string& text) {
   if (n < 1)
     throw InvalidArgument(fmt::format("--nproc-per-node {}: expected a positive number of workers per node, "
                                       "or auto / cpu (one per CPU)", text));
-  // Each worker is a process with its own environment, pipes and shared
-  // memory: far past any node's cores or GPUs the launcher would only run the
-  // machine out of memory or processes before the job could start.
-  constexpr long kMost = 4096;
   if (n > kMost)
-    throw InvalidArgument(fmt::format("--nproc-per-node {}: at most {} workers per node (this machine has {} CPUs); "
+    throw InvalidArgument(fmt::format("--nproc-per-node {}: at most {} workers per node (this process may use {} CPUs); "
                                       "HINT: one worker per GPU or per core (--nproc-per-node auto), and more nodes "
                                       "(--nnodes) for more ranks",
                                       text, kMost, cpu_count()));

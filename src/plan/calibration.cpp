@@ -65,12 +65,15 @@ AlgoCost fit_algo(const std::vector<Sample>& samples, int cores, double segment)
   AlgoCost best;
   double best_sse = INFINITY;
   // Samples of one size only (a band the calibration reached with one size,
-  // its largest): per step (alpha) and per byte (beta) cannot be told apart,
-  // and alpha alone would give the band an infinite bandwidth for the sizes
-  // above. From 64 KiB the time is taken as bytes, below as steps.
-  const bool one_size = std::all_of(samples.begin(), samples.end(),
-                                    [&](const Sample& s) { return s.bytes == samples.front().bytes; });
-  const int not_fitted = !one_size ? 0 : samples.front().bytes >= 65536 ? 1 : 4;  // column 0: alpha; 2: beta
+  // its largest; allgather's and reduce_scatter's bytes round down to a
+  // multiple of n, hence the 1 %): per step (alpha, alpha_os) and per byte
+  // (beta) cannot be told apart, and the per-step terms alone would give the
+  // band an infinite bandwidth for the sizes above. In every band but the
+  // smallest the time is taken as bytes, in the smallest as steps.
+  const auto [lo, hi] = std::minmax_element(samples.begin(), samples.end(),
+                                            [](const Sample& a, const Sample& b) { return a.bytes < b.bytes; });
+  const bool one_size = !samples.empty() && hi->bytes <= 1.01 * lo->bytes;
+  const int not_fitted = !one_size ? 0 : size_band(hi->bytes) > 0 ? 1 | 2 : 4;  // columns: 0 alpha, 1 alpha_os, 2 beta
   for (int mask = 1; mask < 8; ++mask) {
     if (mask & not_fitted) continue;
     std::vector<int> cols;

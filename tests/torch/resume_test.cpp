@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <regex>
 
@@ -364,6 +365,59 @@ TEST(ExampleData, Bf16AutocastTrains) {
   for (int s = 51; s <= 60; ++s) last += l.at(s) / 10;
   EXPECT_TRUE(std::isfinite(last));
   EXPECT_LT(last, first * 0.8) << "losses of steps 1-10 " << first << ", of steps 51-60 " << last;
+}
+
+}  // namespace
+
+namespace {
+
+// Around --resume: a --checkpoint-dir that is a file is refused before any
+// training; a ZeRO checkpoint resumes under ZeRO with other bucket sizes
+// (gathered and cut again) with the losses of the run that wrote it; and
+// --resume over checkpoints that all fail their checks stops, changing
+// nothing, instead of starting over beside them.
+TEST(Resume, RefusalsAndABucketLayoutConversion) {
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  const std::string base = lt::temp_dir();
+  const std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  std::ofstream(base + "/afile") << "not a directory";
+  auto r = lt::run(job(base + "/afile", {}, 5), env, 120);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE((r.out + r.err).find("exists and is not a directory"), std::string::npos) << r.out << r.err;
+
+  const std::vector<std::string> zero2 = {"--optimizer", "adamw", "--shard", "zero2"};
+  auto full = lt::run(job(base + "/z", zero2, 30), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  const auto want = losses(full.out);  // the checkpoint is step 20's
+  auto converted = lt::run(
+      job(base + "/z", {"--optimizer", "adamw", "--shard", "zero1", "--first-bucket-mb", "0.05", "--resume"}, 30), env, 600);
+  ASSERT_EQ(converted.status, 0) << converted.err;
+  EXPECT_NE(converted.out.find("gathering its optimizer state and cutting it into this run's buckets"),
+            std::string::npos) << converted.out;
+  const auto got = losses(converted.out);
+  ASSERT_FALSE(got.empty());
+  EXPECT_EQ(got.begin()->first, 21) << converted.out;
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;
+
+  std::vector<std::string> before;
+  for (auto& e : fs::directory_iterator(base + "/z"))
+    if (e.path().filename().string().rfind("step_", 0) == 0) {
+      before.push_back(e.path().filename().string());
+      for (auto& f : fs::directory_iterator(e.path()))
+        if (f.path().extension() == ".safetensors") fs::resize_file(f.path(), 10);
+    }
+  ASSERT_FALSE(before.empty());
+  auto refused = lt::run(job(base + "/z", {"--optimizer", "adamw", "--resume"}, 30), env, 600);
+  EXPECT_NE(refused.status, 0) << refused.err;
+  EXPECT_NE(refused.err.find("none of the " + std::to_string(before.size()) + " checkpoint(s)"), std::string::npos)
+      << refused.err;
+  std::vector<std::string> after;
+  for (auto& e : fs::directory_iterator(base + "/z"))
+    if (e.path().filename().string().rfind("step_", 0) == 0) after.push_back(e.path().filename().string());
+  std::sort(before.begin(), before.end());
+  std::sort(after.begin(), after.end());
+  EXPECT_EQ(after, before);
+  fs::remove_all(base);
 }
 
 }  // namespace
