@@ -114,9 +114,7 @@ int main(int argc, char** argv) {
                        ->check(directory_or_missing());
   app.add_option("--checkpoint-every", cfg.ckpt_every, "steps between checkpoints (0: only at epoch ends)")
       ->check(kNonNegative);
-  app.add_option("--keep", cfg.keep,
-                 "checkpoints of this run (and of the runs it resumed) to keep (0: all); an unrelated run's in the "
-                 "same directory are left alone")
+  app.add_option("--keep", cfg.keep, "checkpoints of this run and the runs it resumed to keep (0: all)")
       ->check(kNonNegative);
   app.add_flag("--resume", cfg.resume, "continue from the newest valid checkpoint in --checkpoint-dir")
       ->needs(ckpt_dir);
