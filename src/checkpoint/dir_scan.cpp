@@ -58,9 +58,8 @@ ParsedManifest read_manifest(Filesystem& fs, const std::string& step_dir) {
   return parse_manifest(text, path);
 }
 
-bool looks_complete(Filesystem& fs, const std::string& step_dir) noexcept {
+bool files_as_listed(Filesystem& fs, const std::string& step_dir, const ParsedManifest& pm) noexcept {
   try {
-    const ParsedManifest pm = read_manifest(fs, step_dir);
     for (const auto& [name, info] : pm.files) {
       const std::string path = join_path(step_dir, name);
       if (!fs.exists(path) || fs.open_file(path)->size() != info.size) return false;
@@ -70,5 +69,6 @@ bool looks_complete(Filesystem& fs, const std::string& step_dir) noexcept {
     return false;
   }
 }
+
 
 }  // namespace cohort::ckpt

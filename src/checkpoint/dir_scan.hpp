@@ -32,8 +32,9 @@ std::vector<std::string> list_temp_dirs(Filesystem& fs, const std::string& dir);
 // if it is missing, too large or invalid; IoError if it cannot be read.
 ParsedManifest read_manifest(Filesystem& fs, const std::string& step_dir);
 
-// A cheap validity test (no checksums): the manifest parses and every file it
-// lists exists with the size it gives. Retention counts only such checkpoints.
-bool looks_complete(Filesystem& fs, const std::string& step_dir) noexcept;
+// A cheap validity test (no checksums) of a manifest already read: every file
+// it lists exists in step_dir with the size it gives. Retention counts only
+// checkpoints whose manifest parses and passes it.
+bool files_as_listed(Filesystem& fs, const std::string& step_dir, const ParsedManifest& pm) noexcept;
 
 }  // namespace cohort::ckpt

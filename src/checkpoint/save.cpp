@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -119,14 +120,19 @@ void apply_retention(Filesystem& fs, const std::string& dir, int64_t saved, cons
     std::vector<StepState> states;
     for (const StepDir& d : dirs) {
       const std::string path = join_path(dir, d.name);
-      StepState s{d.step, looks_complete(fs, path)};
+      std::optional<ParsedManifest> pm;  // read once, for both questions
+      try {
+        pm = read_manifest(fs, path);
+      } catch (...) {
+      }
+      StepState s{d.step, pm && files_as_listed(fs, path, *pm)};
       if (options.keep_last_among) {
         try {
           // A damaged checkpoint whose manifest names this run is this run's:
           // not counted (not valid), deleted once past the horizon.
-          s.ours = options.keep_last_among(read_manifest(fs, path).manifest);
+          s.ours = pm && options.keep_last_among(pm->manifest);
         } catch (...) {
-          s.ours = false;  // no manifest to tell, or the predicate threw: when in doubt, keep it
+          s.ours = false;  // the predicate threw: when in doubt, keep it
         }
       }
       states.push_back(s);
