@@ -48,6 +48,12 @@ bool has_temp_dirs(const std::string& dir) {
   return false;
 }
 
+// The ranks agree over group.host_group(): a host group is its own (nccl's
+// is a native twin, tests/nccl_backend_test.cpp on a GPU).
+TEST(CheckpointSharded, AHostGroupIsItsOwnHostGroup) {
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) { EXPECT_EQ(&pg.host_group(), &pg); });
+}
+
 TEST(CheckpointSharded, EveryRanksFilesInOneCheckpoint) {
   TempDir d;
   std::vector<std::string> paths(3);

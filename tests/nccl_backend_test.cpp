@@ -6,9 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "cohort/cohort.hpp"
 #include "group/nccl/nccl_group.hpp"
@@ -197,6 +200,35 @@ TEST(NcclBackend, HostPointerIsRejectedNamingTheBuffer) {
     }
     pg.barrier()->wait();  // the group stays usable after bad arguments
   });
+}
+
+// Host exchanges beside nccl (ProcessGroup::host_group): a native group of
+// the same ranks, made once and kept; a sharded checkpoint is saved and
+// found over it, as ZeroOptimizer's on a GPU (docs/zero.md).
+TEST(NcclBackend, HostGroupCarriesHostExchangesAndShardedCheckpoints) {
+  if (gpu_ranks() < 1) GTEST_SKIP() << "no GPU visible";
+  const auto dir = std::filesystem::temp_directory_path() / ("nccl_host_group." + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  run_gpu_ranks(1, [&](ProcessGroup& pg) {
+    ProcessGroup& host = pg.host_group();
+    EXPECT_EQ(host.backend_name(), "native");
+    EXPECT_EQ(host.size(), pg.size());
+    EXPECT_EQ(host.rank(), pg.rank());
+    EXPECT_EQ(&pg.host_group(), &host) << "made once";
+    int64_t mine = 7, all = 0;
+    host.allgather(Buffer{&mine, 1, DType::I64}, Buffer{&all, 1, DType::I64})->wait();
+    EXPECT_EQ(all, 7);
+    const std::vector<float> v{1, 2, 3};
+    Manifest m;
+    m.world_size = pg.size();
+    const std::string path = save_checkpoint_sharded(
+        pg, dir.string(), 3, {{"part.rank0", {make_tensor("values", {3}, v)}}}, m);
+    const auto found = find_latest_valid(pg, dir.string());
+    ASSERT_TRUE(found.has_value());
+    EXPECT_EQ(found->path, path);
+    EXPECT_EQ(found->step, 3);
+  });
+  std::filesystem::remove_all(dir);
 }
 
 TEST(NcclBackend, CollectivesGiveClosedFormResults) {

@@ -103,9 +103,8 @@ Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool 
     if (!c) return {};
     return Chosen{c->path, shard_of(nlohmann::json::parse(c->manifest.config, nullptr, false))};
   }
-  // A group that moves GPU memory only (nccl) cannot agree over host memory:
-  // rank 0 verifies each candidate alone (its checkpoints are whole, not
-  // sharded: ZeRO and FSDP run on the CPU) and broadcasts its choice.
+  // A group that moves GPU memory only (nccl): rank 0 verifies each
+  // candidate alone and broadcasts its choice.
   Chosen chosen;
   std::vector<int64_t> steps;
   if (pg.rank() == 0) {

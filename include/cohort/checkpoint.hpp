@@ -183,7 +183,8 @@ COHORT_API std::string save_checkpoint(const std::string& dir, int64_t step,
 // before anything is written; a rank that fails or dies before the commit
 // leaves the previous checkpoints untouched, and the others throw (IoError
 // naming the rank, or the group's PeerError/TimeoutError). Load it with
-// load_checkpoint (LoadOptions::only_files for one rank's part).
+// load_checkpoint (LoadOptions::only_files for one rank's part). The ranks
+// agree over host memory: on nccl through group.host_group().
 COHORT_API std::string save_checkpoint_sharded(ProcessGroup& group, const std::string& dir, int64_t step,
                                                const std::map<std::string, std::vector<NamedTensor>>& files,
                                                const Manifest& manifest, const SaveOptions& options = {});
@@ -199,9 +200,8 @@ COHORT_API LoadedCheckpoint load_checkpoint(const std::string& path, const LoadO
 COHORT_API std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const LoadOptions& options = {});
 
 // load_latest_valid for the ranks of a job that resume together, without
-// any rank reading the whole checkpoint: a collective over `group` (a host
-// group, native or mpi: InvalidArgument for nccl; `dir` visible to every
-// rank). It takes the newest step_* directory
+// any rank reading the whole checkpoint: a collective over `group` (on nccl
+// through its host_group(); `dir` visible to every rank). It takes the newest step_* directory
 // of `dir`, as rank 0 lists it, whose manifest reads (with
 // LoadOptions::required_files), and whose files all exist with their sizes
 // and CRC32C; each rank checks its share only (the manifest's k-th file on

@@ -49,8 +49,7 @@ struct MeshOptions {
   bool allow_tp_across_nodes = false;
   // When the world group moves GPU memory only (nccl), a group of the same
   // ranks that moves host memory (a native group) over which the ranks
-  // compare their shapes and nodes. Without it those checks are skipped (a
-  // warning says so) and ranks that disagree may hang in new_group.
+  // compare their shapes and nodes. Unset: the world's host_group().
   std::shared_ptr<ProcessGroup> host_group;
 };
 

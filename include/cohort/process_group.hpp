@@ -163,6 +163,15 @@ class COHORT_API ProcessGroup {
   // there (cohort::torch does it for its helpers, ddp::Reducer for its own).
   virtual int cuda_device() const { return -1; }
 
+  // A group of the same ranks, in the same order, whose collectives move host
+  // memory: for small exchanges on the host (checkpoints agreeing on their
+  // files, a mesh comparing shapes) beside a group that moves GPU memory
+  // only, as PyTorch programs keep a gloo group beside nccl. Native and mpi:
+  // this group itself. nccl: a native group over the same store and
+  // transports, made by the first call (collective, like new_group: every
+  // rank calls it at the same point) and shut down with this group.
+  virtual ProcessGroup& host_group() { return *this; }
+
   // Ends the group: later calls throw. The native backend stops its progress
   // thread and fails queued Work ("... was cancelled: the group was shut
   // down"); its connections stay open until the last reference to the group

@@ -149,14 +149,10 @@ std::optional<LoadedCheckpoint> load_latest_valid(const std::string& dir, const 
   return std::nullopt;
 }
 
-std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& group, const std::string& dir,
+std::optional<LoadedCheckpoint> find_latest_valid(ProcessGroup& world, const std::string& dir,
                                                   const std::function<std::string(const LoadedCheckpoint&)>& refuse,
                                                   const LoadOptions& options) {
-  if (group.cuda_device() >= 0)
-    throw InvalidArgument(fmt::format("find_latest_valid: the {} backend moves GPU memory only, and the ranks agree "
-                                      "over host memory. HINT: pass a host group (native or mpi), or let one rank "
-                                      "choose with load_latest_valid and broadcast its path",
-                                      group.backend_name()));
+  ProcessGroup& group = world.host_group();  // the ranks agree over host memory (nccl: its native twin)
   Filesystem& fs = options.fs ? *options.fs : posix_filesystem();
   const int rank = group.rank();
   const size_t n = static_cast<size_t>(group.size());

@@ -49,15 +49,11 @@ std::string names_line(const std::map<std::string, std::vector<NamedTensor>>& fi
 
 }  // namespace
 
-std::string save_checkpoint_sharded(ProcessGroup& group, const std::string& dir_arg, int64_t step,
+std::string save_checkpoint_sharded(ProcessGroup& world, const std::string& dir_arg, int64_t step,
                                     const std::map<std::string, std::vector<NamedTensor>>& files,
                                     const Manifest& manifest, const SaveOptions& options) {
   constexpr const char* kWho = "save_checkpoint_sharded";
-  if (group.cuda_device() >= 0)
-    throw InvalidArgument(fmt::format("{}: the {} backend moves GPU memory; the save exchanges file lists in host "
-                                      "memory. HINT: pass a host group (native or mpi), e.g. a new_group of the "
-                                      "native world",
-                                      kWho, group.backend_name()));
+  ProcessGroup& group = world.host_group();  // the ranks agree over host memory (nccl: its native twin)
   const bool lead = group.rank() == 0;
   // 1. Arguments, on every rank, and the names across ranks.
   std::string dir, error;

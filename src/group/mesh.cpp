@@ -66,19 +66,12 @@ struct Claim {
 };
 
 // Every rank's claim, over `world` or, when it moves GPU memory only (nccl),
-// over `host` (a group of the same ranks that moves host memory). With
-// neither, only this rank's own claim is known: the checks across ranks are
-// skipped, and said so.
+// over `host` (a group of the same ranks that moves host memory) or else the
+// world's own host_group().
 std::vector<Claim> exchange(ProcessGroup& world, ProcessGroup* host, const Claim& mine) {
   std::vector<Claim> all(world.size(), mine);
-  ProcessGroup* via = world.cuda_device() < 0 ? &world : host;
   if (world.size() == 1) return all;
-  if (!via) {
-    if (world.rank() == 0)
-      COHORT_WARN(kInit, "mesh: the world group moves GPU memory only and MeshOptions::host_group is not set: the "
-                         "ranks' shapes and nodes are not compared (a mismatch may hang in new_group)");
-    return all;
-  }
+  ProcessGroup* via = world.cuda_device() < 0 ? &world : host ? host : &world.host_group();
   if (via->size() != world.size() || via->rank() != world.rank())
     throw InvalidArgument("Mesh: MeshOptions::host_group must hold the world's ranks in the world's order");
   Claim send = mine;

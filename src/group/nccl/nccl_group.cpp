@@ -25,9 +25,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <set>
 
 #include "core/log.hpp"
+#include "group/native_group.hpp"
 #include "group/nccl/nccl_comm.hpp"
 
 namespace cohort::group {
@@ -237,8 +239,26 @@ class NcclGroup final : public ProcessGroup {
     return std::make_shared<NcclGroup>(std::move(child));
   }
 
+  ProcessGroup& host_group() override {
+    std::lock_guard<std::mutex> g(host_mu_);
+    if (!host_) {
+      if (comm_->is_shut_down()) throw Error("host_group: the nccl group was shut down");
+      const GroupSetup& me = comm_->setup();
+      GroupSetup s = me;
+      s.group_id = fmt::format("{}.host", me.group_id);
+      s.store = std::make_shared<PrefixStore>("g" + s.group_id, me.root_store);
+      s.store->set_timeout(me.timeout);
+      host_ = NativeGroup::create(std::move(s));
+    }
+    return *host_;
+  }
+
   // Also called by the destructor: never throws.
   void shutdown() override {
+    {
+      std::lock_guard<std::mutex> g(host_mu_);
+      if (host_) host_->shutdown();
+    }
     if (comm_->is_shut_down() && barrier_buf_ == nullptr) return;
     comm_->shutdown();  // drains the stream (or aborts) first, so the buffers below are idle
     try {
@@ -278,6 +298,8 @@ class NcclGroup final : public ProcessGroup {
   }
 
   std::shared_ptr<NcclComm> comm_;
+  std::mutex host_mu_;
+  std::shared_ptr<ProcessGroup> host_;  // host_group(), once made
   void* barrier_buf_ = nullptr;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
