@@ -12,6 +12,10 @@
 #   errors     bad input: more nccl ranks than GPUs, --device cuda with CUDA
 #              hidden, --device cpu on nccl (each must fail, naming why)
 #   accuracy   the example, 10 epochs on the GPU (world 1, nccl): test accuracy
+#   zero       the example sharded on the GPU (world 1, nccl): --shard zero2
+#              for 2 epochs with checkpoints (test accuracy), then resumed
+#              under --shard zero1 for a third epoch (the sharded state saved
+#              and loaded back into GPU memory)
 #   speed      images/s at world 1 on the GPU, same model, interleaved: cohort's
 #              DDP with its reducer running (--reduce-at-world-size-1, as
 #              PyTorch's DDP does at world 1), the same ordering the stream
@@ -66,7 +70,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $speed_reps =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: --reps wants a whole number >= 1, not '$speed_reps'" >&2; exit 2; }
-steps=nccl,ddp,errors,accuracy,speed,timeline,bench
+steps=nccl,ddp,errors,accuracy,zero,speed,timeline,bench
 if [[ -n $only ]]; then
   IFS=, read -ra wanted_steps <<<"${only#,}"
   [[ ${#wanted_steps[@]} -gt 0 ]] || { echo "gpu-check: --only names no step (the steps: $steps)" >&2; exit 2; }
@@ -191,6 +195,24 @@ acc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/accuracy.log"
 if [[ -n $acc ]] && awk -v a="$acc" -v e="$epochs" 'BEGIN {exit !(e < 10 || a >= 91.6)}'; then
   record accuracy ok "$acc% after $epochs epochs"
 else record accuracy FAIL "${acc:-no}% after $epochs epochs (want >= 91.6); $logs/accuracy.log"; fi
+
+fi
+
+if wanted zero; then
+# ---- ZeRO on the GPU: the example sharded, checkpointed (the ranks agree over
+# the nccl group's host_group()) and resumed under the other stage ----
+zdir=$logs/zero-checkpoints
+rm -rf "$zdir"
+COHORT_BACKEND=nccl run zero-train 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --shard zero2 --epochs 2 --checkpoint-dir "$zdir"
+zacc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/zero-train.log" | tail -1)
+COHORT_BACKEND=nccl run zero-resume 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --shard zero1 --epochs 3 --checkpoint-dir "$zdir" --resume
+racc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/zero-resume.log" | tail -1)
+if [[ -n $zacc && -n $racc ]] && grep -q "^resumed from" "$logs/zero-resume.log" &&
+  awk -v a="$zacc" -v b="$racc" 'BEGIN {exit !(a >= 88 && b >= 88)}'; then
+  record zero ok "zero2 2 epochs $zacc%, resumed as zero1 to 3 epochs $racc%"
+else record zero FAIL "zero2 ${zacc:-no}%, resumed ${racc:-no}% (want >= 88 each, and a resume); $logs/zero-*.log"; fi
 
 fi
 

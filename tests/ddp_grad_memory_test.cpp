@@ -298,6 +298,76 @@ TEST_P(GradMemoryTest, ABatchThatFailsStopsTheReducerWithItsCause) {
   });
 }
 
+// ZeRO-2 on a GPU: recycled buckets (ReducerOptions::recycled_buckets) in
+// device memory. Pool buffers come from the memory, every gradient goes in
+// through it at once (it may be freed right after), a nullptr mark and a
+// bucket's padding are zeroed through it, and the hook's `then` sees each
+// exact average before the buffer is reused.
+TEST_P(GradMemoryTest, RecycledBucketsInDeviceMemory) {
+  auto [transport, n] = GetParam();
+  run_ranks(n, transport, [&](ProcessGroup& pg) {
+    const int r = pg.rank();
+    Grads g(mixed_model());
+    std::shared_ptr<CountingDeviceMemory> mem;
+    ReducerOptions o = in_counting_memory(mem);
+    o.grads_valid_until_finalize = false;
+    o.recycled_buckets = 1;
+    o.bucket_count_multiple = 3;  // padding, as ZeRO's
+    Grads results(mixed_model());
+    o.comm_hook = [&](GradBucket& b) -> CommFuture {
+      WorkPtr w = b.allreduce({.op = ReduceOp::Avg});
+      return {w, [&results, buffer = b.buffer(), params = std::vector<size_t>(b.params().begin(), b.params().end()),
+                  offsets = std::vector<size_t>(b.offsets().begin(), b.offsets().end())] {
+                for (size_t k = 0; k < params.size(); ++k) {
+                  const size_t es = dtype_size(buffer.dtype);
+                  std::memcpy(results.ptr(params[k]), static_cast<const std::byte*>(buffer.data) + offsets[k] * es,
+                              results.specs[params[k]].count * es);
+                }
+              }};
+    };
+    Reducer red(pg, g.specs, o);
+    const int constructed = mem->allocations;
+    size_t nonempty = 0;
+    for (const ParamSpec& s : g.specs) nonempty += s.count > 0;
+    for (int t = 0; t < 2; ++t) {
+      g.fill([&](size_t p, size_t i) { return grad_value(r, p, i, t); });
+      for (size_t p = g.specs.size(); p-- > 0;) red.mark_ready(p, t == 1 && p == 8 ? nullptr : g.ptr(p));
+      ASSERT_TRUE(red.finalize());
+      expect_values(g.specs, r, "recycled in device memory, iteration " + std::to_string(t),
+                    [&](size_t p, size_t i) { return results.at(p, i); },
+                    [&](size_t p, size_t i) { return t == 1 && p == 8 ? 0.0 : avg_value(n, p, i, t); });
+    }
+    EXPECT_GT(mem->allocations, constructed) << "the pool's buffers come from the memory";
+    EXPECT_EQ(mem->grad_to_bucket_calls, static_cast<int>(2 * nonempty - 1)) << "each gradient through the memory";
+    EXPECT_GE(mem->zero_calls, 1) << "the nullptr mark's slot is zeroed through the memory";
+    EXPECT_EQ(mem->grads_batches, 0);
+    EXPECT_EQ(mem->results_batches, 0) << "the hook is the results' only reader";
+  });
+  // Gradients staged between host buckets and device memory cannot recycle:
+  // a .grad on the device would be freed before its copy to the host bucket.
+  run_ranks(1, transport, [&](ProcessGroup& pg) {
+    struct Staged final : GradMemory {
+      bool buckets_on_host() const override { return true; }
+      bool grads_on_host() const override { return false; }
+      std::shared_ptr<std::byte[]> allocate(ProcessGroup& group, size_t bytes) override { return group.allocate_buffer(bytes); }
+      void grad_to_bucket(void* b, const void* g, size_t bytes) override { std::memcpy(b, g, bytes); }
+      void bucket_to_grad(void* g, const void* b, size_t bytes) override { std::memcpy(g, b, bytes); }
+      void zero_bucket(void* b, size_t bytes) override { std::memset(b, 0, bytes); }
+    };
+    ReducerOptions o;
+    o.memory = std::make_shared<Staged>();
+    o.recycled_buckets = 1;
+    o.comm_hook = [](GradBucket& b) -> CommFuture { return {b.allreduce({.op = ReduceOp::Avg}), [] {}}; };
+    const std::vector<ParamSpec> specs{{"w", 4, DType::F32}};
+    try {
+      Reducer red(pg, specs, o);
+      ADD_FAILURE() << "recycled buckets with staged gradients were accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("staged"), std::string::npos) << e.what();
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(All, GradMemoryTest, ::testing::ValuesIn(configs()), config_name);
 
 TEST(HostGradMemory, DeviceOnlyCallsAreRefused) {

@@ -364,8 +364,10 @@ struct COHORT_API ReducerOptions {
   // otherwise. Either way the hook is the results' only reader: finalize()
   // delivers nothing (neither ParamSpec::grad nor on_reduced),
   // bucket_slot() and bucket_data() throw, and mark_ready(p, nullptr) means
-  // zeros. Needs host memory, a comm_hook of one step (no CommFuture::next),
-  // and neither gradient_as_bucket_view nor on_reduced. The hook's `then`
+  // zeros. Needs buckets and gradients in one memory (the host's, or the
+  // GPU's for a module there: no staging between the two), a comm_hook of
+  // one step (no CommFuture::next), and neither gradient_as_bucket_view nor
+  // on_reduced. The hook's `then`
   // must not issue collectives (it may run inside any rank's mark_ready, at
   // a point that differs across ranks). Waiting inside backward means a
   // slow peer can time a rank out mid-backward, and a parameter that

@@ -60,7 +60,8 @@ struct COHORT_API DistributedDataParallelOptions {
   // bucket_count_multiple). ZeroOptimizer sets it to the world size.
   size_t bucket_count_multiple = 1;
   // ZeRO-2's (ReducerOptions::recycled_buckets): 0, every bucket keeps its
-  // own buffer. K > 0, for a CPU module with a comm_hook that consumes each
+  // own buffer. K > 0, for a module on the CPU with a host group or on a GPU
+  // with nccl (not staged), with a comm_hook that consumes each
   // reduced bucket: buckets take buffers from a pool of about K, each .grad
   // is set to none as soon as a synced backward has copied it into its
   // bucket, and finalize() leaves every .grad none.

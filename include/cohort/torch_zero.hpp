@@ -22,7 +22,8 @@
 // the optimizer state of those elements only, and after its step the
 // buckets are allgathered in place. The module's parameters become views of
 // one flat buffer (shared memory on one host, so the allgather and the
-// reduce_scatter take the single-copy path), so they change with no copy.
+// reduce_scatter take the single-copy path; GPU memory for a module on a
+// GPU), so they change with no copy.
 //
 //   ZeRO-1: gradients accumulate in full on every rank over any number of
 //           backward passes; step() reduce-scatters them once (per bucket).
@@ -106,10 +107,11 @@ class COHORT_API ZeroOptimizer {
  public:
   // Collective over `group`, like DistributedDataParallel's constructor: the
   // same checks (every rank has the same parameters), rank 0's parameters and
-  // buffers broadcast; then the parameters move into the flat buffer. Only a
-  // module on the CPU with a group that moves host memory (native, mpi);
-  // anything else is refused by name. Throws InvalidArgument for invalid
-  // optimizer options.
+  // buffers broadcast; then the parameters move into the flat buffer. A
+  // module on the CPU with a group that moves host memory (native, mpi), or
+  // on this rank's GPU with nccl (the buffers in the GPU's memory,
+  // docs/zero.md "On a GPU"); anything else (a GPU module on a host group) is
+  // refused by name. Throws InvalidArgument for invalid optimizer options.
   ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
                 ShardOptimizerOptions optimizer, ZeroOptions opts = {});
   ~ZeroOptimizer();

@@ -167,8 +167,9 @@ struct COHORT_HIDDEN Reducer::Impl {
     const char* why = opts.gradient_as_bucket_view ? "gradient_as_bucket_view (a .grad cannot view a recycled buffer)"
                       : opts.on_reduced            ? "on_reduced (the hook is the results' only reader)"
                       : !opts.comm_hook            ? "the default hook (its averaged result would be dropped)"
-                      : !mem->buckets_on_host()    ? "buckets outside host memory"
-                                                   : nullptr;
+                      : mem->buckets_on_host() != mem->grads_on_host()
+                          ? "gradients staged between host buckets and device memory"
+                          : nullptr;
     if (why)
       throw InvalidArgument(fmt::format("ReducerOptions::recycled_buckets = {} cannot be combined with {}; recycled "
                                         "buckets are for a comm hook that consumes each reduced bucket (ZeRO-2)",

@@ -9,6 +9,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -267,10 +268,17 @@ class StagedGradMemory final : public ddp::GradMemory {
   return first.value_or(::torch::Device(::torch::kCPU));
 }
 
+namespace {
+std::atomic<bool> device_mode_on_cpu_flag{false};
+}  // namespace
+
+void testing::set_device_mode_on_cpu(bool on) { device_mode_on_cpu_flag = on; }
+bool testing::device_mode_on_cpu() { return device_mode_on_cpu_flag.load(); }
+
 MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group) {
   const int gpu = group.cuda_device();
   if (device.is_cpu()) {
-    if (gpu < 0) return MemoryMode::Host;
+    if (gpu < 0) return testing::device_mode_on_cpu() ? MemoryMode::Device : MemoryMode::Host;
     throw InvalidArgument(fmt::format(
         "DistributedDataParallel: the module is on the CPU but the process group's backend ({}) moves GPU memory "
         "only (cuda:{}). HINT: move the module to that GPU (module->to(torch::Device(torch::kCUDA, {}))), or train "

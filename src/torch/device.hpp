@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cohort/ddp.hpp"
+#include "cohort/export.hpp"
 #include "cohort/process_group.hpp"
 #include "cohort/torch.hpp"
 
@@ -69,5 +70,16 @@ void wait_keeping(const WorkPtr& work, std::vector<::torch::Tensor> keep);
 // moves GPU memory only, through tensors on its GPU (copied back after).
 void host_collective(ProcessGroup& group, const std::vector<Buffer>& host,
                      const std::function<WorkPtr(const std::vector<Buffer>&)>& issue);
+
+namespace testing {
+// While on (process-wide), memory_mode() gives Device for a CPU module on a
+// host group: DDP, ZeroOptimizer and the reducer then take their device
+// path (memory from LibTorch's allocator, every copy, zeroing and
+// conversion a LibTorch operation, buffers that are not the group's shared
+// memory) with the CPU as the device. The tests run the device path's logic
+// this way on machines without a GPU; scripts/gpu-check.sh runs it on one.
+COHORT_API void set_device_mode_on_cpu(bool on);
+bool device_mode_on_cpu();
+}  // namespace testing
 
 }  // namespace cohort::torch

@@ -83,10 +83,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
           "is on {} and the {} backend reduces host memory (its gradients are staged through host buckets). HINT: "
           "use the nccl backend for a GPU module, or leave gradient_as_bucket_view off",
           device_.str(), group_->backend_name()));
-    if (opts_.recycled_buckets > 0 && mode_ != MemoryMode::Host)
-      throw InvalidArgument(fmt::format("DistributedDataParallel: recycled_buckets (ZeRO-2's gradient memory) is for a "
-                                        "module on the CPU; this one is on {}",
-                                        device_.str()));
+    if (opts_.recycled_buckets > 0 && mode_ == MemoryMode::Staged)
+      throw InvalidArgument(fmt::format("DistributedDataParallel: recycled_buckets (ZeRO-2's gradient memory) needs the "
+                                        "buckets where the module is; this one is on {} and the {} backend reduces "
+                                        "host memory. HINT: use the nccl backend for a GPU module",
+                                        device_.str(), group_->backend_name()));
   }
   // Collectives below (and the reducer's) start after the work queued on
   // LibTorch's current stream (device mode; nothing otherwise).

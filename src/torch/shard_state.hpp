@@ -375,10 +375,11 @@ inline std::vector<std::string> saved_fields(::torch::optim::Optimizer& o, bool 
 // A chunk's state from its runs' (`runs`: each run's shard parameter and
 // length, in chunk order): each of `fields`, the runs' tensors concatenated;
 // a run without it (a group that keeps none, e.g. SGD without momentum)
-// contributes zeros of `type`.
+// contributes zeros of `type` on `device` (the state's).
 inline ShardState chunk_state(::torch::optim::Optimizer& optimizer,
                               const std::vector<std::pair<::torch::Tensor, size_t>>& runs,
-                              const std::vector<std::string>& fields, ::torch::ScalarType type) {
+                              const std::vector<std::string>& fields, ::torch::ScalarType type,
+                              const ::torch::Device& device = ::torch::kCPU) {
   std::vector<ShardState> parts;
   ShardState out;
   for (const auto& [param, len] : runs) {
@@ -392,7 +393,7 @@ inline ShardState chunk_state(::torch::optim::Optimizer& optimizer,
       const auto it = std::find_if(f.begin(), f.end(), [&](const auto& x) { return x.first == field; });
       pieces.push_back(it != f.end() ? it->second
                                      : ::torch::zeros({static_cast<int64_t>(runs[i].second)},
-                                                      ::torch::TensorOptions().dtype(type)));
+                                                      ::torch::TensorOptions().dtype(type).device(device)));
     }
     out.fields.emplace_back(field, pieces.size() == 1 ? pieces.front() : ::torch::cat(pieces));
   }

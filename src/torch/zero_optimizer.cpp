@@ -33,6 +33,7 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
+#include "device.hpp"
 #include "shard_state.hpp"
 #include "state_key.hpp"
 
@@ -65,10 +66,32 @@ std::vector<::torch::Tensor> trainable_of(const ::torch::nn::Module& module) {
 
 size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// A tensor over `data` that keeps `owner` alive.
-::torch::Tensor view_of(void* data, ::torch::IntArrayRef sizes, ::torch::ScalarType type,
+// A tensor over `data` on `device` that keeps `owner` alive (as wrap(),
+// no driver call to find where the pointer lives).
+::torch::Tensor view_of(void* data, ::torch::IntArrayRef sizes, ::torch::ScalarType type, const ::torch::Device& device,
                         const std::shared_ptr<std::byte[]>& owner) {
-  return ::torch::from_blob(data, sizes, [owner](void*) {}, ::torch::TensorOptions().dtype(type));
+  auto maker = at::for_blob(data, sizes);
+  maker.options(::torch::TensorOptions().dtype(type).device(device));
+  maker.deleter([owner](void*) {});
+  if (device.has_index()) maker.target_device(device);
+  return maker.make_tensor();
+}
+
+// `bytes` zeroed bytes of ZeRO's own memory: for a module on the CPU the
+// group's (shared memory on one host: the single-copy collectives), or
+// plain heap for the gradient shard (`shared` false), which no peer reads;
+// for a module on a GPU its memory, from LibTorch's caching allocator.
+std::shared_ptr<std::byte[]> storage(ProcessGroup& group, MemoryMode mode, const ::torch::Device& device, size_t bytes,
+                                     bool shared) {
+  bytes = std::max<size_t>(bytes, 1);
+  if (mode == MemoryMode::Host) {
+    if (!shared) return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
+    return group.allocate_buffer(bytes);  // zeroed
+  }
+  ::torch::Tensor t =
+      ::torch::zeros({static_cast<int64_t>(bytes)}, ::torch::TensorOptions().dtype(::torch::kUInt8).device(device));
+  auto* p = static_cast<std::byte*>(t.data_ptr());
+  return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
 }
 
 double lr_of(const ShardOptimizerOptions& o) {
@@ -159,6 +182,12 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     bool fresh = true;                // ZeRO-2: the next reduced chunk replaces the shard's contents
   };
   int rank = 0, n = 1;
+  // Where the module is, and so the parameter buckets, the gradients and
+  // the shard optimizer's state: the CPU (Host) or the group's GPU (Device,
+  // on nccl; every copy and zeroing a LibTorch operation on its current
+  // stream, every collective ordered after that stream).
+  ::torch::Device device{::torch::kCPU};
+  MemoryMode mode = MemoryMode::Host;
   std::vector<Bucket> buckets;
   std::shared_ptr<std::byte[]> params;      // also owned by every parameter's storage
   std::shared_ptr<std::byte[]> grad_shard;  // ZeRO-2
@@ -181,6 +210,22 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
   Buffer mine(std::byte* bucket_data, const Bucket& b) const {
     return Buffer{bucket_data + static_cast<size_t>(rank) * b.chunk * dtype_size(b.dtype), b.chunk, b.dtype};
   }
+  // `count` elements of bucket b's type at `data`, on the module's device.
+  ::torch::Tensor tensor(void* data, size_t count, const Bucket& b) const {
+    return wrap(data, {static_cast<int64_t>(count)}, ::torch::TensorOptions().dtype(b.type).device(device));
+  }
+  void zero(std::byte* data, size_t count, const Bucket& b) const {
+    if (count == 0) return;
+    if (mode == MemoryMode::Host) {
+      std::memset(data, 0, count * dtype_size(b.dtype));
+      return;
+    }
+    ::torch::NoGradGuard no_grad;
+    tensor(data, count, b).zero_();
+  }
+  // The stream collectives issued now are ordered after (CudaStreamScope):
+  // LibTorch's current one on a GPU, none on the CPU.
+  void* stream() const { return current_stream_handle(device); }
 
   // ZeRO-2, in finalize() (or when the reducer needs the bucket's buffer):
   // bucket b's reduced chunk into the shard (the first reduction since
@@ -191,8 +236,7 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
       k.fresh = false;
     } else {
       ::torch::NoGradGuard no_grad;
-      auto acc = ::torch::from_blob(k.grad_shard, {static_cast<int64_t>(k.chunk)}, ::torch::TensorOptions().dtype(k.type));
-      acc.add_(::torch::from_blob(reduced.data, {static_cast<int64_t>(k.chunk)}, ::torch::TensorOptions().dtype(k.type)));
+      tensor(k.grad_shard, k.chunk, k).add_(tensor(reduced.data, k.chunk, k));
     }
     synced = true;
     after_step = true;
@@ -208,7 +252,8 @@ std::vector<WorkPtr> allgather_params(ProcessGroup& group, const ZeroOptimizer::
   return works;
 }
 
-// The constructor's refusals, before anything moves.
+// The constructor's refusals, before anything moves (DistributedDataParallel's
+// constructor checks the devices further: one device, the group's GPU).
 void check_arguments(const std::shared_ptr<::torch::nn::Module>& module, const std::shared_ptr<ProcessGroup>& group,
                      const ShardOptimizerOptions& optimizer, const ZeroOptions& opts) {
   if (!module) throw InvalidArgument("ZeroOptimizer: the module is null");
@@ -226,17 +271,14 @@ void check_arguments(const std::shared_ptr<::torch::nn::Module>& module, const s
   const double lr = lr_of(optimizer);
   if (!(lr >= 0) || !std::isfinite(lr))
     throw InvalidArgument(fmt::format("ZeroOptimizer: the learning rate must be a finite number >= 0 (got {})", lr));
-  if (group->cuda_device() >= 0)
-    throw InvalidArgument(fmt::format("ZeroOptimizer: the {} backend moves GPU memory; ZeRO runs on a CPU module with a "
-                                      "host group (native or mpi) for now (docs/zero.md). HINT: init the group with "
-                                      "the native backend",
-                                      group->backend_name()));
-  for (auto& item : module->named_parameters(true))
-    if (!item.value().device().is_cpu())
-      throw InvalidArgument(fmt::format("ZeroOptimizer: parameter '{}' is on {}; ZeRO runs on CPU modules for now "
-                                        "(docs/zero.md). HINT: keep the module on the CPU, or use "
-                                        "DistributedDataParallel for a GPU module",
-                                        item.key(), item.value().device().str()));
+  if (group->cuda_device() < 0)
+    for (auto& item : module->named_parameters(true))
+      if (item.value().device().is_cuda())
+        throw InvalidArgument(fmt::format(
+            "ZeroOptimizer: parameter '{}' is on {}, but the {} backend reduces host memory; ZeRO keeps its buckets "
+            "where the module is and shards them with the group's own collectives, so a GPU module needs the nccl "
+            "backend (docs/zero.md). HINT: COHORT_BACKEND=nccl, one process per GPU; or keep the module on the CPU",
+            item.key(), item.value().device().str(), group->backend_name()));
 }
 }  // namespace
 
@@ -285,10 +327,10 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     shard_at[b] = shard_total;
     shard_total += round64(plan[b].bytes() / static_cast<size_t>(st.n));
   }
-  st.params = group_->allocate_buffer(std::max<size_t>(total, 1));
-  if (opts_.stage == ZeroStage::Two) {
-    st.grad_shard = std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(shard_total, 1)]());
-  }
+  st.device = ddp_->device();
+  st.mode = memory_mode(st.device, *group_);
+  st.params = storage(*group_, st.mode, st.device, total, true);
+  if (opts_.stage == ZeroStage::Two) st.grad_shard = storage(*group_, st.mode, st.device, shard_total, false);
   params_ = trainable_of(*module_);  // DDP's order: reducer parameter i is params_[i]
 
   ::torch::NoGradGuard no_grad;
@@ -310,7 +352,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
       k.type = p.scalar_type();
       k.used += static_cast<size_t>(p.numel());
       std::byte* slot = k.param + plan[b].offsets[j] * dtype_size(k.dtype);
-      auto moved = view_of(slot, p.sizes(), p.scalar_type(), st.params);
+      auto moved = view_of(slot, p.sizes(), p.scalar_type(), st.device, st.params);
       moved.copy_(p);
       p.set_data(moved);  // the module's parameter now lives in the bucket
     }
@@ -324,9 +366,9 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     for (const shard::RunSpan& r :
          shard::runs_of(plan[b].params, plan[b].offsets, sizes, group_of, k.count, k.chunk, st.rank)) {
       const int64_t n = static_cast<int64_t>(r.len);
-      auto sp = view_of(param_chunk + r.start * elem, {n}, k.type, st.params);
+      auto sp = view_of(param_chunk + r.start * elem, {n}, k.type, st.device, st.params);
       sp.requires_grad_(true);
-      sp.mutable_grad() = view_of(grad_chunk + r.start * elem, {n}, k.type, grad_owner);
+      sp.mutable_grad() = view_of(grad_chunk + r.start * elem, {n}, k.type, st.device, grad_owner);
       runs_[b].emplace_back(sp, r.len);
       group_params[r.group].push_back(sp);
     }
@@ -396,7 +438,7 @@ void ZeroOptimizer::zero_grad() {
     return;
   }
   // ZeRO-1 accumulates in the buckets always.
-  for (auto& k : st.buckets) std::memset(k.grad, 0, k.count * dtype_size(k.dtype));
+  for (auto& k : st.buckets) st.zero(k.grad, k.count, k);
   point_grads_at_buckets(false);  // .grad set to none by the user: back to the bucket views (zeros)
 }
 
@@ -412,7 +454,7 @@ void ZeroOptimizer::point_grads_at_buckets(bool keep_values) {
     void* slot = reducer.bucket_slot(i);
     auto& g = p.mutable_grad();
     if (p.numel() > 0 && (!g.defined() || g.data_ptr() != slot)) {
-      auto view = ::torch::from_blob(slot, p.sizes(), p.options());
+      auto view = wrap(slot, p.sizes(), p.options());
       if (keep_values && g.defined()) view.copy_(g);
       else if (keep_values) view.zero_();
       g = view;
@@ -435,7 +477,7 @@ void ZeroOptimizer::reduce_for_step() {
                             "reduced; HINT: run the last micro-batch's backward outside no_sync()");
     if (stepped_ && st.after_step.load()) throw InvalidArgument(kAfterReduce);
     for (auto& k : st.buckets)  // a bucket no backward reduced (no gradients at all): zeros
-      if (k.fresh && k.chunk > 0) std::memset(k.grad_shard, 0, k.chunk * dtype_size(k.dtype));
+      if (k.fresh) st.zero(k.grad_shard, k.chunk, k);
     return;
   }
   // ZeRO-1: the reducer stays in no_sync, so its marks count every backward.
@@ -444,6 +486,7 @@ void ZeroOptimizer::reduce_for_step() {
     return;
   }
   point_grads_at_buckets(true);
+  CudaStreamScope scope(st.stream());  // after the gradients' accumulation
   std::vector<WorkPtr> works;
   for (auto& k : st.buckets)
     if (k.count > 0)
@@ -467,9 +510,13 @@ double ZeroOptimizer::clip_grad_norm(double max_norm) {
                                       max_norm));
   reduce_for_step();
   ::torch::NoGradGuard no_grad;
-  double squares = 0;
-  for (auto& g : shard_grads()) squares += g.to(::torch::kDouble).square().sum().item<double>();
-  const double norm = std::sqrt(allreduce_scalar(*group_, squares, ReduceOp::Sum));
+  ::torch::Tensor squares;  // on the shard's device, read back once (a GPU syncs once per call)
+  for (auto& g : shard_grads()) {
+    ::torch::Tensor s = g.to(::torch::kDouble).square().sum();
+    squares = squares.defined() ? squares.add_(s) : s;
+  }
+  const double local = squares.defined() ? squares.item<double>() : 0.0;
+  const double norm = std::sqrt(allreduce_scalar(*group_, local, ReduceOp::Sum));
   const double coef = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
   if (coef < 1)
     for (auto& g : shard_grads()) g.mul_(coef);
@@ -485,6 +532,7 @@ void ZeroOptimizer::step() {
   reduce_for_step();
   optimizer_->step();
   has_state_ = true;
+  CudaStreamScope scope(state_->stream());  // after the step's kernels
   run_all(allgather_params(*group_, *state_));
   stepped_ = true;
   state_->after_step = false;
@@ -494,7 +542,10 @@ bool ZeroOptimizer::step(GradScaler& scaler) {
   reduce_for_step();
   const bool stepped = scaler.step(*optimizer_, group_.get());  // the same decision on every rank
   has_state_ = has_state_ || stepped;
-  if (stepped) run_all(allgather_params(*group_, *state_));
+  if (stepped) {
+    CudaStreamScope scope(state_->stream());
+    run_all(allgather_params(*group_, *state_));
+  }
   stepped_ = true;
   state_->after_step = false;
   return stepped;
@@ -589,7 +640,7 @@ std::vector<NamedTensor> ZeroOptimizer::state_shard() {
     const State::Bucket& k = st.buckets[b];
     layout.buckets.emplace_back(k.used, k.count);
     if (k.chunk == 0) continue;
-    const ShardState s = chunk_state(*optimizer_, runs_[b], fields, k.type);
+    const ShardState s = chunk_state(*optimizer_, runs_[b], fields, k.type, st.device);
     layout.steps = std::max(layout.steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("bucket{}.{}", b, field), t));
   }
@@ -633,7 +684,7 @@ void ZeroOptimizer::load_state_shards(const std::function<std::vector<NamedTenso
     for (const auto& [name, t] : first) {
       if (name.rfind(prefix, 0) != 0) continue;
       const std::string field = name.substr(prefix.size());
-      s.fields.emplace_back(field, files.rechunk(name, k.type, st.rank, k.chunk, k.used, old_chunk, kWho));
+      s.fields.emplace_back(field, files.rechunk(name, k.type, st.rank, k.chunk, k.used, old_chunk, kWho).to(st.device));
     }
     // The chunk's state cut at its runs (param groups).
     std::vector<ShardState> parts = split_state(s, runs_[b]);

@@ -12,7 +12,12 @@
 //     device, so ranks as threads of one process would block each other there
 //     (one rank's end-of-backward wait holds the thread the other's hooks need);
 //   - the refusals: a module split across devices, a CPU module on nccl,
-//     gradient_as_bucket_view with staging.
+//     gradient_as_bucket_view with staging;
+//   - ZeroOptimizer (ZeRO-1 and ZeRO-2) at world 1 on nccl: parameter
+//     buckets, gradient shard, recycled gradient buckets and optimizer state
+//     in the GPU's memory; AdamW with clipping equals LibTorch's in one
+//     process, and a sharded state saved mid-run resumes exactly; a GPU
+//     module on a host backend is refused by name.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -20,6 +25,7 @@
 
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
+#include "cohort/torch_zero.hpp"
 #include "proc_util.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
@@ -302,6 +308,85 @@ TEST(DdpCuda, CheckpointFromTheGpuLoadsOnTheCpu) {
   Net cpu;
   cohort::torch::load_module_state(*cpu, cohort::torch::module_state(*gpu));
   expect_rel_close(params_of(*cpu), params_of(*gpu), 0, "module state");
+}
+
+// ZeRO on the GPU (docs/zero.md): at world 1 on nccl every bucket, the
+// gradient shard and the shard optimizer's state are GPU memory and every
+// reduce-scatter and allgather goes through NCCL, ordered after LibTorch's
+// stream. AdamW with clipping by the global norm, 20 steps, equals
+// LibTorch's AdamW in one process; the state saved after 10 steps (with the
+// module's) resumes into a new optimizer exactly.
+cohort::torch::ZeroOptions zero_options(cohort::torch::ZeroStage stage) {
+  cohort::torch::ZeroOptions o;
+  o.stage = stage;
+  o.bucket_cap_mb = 0.0005;  // several buckets, recycled in ZeRO-2
+  o.first_bucket_mb = 0.0002;
+  return o;
+}
+
+void zero_cuda_steps(cohort::torch::ZeroOptimizer& opt, Net& net, int from, int to) {
+  constexpr int64_t kBatch = 32;
+  for (int s = from; s < to; ++s) {
+    opt.zero_grad();
+    opt.pre_forward();
+    torch::mse_loss(net->forward(inputs(s * kBatch, kBatch).to(kGpu)), targets(s * kBatch, kBatch).to(kGpu)).backward();
+    opt.clip_grad_norm(0.5);
+    opt.step();
+  }
+}
+
+TEST(ZeroCuda, WorldOneOnNcclEqualsOneProcessAndResumes) {
+  REQUIRE_GPU();
+  auto pg = nccl_world_of_one();
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  constexpr int64_t kBatch = 32;
+  constexpr int kSteps = 20;
+  Net ref;
+  ref->to(kGpu);
+  torch::optim::AdamW plain(ref->parameters(), adamw);
+  for (int s = 0; s < kSteps; ++s) {
+    plain.zero_grad();
+    torch::mse_loss(ref->forward(inputs(s * kBatch, kBatch).to(kGpu)), targets(s * kBatch, kBatch).to(kGpu)).backward();
+    torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
+    plain.step();
+  }
+  const auto want = params_of(*ref);
+  for (auto stage : {cohort::torch::ZeroStage::One, cohort::torch::ZeroStage::Two}) {
+    const std::string name = "ZeRO-" + std::to_string(static_cast<int>(stage));
+    Net net;
+    net->to(kGpu);
+    cohort::torch::ZeroOptimizer opt(net.ptr(), pg, adamw, zero_options(stage));
+    ASSERT_TRUE(opt.ddp().device().is_cuda()) << name;
+    zero_cuda_steps(opt, net, 0, kSteps / 2);
+    const auto shard = opt.state_shard();
+    const auto module = cohort::torch::module_state(*net);
+    zero_cuda_steps(opt, net, kSteps / 2, kSteps);
+    for (const auto& p : net->parameters()) EXPECT_TRUE(p.is_cuda()) << name << ": a parameter left the GPU";
+    for (const auto& g : opt.shard_optimizer().param_groups())
+      for (const auto& p : g.params()) EXPECT_TRUE(p.is_cuda() && p.grad().is_cuda()) << name;
+    EXPECT_GT(opt.memory().optimizer_state_bytes, 0u) << name;
+    expect_rel_close(params_of(*net), want, 1e-5, name);
+
+    Net again;
+    again->to(kGpu);
+    cohort::torch::load_module_state(*again, module);
+    cohort::torch::ZeroOptimizer resumed(again.ptr(), pg, adamw, zero_options(stage));
+    resumed.load_state_shards([&](int) { return shard; });
+    zero_cuda_steps(resumed, again, kSteps / 2, kSteps);
+    expect_rel_close(params_of(*again), params_of(*net), 1e-6, name + " resumed");
+  }
+}
+
+TEST(ZeroCuda, AGpuModuleOnAHostBackendIsRefused) {
+  REQUIRE_GPU();
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    Net net;
+    net->to(kGpu);
+    std::string m = error_of([&] {
+      cohort::torch::ZeroOptimizer(net.ptr(), borrowed(pg), torch::optim::AdamWOptions(1e-3));
+    });
+    EXPECT_NE(m.find("needs the nccl"), std::string::npos) << m;
+  });
 }
 
 }  // namespace

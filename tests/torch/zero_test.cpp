@@ -11,6 +11,7 @@
 #include "cohort/torch_zero.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
+#include "torch/device.hpp"
 #include "torch/shard_state.hpp"
 
 namespace {
@@ -25,6 +26,25 @@ using ddp_test::Net;
 using ddp_test::targets;
 
 constexpr int64_t kGlobal = 24;  // divides by 1, 2, 3 and 4
+
+// ZeRO's device path (a module on a GPU with nccl: buckets from LibTorch's
+// allocator, every copy and zeroing a LibTorch operation, DDP's device
+// gradient memory) run on the CPU for as long as it lives
+// (src/torch/device.hpp); tests/torch/ddp_cuda_test.cpp runs it on a GPU.
+class DeviceModeOnCpu {
+ public:
+  explicit DeviceModeOnCpu(bool on) : on_(on) {
+    if (on_) cohort::torch::testing::set_device_mode_on_cpu(true);
+  }
+  ~DeviceModeOnCpu() {
+    if (on_) cohort::torch::testing::set_device_mode_on_cpu(false);
+  }
+  DeviceModeOnCpu(const DeviceModeOnCpu&) = delete;
+  DeviceModeOnCpu& operator=(const DeviceModeOnCpu&) = delete;
+
+ private:
+  bool on_;
+};
 
 // Caps so small that the model's 212 parameters fill several buckets.
 ZeroOptions small_buckets(ZeroStage stage) {
@@ -105,14 +125,18 @@ std::vector<std::vector<torch::Tensor>> train_zero(int world, ZeroStage stage, t
 struct Case {
   ZeroStage stage;
   int world;
+  bool device = false;  // the device path, on the CPU (DeviceModeOnCpu)
 };
-void PrintTo(const Case& c, std::ostream* os) { *os << "ZeRO-" << static_cast<int>(c.stage) << " x " << c.world; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "ZeRO-" << static_cast<int>(c.stage) << " x " << c.world << (c.device ? " device path" : "");
+}
 class Zero : public ::testing::TestWithParam<Case> {};
 
 // The bar: AdamW over 100 steps, 1e-6 relative (float64, where the
 // reduction order is the only difference).
 TEST_P(Zero, AdamW100StepsEqualOneProcessOnTheGlobalBatch) {
-  const auto [stage, world] = GetParam();
+  const auto [stage, world, device] = GetParam();
+  DeviceModeOnCpu path(device);
   const auto want = reference(torch::kDouble, 100);
   const auto got = train_zero(world, stage, torch::kDouble, 100);
   for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-6) << "rank " << r;
@@ -120,14 +144,16 @@ TEST_P(Zero, AdamW100StepsEqualOneProcessOnTheGlobalBatch) {
 
 // float32 takes the fused AdamW loop on the shard; LibTorch's step is the reference.
 TEST_P(Zero, Float32IsCloseToOneProcess) {
-  const auto [stage, world] = GetParam();
+  const auto [stage, world, device] = GetParam();
+  DeviceModeOnCpu path(device);
   const auto want = reference(torch::kFloat, 30);
   const auto got = train_zero(world, stage, torch::kFloat, 30);
   for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-4) << "rank " << r;
 }
 
 TEST_P(Zero, AccumulatesMicroBatchesSyncedOrUnderNoSync) {
-  const auto [stage, world] = GetParam();
+  const auto [stage, world, device] = GetParam();
+  DeviceModeOnCpu path(device);
   const auto want = reference(torch::kDouble, 5, 3);
   for (bool no_sync : {false, true}) {
     const auto got = train_zero(world, stage, torch::kDouble, 5, 3, no_sync);
@@ -136,7 +162,8 @@ TEST_P(Zero, AccumulatesMicroBatchesSyncedOrUnderNoSync) {
 }
 
 TEST_P(Zero, ClipsByTheGlobalNorm) {
-  const auto [stage, world] = GetParam();
+  const auto [stage, world, device] = GetParam();
+  DeviceModeOnCpu path(device);
   const auto want = reference(torch::kDouble, 10, 1, 0.05);  // small enough to clip every step
   const auto got = train_zero(world, stage, torch::kDouble, 10, 1, false, 0.05);
   for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r;
@@ -144,12 +171,15 @@ TEST_P(Zero, ClipsByTheGlobalNorm) {
 
 std::vector<Case> cases() {
   std::vector<Case> c;
-  for (ZeroStage s : {ZeroStage::One, ZeroStage::Two})
+  for (ZeroStage s : {ZeroStage::One, ZeroStage::Two}) {
     for (int w : {1, 2, 3, 4}) c.push_back({s, w});
+    for (int w : {1, 3}) c.push_back({s, w, true});
+  }
   return c;
 }
 INSTANTIATE_TEST_SUITE_P(All, Zero, ::testing::ValuesIn(cases()), [](const auto& info) {
-  return "Zero" + std::to_string(static_cast<int>(info.param.stage)) + "_np" + std::to_string(info.param.world);
+  return "Zero" + std::to_string(static_cast<int>(info.param.stage)) + "_np" + std::to_string(info.param.world) +
+         (info.param.device ? "_device" : "");
 });
 
 // The clipping norm is the whole averaged gradient's, on every rank.
@@ -282,36 +312,39 @@ TEST(ZeroMemory, Zero2HoldsAFewBucketsNotTheWholeGradient) {
     int held_mid_backward = -1;
   };
   const size_t grad_bytes = 8 * (64 * 64 + 64) * sizeof(float);
-  for (int world : {2, 3})
-    run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
-      torch::set_num_threads(1);
-      for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
-        torch::manual_seed(3);
-        auto net = std::make_shared<Deep>();
-        // About one layer per bucket: 8 buckets or more.
-        ZeroOptimizer opt(net, borrowed(pg), adamw(), {.stage = stage, .bucket_cap_mb = 0.015, .first_bucket_mb = 0.015});
-        for (int s = 0; s < 3; ++s) {
-          opt.zero_grad();
-          opt.pre_forward();
-          net->forward(torch::full({4, 64}, 0.1 * (pg.rank() + s + 1))).sum().backward();
-          // ZeRO-1's are views of its buckets; ZeRO-2 frees each once copied.
-          EXPECT_EQ(net->held_mid_backward, stage == ZeroStage::One ? 4 : 0) << "step " << s;
-          for (const auto& p : net->parameters())
-            EXPECT_TRUE(stage == ZeroStage::One || !p.grad().defined()) << "a gradient outlived its bucket";
-          opt.step();
+  for (bool device : {false, true}) {  // the host path, then the device path on the CPU
+    DeviceModeOnCpu path(device);
+    for (int world : {2, 3})
+      run_ranks(world, "shm", [&](cohort::ProcessGroup& pg) {
+        torch::set_num_threads(1);
+        for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two}) {
+          torch::manual_seed(3);
+          auto net = std::make_shared<Deep>();
+          // About one layer per bucket: 8 buckets or more.
+          ZeroOptimizer opt(net, borrowed(pg), adamw(), {.stage = stage, .bucket_cap_mb = 0.015, .first_bucket_mb = 0.015});
+          for (int s = 0; s < 3; ++s) {
+            opt.zero_grad();
+            opt.pre_forward();
+            net->forward(torch::full({4, 64}, 0.1 * (pg.rank() + s + 1))).sum().backward();
+            // ZeRO-1's are views of its buckets; ZeRO-2 frees each once copied.
+            EXPECT_EQ(net->held_mid_backward, stage == ZeroStage::One ? 4 : 0) << "step " << s;
+            for (const auto& p : net->parameters())
+              EXPECT_TRUE(stage == ZeroStage::One || !p.grad().defined()) << "a gradient outlived its bucket";
+            opt.step();
+          }
+          const auto m = opt.memory();
+          if (stage == ZeroStage::One) {
+            EXPECT_GE(m.grad_bytes, grad_bytes);
+            continue;
+          }
+          size_t biggest = 0;
+          for (const auto& b : opt.ddp().reducer().plan()) biggest = std::max(biggest, (b.bytes() + 63) / 64 * 64);
+          EXPECT_GE(opt.ddp().reducer().plan().size(), 8u);
+          EXPECT_EQ(m.grad_bytes, 2 * biggest) << "world " << world;
+          EXPECT_LT(m.grad_bytes, grad_bytes / 3) << "world " << world;
         }
-        const auto m = opt.memory();
-        if (stage == ZeroStage::One) {
-          EXPECT_GE(m.grad_bytes, grad_bytes);
-          continue;
-        }
-        size_t biggest = 0;
-        for (const auto& b : opt.ddp().reducer().plan()) biggest = std::max(biggest, (b.bytes() + 63) / 64 * 64);
-        EXPECT_GE(opt.ddp().reducer().plan().size(), 8u);
-        EXPECT_EQ(m.grad_bytes, 2 * biggest) << "world " << world;
-        EXPECT_LT(m.grad_bytes, grad_bytes / 3) << "world " << world;
-      }
-    });
+      });
+  }
 }
 
 // Steps [from, to) of the global-batch schedule with an existing optimizer (float64).
@@ -383,6 +416,36 @@ TEST(ZeroCheckpoint, StateSavedAtWorld4ReshardsToAnyWorld) {
           EXPECT_LT(rel_error(got[r], want), 1e-9)
               << "ZeRO-" << static_cast<int>(stage) << (sgd ? " SGD" : " AdamW") << " at world " << world << " rank " << r;
       }
+    }
+}
+
+// The device path (on the CPU) writes the state the host path writes and
+// reads it: saved at world 3 on one path, resumed at world 2 on the other,
+// continues as the run that never stopped, for both stages.
+TEST(ZeroCheckpoint, TheDevicePathSavesAndLoadsTheHostPathsState) {
+  for (ZeroStage stage : {ZeroStage::One, ZeroStage::Two})
+    for (bool saved_on_device : {true, false}) {
+      SavedRun saved;
+      {
+        DeviceModeOnCpu path(saved_on_device);
+        saved = save_mid_run(3, stage, adamw());
+      }
+      DeviceModeOnCpu path(!saved_on_device);
+      std::vector<std::vector<torch::Tensor>> got(2);
+      run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+        torch::set_num_threads(1);
+        Net net;
+        net->to(torch::kDouble);
+        cohort::torch::load_module_state(*net, saved.model_state);
+        ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw(), small_buckets(stage));
+        opt.load_state_shards([&](int k) { return saved.shards.at(k); });
+        zero_steps(opt, net, pg, 5, 10);
+        got[pg.rank()] = params_of(*net);
+      });
+      for (int r = 0; r < 2; ++r)
+        EXPECT_LT(rel_error(got[r], saved.want), 1e-9)
+            << "ZeRO-" << static_cast<int>(stage) << " saved on the " << (saved_on_device ? "device" : "host")
+            << " path, rank " << r;
     }
 }
 
