@@ -96,38 +96,12 @@ Chosen choose_checkpoint(cohort::ProcessGroup& pg, const std::string& dir, bool 
     if (any_run || run_id.empty() || (run != config.end() && *run == run_id)) return "";
     return "written by another run";
   };
-  if (pg.cuda_device() < 0) {
-    const auto c = cohort::find_latest_valid(pg, dir, refuse);  // each skipped one also in a WARN line
-    if (pg.rank() == 0 && c)
-      for (const auto& s : c->skipped) std::printf("resume: skipped %s\n", s.c_str());
-    if (!c) return {};
-    return Chosen{c->path, shard_of(nlohmann::json::parse(c->manifest.config, nullptr, false))};
-  }
-  // A group that moves GPU memory only (nccl): rank 0 verifies each
-  // candidate alone and broadcasts its choice.
-  Chosen chosen;
-  std::vector<int64_t> steps;
-  if (pg.rank() == 0) {
-    try {
-      steps = cohort::list_checkpoint_steps(dir);
-    } catch (const std::exception& e) {  // no return before the broadcasts below: the others wait there
-      std::printf("resume: cannot list %s: %s\n", dir.c_str(), e.what());
-    }
-    for (auto at = steps.rbegin(); at != steps.rend() && chosen.path.empty(); ++at) {
-      std::string why;
-      try {
-        const auto c = cohort::load_checkpoint(fmt::format("{}/step_{:09d}", dir, *at));  // every file verified
-        why = refuse(c);
-        if (why.empty()) chosen = Chosen{c.path, shard_of(nlohmann::json::parse(c.manifest.config, nullptr, false))};
-      } catch (const std::exception& e) {
-        why = e.what();
-      }
-      if (!why.empty()) std::printf("resume: skipped step %lld: %s\n", static_cast<long long>(*at), why.c_str());
-    }
-  }
-  chosen.path = cohort::torch::broadcast_string(pg, chosen.path, 0);
-  chosen.shard = cohort::torch::broadcast_string(pg, chosen.shard, 0);
-  return chosen;
+  // Every rank verifies its share (on nccl over the group's host_group()).
+  const auto c = cohort::find_latest_valid(pg, dir, refuse);  // each skipped one also in a WARN line
+  if (pg.rank() == 0 && c)
+    for (const auto& s : c->skipped) std::printf("resume: skipped %s\n", s.c_str());
+  if (!c) return {};
+  return Chosen{c->path, shard_of(nlohmann::json::parse(c->manifest.config, nullptr, false))};
 }
 
 // What a resume does with state written under --shard `then` in a run with --shard `now` ("": nothing to convert).

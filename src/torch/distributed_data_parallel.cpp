@@ -83,6 +83,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<::torch::nn::Mo
           "is on {} and the {} backend reduces host memory (its gradients are staged through host buckets). HINT: "
           "use the nccl backend for a GPU module, or leave gradient_as_bucket_view off",
           device_.str(), group_->backend_name()));
+    if (opts_.recycled_buckets > 0 && opts_.wait_on_stream)
+      throw InvalidArgument("DistributedDataParallel: recycled_buckets (ZeRO-2's gradient memory) needs each "
+                            "bucket's collective finished on the host before its buffer is reused, and "
+                            "wait_on_stream only orders the stream after it. HINT: leave wait_on_stream off");
     if (opts_.recycled_buckets > 0 && mode_ == MemoryMode::Staged)
       throw InvalidArgument(fmt::format("DistributedDataParallel: recycled_buckets (ZeRO-2's gradient memory) needs the "
                                         "buckets where the module is; this one is on {} and the {} backend reduces "
@@ -212,6 +216,9 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     // autograd accumulates the next pass.
     check_dense(i, g);
     const bool synced = !reducer_->in_no_sync();
+    // The copy into the bucket, the zeroing of a reused buffer and the
+    // bucket's collective all follow autograd's current stream (which wrote g).
+    CudaStreamScope scope(stream());
     reducer_->mark_ready(i, g.defined() ? g.data_ptr() : nullptr);
     if (synced) params_[i].mutable_grad().reset();
     return;

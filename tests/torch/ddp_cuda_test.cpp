@@ -16,8 +16,11 @@
 //   - ZeroOptimizer (ZeRO-1 and ZeRO-2) at world 1 on nccl: parameter
 //     buckets, gradient shard, recycled gradient buckets and optimizer state
 //     in the GPU's memory; AdamW with clipping equals LibTorch's in one
-//     process, and a sharded state saved mid-run resumes exactly; a GPU
-//     module on a host backend is refused by name.
+//     process (also with everything on a side stream), and a sharded state
+//     saved mid-run resumes exactly; a GPU module on a host backend is
+//     refused by name.
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -374,6 +377,19 @@ TEST(ZeroCuda, WorldOneOnNcclEqualsOneProcessAndResumes) {
     resumed.load_state_shards([&](int) { return shard; });
     zero_cuda_steps(resumed, again, kSteps / 2, kSteps);
     expect_rel_close(params_of(*again), params_of(*net), 1e-6, name + " resumed");
+
+    // The same training with forward, backward and step on a side stream
+    // (not the legacy default stream NCCL would otherwise follow): every
+    // copy, reduce-scatter and allgather must be ordered after it.
+    Net side;
+    side->to(kGpu);
+    {
+      c10::StreamGuard on(c10::impl::getDeviceGuardImpl(torch::kCUDA)->getStreamFromGlobalPool(kGpu));
+      cohort::torch::ZeroOptimizer sopt(side.ptr(), pg, adamw, zero_options(stage));
+      zero_cuda_steps(sopt, side, 0, kSteps);
+      torch::cuda::synchronize();
+    }
+    expect_rel_close(params_of(*side), want, 1e-5, name + " on a side stream");
   }
 }
 

@@ -557,6 +557,16 @@ TEST(ZeroErrors, BadInputIsNamed) {
     expect_throw([&] { ZeroOptimizer(net.ptr(), borrowed(pg), adamw(), no_buffers); }, "grad_buffers is 0");
     expect_throw([&] { ZeroOptimizer(net.ptr(), borrowed(pg), torch::optim::AdamWOptions(-1.0)); },
                  "learning rate must be");
+    {
+      // A reused bucket buffer needs its collective finished on the host;
+      // wait_on_stream would only order a stream after it.
+      cohort::torch::DistributedDataParallelOptions d;
+      d.recycled_buckets = 2;
+      d.wait_on_stream = true;
+      d.comm_hook = [](cohort::ddp::GradBucket& b) -> cohort::ddp::CommFuture { return {b.allreduce({}), [] {}}; };
+      expect_throw([&] { cohort::torch::DistributedDataParallel(net.ptr(), borrowed(pg), d); },
+                   "HINT: leave wait_on_stream off");
+    }
     ZeroOptimizer opt(net.ptr(), borrowed(pg), adamw());
     expect_throw([&] { opt.clip_grad_norm(0); }, "max_norm must be");
     expect_throw([&] { opt.set_lr(std::nan("")); }, "learning rate must be");
