@@ -1,6 +1,8 @@
 // Pure functions: reduction kernels, half conversions, env parsing, the tuner.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -248,6 +250,36 @@ TEST(Env, BadKnobValueNamesTheKnob) {
     EXPECT_NE(std::string(e.what()).find("COHORT_TEST_ONLY_KNOB=many"), std::string::npos) << e.what();
   }
   unsetenv("COHORT_TEST_ONLY_KNOB");
+}
+
+// A set value that does not parse is reported by problem() and
+// knob_problems() (what `cohort env` marks INVALID and `cohort run` refuses),
+// whatever the knob's kind; a plain string knob never is.
+TEST(Env, ProblemsNameEveryKnobThatDoesNotParse) {
+  static const core::Knob d{"COHORT_TEST_ONLY_PROBLEM_SECONDS", "1s", "a duration knob only this test reads",
+                            core::KnobKind::Seconds};
+  static const core::Knob b{"COHORT_TEST_ONLY_PROBLEM_BOOL", "0", "a boolean knob only this test reads",
+                            core::KnobKind::Bool};
+  static const core::Knob s{"COHORT_TEST_ONLY_PROBLEM_STRING", "", "a string knob only this test reads"};
+  EXPECT_EQ(d.problem(), "") << "unset: the default";
+  setenv("COHORT_TEST_ONLY_PROBLEM_SECONDS", "abc", 1);
+  setenv("COHORT_TEST_ONLY_PROBLEM_BOOL", "maybe", 1);
+  setenv("COHORT_TEST_ONLY_PROBLEM_STRING", "anything", 1);
+  EXPECT_NE(d.problem().find("COHORT_TEST_ONLY_PROBLEM_SECONDS=abc is not a duration"), std::string::npos) << d.problem();
+  EXPECT_NE(b.problem().find("COHORT_TEST_ONLY_PROBLEM_BOOL=maybe is not a boolean"), std::string::npos) << b.problem();
+  EXPECT_EQ(s.problem(), "");
+  const auto all = core::knob_problems();
+  const auto has = [&](const char* name) {
+    return std::any_of(all.begin(), all.end(), [&](const std::string& p) { return p.find(name) != std::string::npos; });
+  };
+  EXPECT_TRUE(has("COHORT_TEST_ONLY_PROBLEM_SECONDS"));
+  EXPECT_TRUE(has("COHORT_TEST_ONLY_PROBLEM_BOOL"));
+  EXPECT_FALSE(has("COHORT_TEST_ONLY_PROBLEM_STRING"));
+  setenv("COHORT_TEST_ONLY_PROBLEM_SECONDS", "90s", 1);
+  EXPECT_EQ(d.problem(), "");
+  unsetenv("COHORT_TEST_ONLY_PROBLEM_SECONDS");
+  unsetenv("COHORT_TEST_ONLY_PROBLEM_BOOL");
+  unsetenv("COHORT_TEST_ONLY_PROBLEM_STRING");
 }
 
 TEST(Env, EveryKnobIsDocumentedAndNamedCohort) {

@@ -389,6 +389,23 @@ TEST(Launcher, BadFlagsFailClearly) {
   }
 }
 
+// A COHORT_* knob set to a value that does not parse stops `cohort run`
+// before any worker starts, naming it, even one this job would never read
+// (COHORT_RDZV_TIMEOUT on one node); `cohort env` marks it INVALID.
+TEST(Launcher, BadKnobValuesFailBeforeAnyWorkerStarts) {
+  auto r = lt::run({"run", "--standalone", "--nproc-per-node", "1", lt::prog("launch_env")},
+                   {{"COHORT_RDZV_TIMEOUT", "abc"}, {"COHORT_SHARED_BUFFERS", "perhaps"}});
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "COHORT_RDZV_TIMEOUT=abc is not a duration")) << r.err;
+  EXPECT_TRUE(contains(r.err, "COHORT_SHARED_BUFFERS=perhaps is not a boolean")) << r.err;
+  EXPECT_FALSE(contains(r.out, "RANK=")) << "a worker started:\n" << r.out;
+  auto env = lt::run({"env"}, {{"COHORT_RDZV_TIMEOUT", "abc"}});
+  EXPECT_EQ(env.status, 1);
+  EXPECT_TRUE(contains(env.out, "INVALID: COHORT_RDZV_TIMEOUT=abc is not a duration")) << env.out;
+  auto fine = lt::run({"env"}, {{"COHORT_RDZV_TIMEOUT", "90s"}});
+  EXPECT_EQ(fine.status, 0) << fine.err;
+}
+
 TEST(Launcher, LogDirGetsPerRankFilesAndRedirectsHideConsole) {
   std::string dir = lt::temp_dir();
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", "--log-dir", dir, "--redirects", "3", "--tee",

@@ -7,8 +7,11 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "cohort/error.hpp"
 #include "commands.hpp"
+#include "core/env.hpp"
 #include "launch/agent.hpp"
 #include "launch/options.hpp"
 
@@ -131,6 +134,12 @@ void add_run_command(CLI::App& app, int& exit_code) {
       ->capture_default_str();
 
   cmd->callback([cmd, f, &exit_code] {
+    // A bad COHORT_* value fails here, not when (or if) the code that reads it runs.
+    if (const auto bad = core::knob_problems(); !bad.empty()) {
+      std::string all;
+      for (const auto& b : bad) all += (all.empty() ? "" : "; ") + b;
+      throw InvalidArgument(fmt::format("cohort run: {} (`cohort env` lists every knob)", all));
+    }
     launch::LaunchOptions o;
     o.nproc_per_node = launch::parse_nproc(f->nproc);
     launch::NodeRange nodes = launch::parse_nnodes(f->nnodes);

@@ -81,6 +81,29 @@ std::chrono::milliseconds Knob::millis() const {
   return std::chrono::milliseconds(static_cast<int64_t>(ms));
 }
 
+std::string Knob::problem() const {
+  if (!is_set()) return "";
+  try {
+    switch (kind_) {
+      case KnobKind::String: return "";
+      case KnobKind::Int: (void)integer(); return "";
+      case KnobKind::Bytes: (void)bytes(); return "";
+      case KnobKind::Bool: (void)boolean(); return "";
+      case KnobKind::Seconds: (void)seconds(); return "";
+    }
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<std::string> knob_problems() {
+  std::vector<std::string> out;
+  for (const Knob* k : all_knobs())
+    if (std::string p = k->problem(); !p.empty()) out.push_back(std::move(p));
+  return out;
+}
+
 std::vector<const Knob*> all_knobs() {
   std::lock_guard<std::mutex> g(registry_mutex());
   auto r = registry();

@@ -34,6 +34,9 @@ class Knob {
   // The duration in whole milliseconds: a positive value below 1 ms counts as
   // 1 ms (not 0), and anything longer than kLongestWait is cut to it.
   std::chrono::milliseconds millis() const;
+  // What is wrong with the value set for a typed knob (the message its
+  // accessor would throw), or "" when it parses or is a plain string.
+  std::string problem() const;
 
  private:
   const char* name_;
@@ -48,6 +51,12 @@ inline constexpr std::chrono::milliseconds kLongestWait{1'000'000'000'000LL};
 
 // Every knob registered so far (all of libcohort's, since it is a shared library).
 std::vector<const Knob*> all_knobs();
+
+// Every set knob whose value does not parse (Knob::problem), one message
+// each, in name order: `cohort run` refuses to start with any, since a knob
+// is read only where it applies (COHORT_RDZV_TIMEOUT only with several
+// nodes) and a bad value would otherwise pass unnoticed or fail late.
+std::vector<std::string> knob_problems();
 
 // Parsers shared with the CLI (bench sizes, timeouts). nullopt on bad input.
 std::optional<uint64_t> parse_bytes(const std::string& s);
