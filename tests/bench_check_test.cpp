@@ -104,6 +104,16 @@ TEST(BenchFlags, BadInputIsRefusedClearly) {
   r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench", "allreduce", "--sizes",
                "99999999999999999999"});
   EXPECT_TRUE(contains(r.err, "is not a byte size")) << r.err;
+  // Sizes under one element measured a collective of nothing: refused, or left out and said so.
+  r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench", "allreduce", "-b", "3", "-e", "3"},
+              {}, 60);
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(contains(r.err, "every size is under one element (4 bytes) per rank")) << r.err;
+  r = lt::run({"run", "--standalone", "--nproc-per-node", "1", COHORT_BIN, "bench", "allreduce", "-b", "2", "-e", "8",
+               "-n", "2", "-w", "1"},
+              {}, 60);
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "1 size(s) under one f32 element per rank left out")) << r.out;
 }
 
 TEST(KillThroughLauncher, LauncherNamesTheKilledRankAndOthersNameItToo) {

@@ -349,7 +349,11 @@ void run_slurm_like(bool one_node) {
       env.insert({{"SLURM_LOCALID", "0"}, {"SLURM_NODEID", std::to_string(r)}, {"SLURM_TASKS_PER_NODE", "1(x2)"},
                   {"SLURM_JOB_NODELIST", "127.0.0.[1-2]"}});
     }
-    ps.push_back(testing::spawn({kWorker}, env, ::testing::TempDir() + "launch_env_slurm" + std::to_string(r)));
+    // Output files of their own: ctest -j runs the one-node and two-node
+    // variants at once, and shared names let one truncate the other's.
+    ps.push_back(testing::spawn({kWorker}, env,
+                                ::testing::TempDir() + "launch_env_slurm" + (one_node ? "1n." : "2n.") +
+                                    std::to_string(::getpid()) + "." + std::to_string(r)));
   }
   ASSERT_TRUE(testing::wait_all(ps, std::chrono::seconds(120))) << "ranks hung; rank 0 stderr:\n" << ps[0].err();
   for (int r = 0; r < 2; ++r) {

@@ -173,6 +173,7 @@ TEST(Timeline, MergeRepairsAFileCutShortAndNamesAnEmptyDirectory) {
   }
   auto m = lt::run({"trace", "merge", dir, "-o", dir + "/job.json"}, {}, 60);
   ASSERT_EQ(m.status, 0) << m.err;
+  EXPECT_TRUE(contains(m.err, "note: rank0.json was cut short")) << m.err;
   json j = json::parse(slurp(dir + "/job.json"));
   EXPECT_EQ(spans(j["traceEvents"], 0, "coll").size(), 1u) << j.dump();
 

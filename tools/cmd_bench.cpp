@@ -164,6 +164,23 @@ int run_bench(const BenchFlags& f) {
   const int n = pg->size();
   if (f.root < 0 || f.root >= n) throw InvalidArgument(fmt::format("-r {}: root out of range 0..{}", f.root, n - 1));
   const size_t es = dtype_size(*dt);
+  // A size under one element (per rank, for the collectives that split it)
+  // would measure a collective of nothing: such sizes are left out, said so,
+  // and all of them is an error.
+  const auto moves_nothing = [&](size_t bytes) {
+    size_t sc = 0, rc = 0;
+    coll->counts(bytes / es, n, sc, rc);
+    return std::max(sc, rc) == 0;
+  };
+  const size_t before = sizes.size();
+  std::erase_if(sizes, moves_nothing);
+  if (sizes.empty())
+    throw InvalidArgument(fmt::format("{} of {} at {} rank(s): every size is under one element ({} bytes) per rank, "
+                                      "so nothing would move; HINT: raise -b/-e (or --sizes) to at least {} bytes",
+                                      f.coll, dtype_name(*dt), n, es, es * static_cast<size_t>(n)));
+  if (sizes.size() < before && pg->rank() == 0)
+    std::printf("# %zu size(s) under one %s element per rank left out\n", before - sizes.size(),
+                std::string(dtype_name(*dt)).c_str());
   size_t max_send = 0, max_recv = 0;
   for (size_t s : sizes) {
     size_t sc, rc;

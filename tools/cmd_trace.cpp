@@ -30,6 +30,11 @@ void add_trace_command(CLI::App& app, int& exit_code) {
     if (!f) throw Error(fmt::format("cannot write {}; HINT: does its directory exist?", out));
     std::printf("%s: %zu events from %zu rank(s)\n", out.c_str(), j["traceEvents"].size(),
                 j["otherData"]["cohort"]["ranks"].size());
+    for (const auto& r : j["otherData"]["cohort"]["ranks"])
+      if (r.value("cut_short", false))
+        std::fprintf(stderr, "note: %s was cut short (its process did not close it: killed, or still running); "
+                     "its whole events are merged, the last partial one dropped\n",
+                     r.value("file", std::string("?")).c_str());
     exit_code = 0;
   });
 

@@ -18,7 +18,8 @@ namespace cohort::tools::trace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-json read_rank_file(const std::string& path) {
+json read_rank_file(const std::string& path, bool* cut_short) {
+  if (cut_short) *cut_short = false;
   std::ifstream in(path);
   if (!in) throw Error(fmt::format("cannot read {}", path));
   std::stringstream ss;
@@ -29,6 +30,7 @@ json read_rank_file(const std::string& path) {
     // Cut short: drop the trailing comma of the last whole line and close the array.
     size_t end = text.rfind("},");
     if (end != std::string::npos) j = json::parse(text.substr(0, end + 1) + "\n]", nullptr, false);
+    if (cut_short && !j.is_discarded()) *cut_short = true;
   }
   if (j.is_object() && j.contains("traceEvents")) j = j["traceEvents"];
   if (j.is_discarded() || !j.is_array())
@@ -53,9 +55,11 @@ json merge_dir(const std::string& dir) {
   json events = json::array(), ranks = json::array();
   double t0 = std::numeric_limits<double>::infinity();
   for (const auto& f : files) {
-    json ev = read_rank_file(f.string());
+    bool cut = false;
+    json ev = read_rank_file(f.string(), &cut);
     double offset_us = 0;
     json info = {{"file", f.filename().string()}};
+    if (cut) info["cut_short"] = true;
     for (const auto& e : ev)
       if (e.value("ph", "") == "M" && e.value("name", "") == "cohort_clock") {
         offset_us = e["args"].value("offset_ns", 0.0) / 1000.0;

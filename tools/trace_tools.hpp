@@ -10,11 +10,13 @@
 namespace cohort::tools::trace {
 
 // Reads one rank's file; a file cut short (no closing "]", the process died)
-// is repaired. Throws Error naming the file when it is not a timeline.
-nlohmann::json read_rank_file(const std::string& path);
+// is repaired, and *cut_short (when given) says so. Throws Error naming the
+// file when it is not a timeline.
+nlohmann::json read_rank_file(const std::string& path, bool* cut_short = nullptr);
 
 // Joins DIR/rank*.json: one process (pid) per rank, every timestamp shifted by
 // the rank's clock offset to rank 0 and the whole job moved to start at 0.
+// otherData.cohort.ranks[i].cut_short is true for a file that was repaired.
 // Throws Error when DIR has no rank files.
 nlohmann::json merge_dir(const std::string& dir);
 
