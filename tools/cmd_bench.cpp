@@ -137,6 +137,27 @@ void print_header(ProcessGroup& pg, BenchMemory& mem, const BenchFlags& f, const
                       "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""));
 }
 
+// A size under one element (per rank, for the collectives that split it)
+// would measure a collective of nothing: such sizes are left out (`lead`
+// says so), and a list of only such sizes is refused.
+void drop_empty_sizes(std::vector<size_t>& sizes, const BenchColl& coll, DType dt, int n, bool lead) {
+  const size_t es = dtype_size(dt);
+  const auto moves_nothing = [&](size_t bytes) {
+    size_t sc = 0, rc = 0;
+    coll.counts(bytes / es, n, sc, rc);
+    return std::max(sc, rc) == 0;
+  };
+  const size_t before = sizes.size();
+  std::erase_if(sizes, moves_nothing);
+  if (sizes.empty())
+    throw InvalidArgument(fmt::format("{} of {} at {} rank(s): every size is under one element ({} bytes) per rank, "
+                                      "so nothing would move; HINT: raise -b/-e (or --sizes) to at least {} bytes",
+                                      coll.name, dtype_name(dt), n, es, es * static_cast<size_t>(n)));
+  if (sizes.size() < before && lead)
+    std::printf("# %zu size(s) under one %s element per rank left out\n", before - sizes.size(),
+                std::string(dtype_name(dt)).c_str());
+}
+
 int run_bench(const BenchFlags& f) {
   const BenchColl* coll = find_bench_coll(f.coll);
   if (coll == nullptr) {
@@ -164,23 +185,7 @@ int run_bench(const BenchFlags& f) {
   const int n = pg->size();
   if (f.root < 0 || f.root >= n) throw InvalidArgument(fmt::format("-r {}: root out of range 0..{}", f.root, n - 1));
   const size_t es = dtype_size(*dt);
-  // A size under one element (per rank, for the collectives that split it)
-  // would measure a collective of nothing: such sizes are left out, said so,
-  // and all of them is an error.
-  const auto moves_nothing = [&](size_t bytes) {
-    size_t sc = 0, rc = 0;
-    coll->counts(bytes / es, n, sc, rc);
-    return std::max(sc, rc) == 0;
-  };
-  const size_t before = sizes.size();
-  std::erase_if(sizes, moves_nothing);
-  if (sizes.empty())
-    throw InvalidArgument(fmt::format("{} of {} at {} rank(s): every size is under one element ({} bytes) per rank, "
-                                      "so nothing would move; HINT: raise -b/-e (or --sizes) to at least {} bytes",
-                                      f.coll, dtype_name(*dt), n, es, es * static_cast<size_t>(n)));
-  if (sizes.size() < before && pg->rank() == 0)
-    std::printf("# %zu size(s) under one %s element per rank left out\n", before - sizes.size(),
-                std::string(dtype_name(*dt)).c_str());
+  drop_empty_sizes(sizes, *coll, *dt, n, pg->rank() == 0);
   size_t max_send = 0, max_recv = 0;
   for (size_t s : sizes) {
     size_t sc, rc;
@@ -208,11 +213,8 @@ int run_bench(const BenchFlags& f) {
   for (size_t size : sizes) {
     size_t sc, rc;
     coll->counts(size / es, n, sc, rc);
-    size_t count = std::max(sc, rc);
-    size_t bytes = count * es;
-    if (std::string(coll->name) == "allgather" || std::string(coll->name) == "reduce_scatter" ||
-        std::string(coll->name) == "gather" || std::string(coll->name) == "scatter")
-      bytes = std::max(sc, rc) * es;
+    const size_t count = std::max(sc, rc);  // the larger side, as nccl-tests reports size and count
+    const size_t bytes = count * es;
     std::string row = fmt::format("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}", bytes, count, dtype_name(*dt),
                                   coll->reduces ? std::string(reduce_op_name(*op)) : "none", coll->rooted ? f.root : -1);
     const int iters = f.iters > 0 ? f.iters : int(std::clamp<size_t>((size_t(2) << 30) / std::max<size_t>(bytes, 1), 5, 1000));
