@@ -50,7 +50,10 @@ TEST_P(HangLaunch, ABusyRankThatFreezesHasPublishedItsProgress) {
                              "stop", "1", "1000", "262144"},
                             {{"COHORT_TIMEOUT", "3s"},
                              {"COHORT_TRANSPORT", GetParam()},
-                             {"COHORT_FLIGHT_RECORDER_HEARTBEAT", "100ms"},
+                             // Far shorter than the busy work: over shm the 999 allreduces of
+                             // 1 MiB can take under 100 ms, and a rank that froze before its
+                             // first publication read as "none" (a flake under no load).
+                             {"COHORT_FLIGHT_RECORDER_HEARTBEAT", "10ms"},
                              {"COHORT_TERM_TIMEOUT", "1s"}},
                             90);
   const std::string all = r.out + r.err;
