@@ -75,13 +75,7 @@ class DeviceGradMemory final : public ddp::GradMemory {
   DeviceGradMemory(::torch::Device d, bool wait_on_stream) : dev_(d), wait_on_stream_(wait_on_stream) {}
   bool buckets_on_host() const override { return false; }
   bool grads_on_host() const override { return false; }
-  std::shared_ptr<std::byte[]> allocate(ProcessGroup&, size_t n) override {
-    // The caching allocator's blocks are 512-byte aligned. The tensor lives
-    // as long as the returned pointer (its deleter holds it).
-    ::torch::Tensor t = ::torch::zeros({static_cast<int64_t>(std::max<size_t>(n, 1))}, bytes_on(dev_));
-    auto* p = static_cast<std::byte*>(t.data_ptr());
-    return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
-  }
+  std::shared_ptr<std::byte[]> allocate(ProcessGroup&, size_t n) override { return device_bytes(dev_, n); }
   void grad_to_bucket(void* bucket, const void* grad, size_t n) override { copy(bucket, grad, n); }
   void bucket_to_grad(void* grad, const void* bucket, size_t n) override { copy(grad, bucket, n); }
   void grads_to_buckets(std::span<const Copy> copies) override { copy_all(copies); }
@@ -220,6 +214,13 @@ class StagedGradMemory final : public ddp::GradMemory {
 };
 
 }  // namespace
+
+std::shared_ptr<std::byte[]> device_bytes(const ::torch::Device& device, size_t n) {
+  // The tensor lives as long as the returned pointer (its deleter holds it).
+  ::torch::Tensor t = ::torch::zeros({static_cast<int64_t>(std::max<size_t>(n, 1))}, bytes_on(device));
+  auto* p = static_cast<std::byte*>(t.data_ptr());
+  return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
+}
 
 ::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options) {
   auto maker = at::for_blob(data, sizes);

@@ -46,6 +46,11 @@ MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group)
 // collectives instead of waiting on the host (DistributedDataParallelOptions::wait_on_stream).
 std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Device& device, bool wait_on_stream);
 
+// `n` zeroed bytes (at least 1) on `device` from LibTorch's caching allocator
+// (512-byte aligned on a GPU), alive as long as the returned pointer: the
+// device memory of DDP's buckets and of ZeRO's parameter buckets and shard.
+std::shared_ptr<std::byte[]> device_bytes(const ::torch::Device& device, size_t n);
+
 // LibTorch's current stream on `device`, as a cudaStream_t; nullptr for the CPU.
 void* current_stream_handle(const ::torch::Device& device);
 

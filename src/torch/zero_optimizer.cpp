@@ -84,14 +84,9 @@ size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 std::shared_ptr<std::byte[]> storage(ProcessGroup& group, MemoryMode mode, const ::torch::Device& device, size_t bytes,
                                      bool shared) {
   bytes = std::max<size_t>(bytes, 1);
-  if (mode == MemoryMode::Host) {
-    if (!shared) return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
-    return group.allocate_buffer(bytes);  // zeroed
-  }
-  ::torch::Tensor t =
-      ::torch::zeros({static_cast<int64_t>(bytes)}, ::torch::TensorOptions().dtype(::torch::kUInt8).device(device));
-  auto* p = static_cast<std::byte*>(t.data_ptr());
-  return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
+  if (mode != MemoryMode::Host) return device_bytes(device, bytes);
+  if (!shared) return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
+  return group.allocate_buffer(bytes);  // zeroed
 }
 
 double lr_of(const ShardOptimizerOptions& o) {
