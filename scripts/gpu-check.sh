@@ -16,6 +16,9 @@
 #              for 2 epochs with checkpoints (test accuracy), then resumed
 #              under --shard zero1 for a third epoch (the sharded state saved
 #              and loaded back into GPU memory)
+#   fsdp       the example under --shard fsdp on the GPU (world 1, nccl):
+#              each layer sharded onto the GPU as it is built, 2 epochs with
+#              checkpoints (test accuracy), then resumed for a third epoch
 #   speed      images/s at world 1 on the GPU, same model, interleaved: cohort's
 #              DDP with its reducer running (--reduce-at-world-size-1, as
 #              PyTorch's DDP does at world 1), the same ordering the stream
@@ -70,7 +73,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $speed_reps =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: --reps wants a whole number >= 1, not '$speed_reps'" >&2; exit 2; }
-steps=nccl,ddp,errors,accuracy,zero,speed,timeline,bench
+steps=nccl,ddp,errors,accuracy,zero,fsdp,speed,timeline,bench
 if [[ -n $only ]]; then
   IFS=, read -ra wanted_steps <<<"${only#,}"
   [[ ${#wanted_steps[@]} -gt 0 ]] || { echo "gpu-check: --only names no step (the steps: $steps)" >&2; exit 2; }
@@ -213,6 +216,24 @@ if [[ -n $zacc && -n $racc ]] && grep -q "^resumed from" "$logs/zero-resume.log"
   awk -v a="$zacc" -v b="$racc" 'BEGIN {exit !(a >= 88 && b >= 88)}'; then
   record zero ok "zero2 2 epochs $zacc%, resumed as zero1 to 3 epochs $racc%"
 else record zero FAIL "zero2 ${zacc:-no}%, resumed ${racc:-no}% (want >= 88 each, and a resume); $logs/zero-*.log"; fi
+
+fi
+
+if wanted fsdp; then
+# ---- FSDP on the GPU: shards, gathers and reductions in GPU memory over
+# NCCL; the sharded checkpoint written through the host group and resumed ----
+fdir=$logs/fsdp-checkpoints
+rm -rf "$fdir"
+COHORT_BACKEND=nccl run fsdp-train 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --shard fsdp --epochs 2 --checkpoint-dir "$fdir"
+facc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/fsdp-train.log" | tail -1)
+COHORT_BACKEND=nccl run fsdp-resume 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+  --data-dir "$data" --shard fsdp --epochs 3 --checkpoint-dir "$fdir" --resume
+fracc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/fsdp-resume.log" | tail -1)
+if [[ -n $facc && -n $fracc ]] && grep -q "^resumed from" "$logs/fsdp-resume.log" &&
+  awk -v a="$facc" -v b="$fracc" 'BEGIN {exit !(a >= 88 && b >= 88)}'; then
+  record fsdp ok "2 epochs $facc%, resumed to 3 epochs $fracc%"
+else record fsdp FAIL "${facc:-no}% after 2 epochs, resumed ${fracc:-no}% (want >= 88 each, and a resume); $logs/fsdp-*.log"; fi
 
 fi
 

@@ -82,8 +82,7 @@ std::unique_ptr<cohort::torch::ZeroOptimizer> make_zero(const TrainConfig& cfg, 
 // calls its pre_forward() first (training and evaluation). Collective;
 // throws InvalidArgument for the flags it cannot run with, naming them.
 std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainConfig& cfg, Model& model,
-                                                                   const std::shared_ptr<cohort::ProcessGroup>& pg,
-                                                                   const torch::Device& device);
+                                                                   const std::shared_ptr<cohort::ProcessGroup>& pg);
 
 // ---- checkpointing.cpp ----
 

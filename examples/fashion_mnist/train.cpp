@@ -124,7 +124,7 @@ int train(const TrainConfig& cfg) {
   // --shard fsdp: each layer sharded as it is built, then FSDP over them
   // (before the optimizer: it steps the shards).
   Model model = make_model(cfg.model, device, cfg.shard == "fsdp" ? pg : nullptr);
-  const auto fsdp = make_fsdp(cfg, model, pg, device);
+  const auto fsdp = make_fsdp(cfg, model, pg);
   const double peak_lr = cohort::torch::scaled_lr(cfg.base_lr, world);
   Optimizer optimizer = make_optimizer(cfg, fsdp ? fsdp->parameters() : model.module->parameters(), peak_lr);
   // fp16 autocast: the loss is scaled before backward so small gradients do

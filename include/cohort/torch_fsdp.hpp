@@ -124,10 +124,14 @@ class FsdpUnit : public FsdpUnitBase {
 // it is built (rank 0's values broadcast, this rank's chunk kept, the rest
 // freed), so no rank ever holds more than one unit whole. Collective: every
 // rank of `group` builds the same model inside one. The FSDP built over the
-// model afterwards, on the same group, takes these shards as they are.
+// model afterwards, on the same group, takes these shards as they are. On
+// nccl each unit is sharded onto the group's GPU (build the model on the CPU,
+// the default; move the rest with model->to(device) afterwards, which leaves
+// the sharded units where they are).
 //
 //   std::shared_ptr<Net> model;
 //   { cohort::torch::FsdpShardedInit sharded(pg); model = std::make_shared<Net>(); }
+//   model->to(device);  // on a GPU: the root unit's parameters
 //   cohort::torch::FullyShardedDataParallel fsdp(model, pg);
 class COHORT_API FsdpShardedInit {
  public:
@@ -180,7 +184,10 @@ class COHORT_API FullyShardedDataParallel {
   // buffers, then keeps this rank's shard of each unit and frees the rest.
   // A parameter that belongs to two units (tied weights) is refused by name.
   // Frozen parameters (requires_grad false) and buffers stay whole on every
-  // rank. A CPU module on a host group (native, mpi) only, for now.
+  // rank. A CPU module on a host group (native, mpi), or a module on this
+  // rank's GPU on nccl (shards, gathers and gradients then live in the GPU's
+  // memory and every collective is ordered after LibTorch's current stream;
+  // docs/fsdp.md "On a GPU"). A GPU module on a host group is refused.
   FullyShardedDataParallel(std::shared_ptr<::torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
                            FsdpOptions opts = {});
   ~FullyShardedDataParallel();
@@ -278,6 +285,7 @@ class COHORT_API FullyShardedDataParallel {
 
  private:
   friend class FsdpUnitBase;
+  void place_on_device();
   void check_pre_sharded();
   void shard_units();
   std::shared_ptr<::torch::nn::Module> module_;

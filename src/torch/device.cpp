@@ -222,13 +222,32 @@ std::shared_ptr<std::byte[]> device_bytes(const ::torch::Device& device, size_t 
   return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
 }
 
-::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options) {
+std::shared_ptr<std::byte[]> own_bytes(ProcessGroup& group, MemoryMode mode, const ::torch::Device& device, size_t n,
+                                       bool shared) {
+  n = std::max<size_t>(n, 1);
+  if (mode != MemoryMode::Host) return device_bytes(device, n);
+  if (!shared) return std::shared_ptr<std::byte[]>(new std::byte[n]());
+  return group.allocate_buffer(n);  // zeroed
+}
+
+namespace {
+at::TensorMaker maker_for(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options) {
   auto maker = at::for_blob(data, sizes);
   maker.options(options);
   // A device with its index is where the memory is (the caller's word); a
   // CPU pointer needs no driver call either way.
   if (options.device().has_index()) maker.target_device(options.device());
-  return maker.make_tensor();
+  return maker;
+}
+}  // namespace
+
+::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options) {
+  return maker_for(data, sizes, options).make_tensor();
+}
+
+::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options,
+                     std::shared_ptr<std::byte[]> owner) {
+  return maker_for(data, sizes, options).deleter([owner = std::move(owner)](void*) {}).make_tensor();
 }
 
 ::torch::ScalarType to_scalar_type(DType t) {
@@ -245,25 +264,26 @@ std::shared_ptr<std::byte[]> device_bytes(const ::torch::Device& device, size_t 
   throw InvalidArgument(fmt::format("no LibTorch dtype for cohort dtype {}", static_cast<int>(t)));
 }
 
-::torch::Device common_device(const std::vector<std::string>& names, const std::vector<::torch::Tensor>& tensors) {
+::torch::Device common_device(const std::vector<std::string>& names, const std::vector<::torch::Tensor>& tensors,
+                              const char* who) {
   std::optional<::torch::Device> first;
   size_t first_at = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const ::torch::Device d = tensors[i].device();
     if (!d.is_cpu() && !d.is_cuda())
       throw InvalidArgument(fmt::format(
-          "DistributedDataParallel: '{}' is on {}; cohort's DDP trains modules on the CPU or on a CUDA GPU. HINT: "
-          "move the module with module->to(torch::kCPU) or module->to(torch::Device(torch::kCUDA, local_rank))",
-          names[i], device_text(d)));
+          "{}: '{}' is on {}; cohort trains modules on the CPU or on a CUDA GPU. HINT: move the module with "
+          "module->to(torch::kCPU) or module->to(torch::Device(torch::kCUDA, local_rank))",
+          who, names[i], device_text(d)));
     if (!first) {
       first = d;
       first_at = i;
     } else if (d != *first) {
       throw InvalidArgument(fmt::format(
-          "DistributedDataParallel: the module is split across devices: '{}' is on {} but '{}' is on {}; DDP "
-          "replicates a module that lives on one device. HINT: move the whole module to one device "
+          "{}: the module is split across devices: '{}' is on {} but '{}' is on {}; data parallelism "
+          "trains a module that lives on one device. HINT: move the whole module to one device "
           "(module->to(device)) before wrapping it; a model split across GPUs needs pipeline or tensor parallelism",
-          names[first_at], device_text(*first), names[i], device_text(d)));
+          who, names[first_at], device_text(*first), names[i], device_text(d)));
     }
   }
   return first.value_or(::torch::Device(::torch::kCPU));
@@ -276,27 +296,28 @@ std::atomic<bool> device_mode_on_cpu_flag{false};
 void testing::set_device_mode_on_cpu(bool on) { device_mode_on_cpu_flag = on; }
 bool testing::device_mode_on_cpu() { return device_mode_on_cpu_flag.load(); }
 
-MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group) {
+MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group, const char* who) {
   const int gpu = group.cuda_device();
   if (device.is_cpu()) {
     if (gpu < 0) return testing::device_mode_on_cpu() ? MemoryMode::Device : MemoryMode::Host;
     throw InvalidArgument(fmt::format(
-        "DistributedDataParallel: the module is on the CPU but the process group's backend ({}) moves GPU memory "
-        "only (cuda:{}). HINT: move the module to that GPU (module->to(torch::Device(torch::kCUDA, {}))), or train "
-        "on the CPU with COHORT_BACKEND=native",
-        group.backend_name(), gpu, gpu));
+        "{}: the module is on the CPU but the process group's backend ({}) moves GPU memory only (cuda:{}). "
+        "HINT: move the module to that GPU (module->to(torch::Device(torch::kCUDA, {}))), or train on the CPU with "
+        "COHORT_BACKEND=native",
+        who, group.backend_name(), gpu, gpu));
   }
   if (gpu >= 0 && device.index() != gpu)
     throw InvalidArgument(fmt::format(
-        "DistributedDataParallel: the module is on {} but this rank's {} group uses cuda:{} (LOCAL_RANK's GPU). "
-        "HINT: move the module with module->to(torch::Device(torch::kCUDA, {})); one process per GPU",
-        device_text(device), group.backend_name(), gpu, gpu));
+        "{}: the module is on {} but this rank's {} group uses cuda:{} (LOCAL_RANK's GPU). HINT: move the "
+        "module with module->to(torch::Device(torch::kCUDA, {})); one process per GPU",
+        who, device_text(device), group.backend_name(), gpu, gpu));
   if (gpu < 0) return MemoryMode::Staged;  // no streams involved: host copies only
   if (!HasNativeHandle<c10::Stream>)
-    throw InvalidArgument(
-        "DistributedDataParallel: a CUDA module on the nccl backend needs LibTorch 2.1 or newer "
-        "(c10::Stream::native_handle, to order NCCL after LibTorch's stream); HINT: use a newer LibTorch, or "
-        "COHORT_BACKEND=native (gradients staged through host memory)");
+    throw InvalidArgument(fmt::format(
+        "{}: a CUDA module on the nccl backend needs LibTorch 2.1 or newer (c10::Stream::native_handle, to order "
+        "NCCL after LibTorch's stream); HINT: use a newer LibTorch, or COHORT_BACKEND=native (gradients staged "
+        "through host memory)",
+        who));
   return MemoryMode::Device;
 }
 

@@ -33,13 +33,15 @@ enum class MemoryMode : int { Host, Device, Staged };  // declared in cohort/tor
 
 // The one device every tensor is on, or InvalidArgument naming two tensors on
 // different devices, or one on a device type cohort does not run (meta, ...).
-// `names` and `tensors` run in parallel.
-::torch::Device common_device(const std::vector<std::string>& names, const std::vector<::torch::Tensor>& tensors);
+// `names` and `tensors` run in parallel; `who` starts the error (the wrapper).
+::torch::Device common_device(const std::vector<std::string>& names, const std::vector<::torch::Tensor>& tensors,
+                              const char* who = "DistributedDataParallel");
 
 // The mode for a module on `device` under `group`, or InvalidArgument saying
 // why they do not fit (a CPU module on nccl, a module on another GPU than
 // the group's, a CUDA module with a LibTorch without CUDA).
-MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group);
+MemoryMode memory_mode(const ::torch::Device& device, const ProcessGroup& group,
+                       const char* who = "DistributedDataParallel");
 
 // The reducer's memory for Device and Staged modes (nullptr for Host).
 // wait_on_stream: Device mode orders the current stream after the buckets'
@@ -51,6 +53,14 @@ std::shared_ptr<ddp::GradMemory> grad_memory(MemoryMode mode, const ::torch::Dev
 // device memory of DDP's buckets and of ZeRO's parameter buckets and shard.
 std::shared_ptr<std::byte[]> device_bytes(const ::torch::Device& device, size_t n);
 
+// `n` zeroed bytes (at least 1) of a sharded wrapper's own memory (ZeRO's
+// buckets and shards, FSDP's shards and gather slots): in Host mode the
+// group's (shared memory on one host, which peers may map: the single-copy
+// collectives) when `shared`, else plain heap, which no peer reads; in the
+// other modes device_bytes() on `device`.
+std::shared_ptr<std::byte[]> own_bytes(ProcessGroup& group, MemoryMode mode, const ::torch::Device& device, size_t n,
+                                       bool shared);
+
 // LibTorch's current stream on `device`, as a cudaStream_t; nullptr for the CPU.
 void* current_stream_handle(const ::torch::Device& device);
 
@@ -59,6 +69,9 @@ void* current_stream_handle(const ::torch::Device& device);
 // (from_blob's cudaPointerGetAttributes per call: DDP's hooks wrap every
 // gradient and bucket slot each step, on the hot path).
 ::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options);
+// The same, keeping `owner` (the memory's) alive as long as the tensor.
+::torch::Tensor wrap(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options,
+                     std::shared_ptr<std::byte[]> owner);
 
 // ScalarType of a cohort element type.
 ::torch::ScalarType to_scalar_type(DType t);

@@ -13,7 +13,8 @@
 //     slot, is what they read. Neither step bumps a version counter;
 //   - its gradient: when the post hooks of every parameter's gradient
 //     accumulator have run (no later part of backward reads the unit), the
-//     gradients are copied into a slot (shared memory), .grad is dropped and
+//     gradients are copied into a slot (the group's shared memory on the
+//     CPU; on a GPU its memory, see State::device), .grad is dropped and
 //     the slot is reduce-scattered (Avg) into a chunk; the end-of-backward
 //     callback waits for these and adds each chunk into the gradient shard.
 // Forward: pre_forward() gathers the root unit (kept until backward ends);
@@ -43,6 +44,7 @@
 
 #include "backward_callback.hpp"
 #include "cohort/error.hpp"
+#include "device.hpp"
 #include "cohort/torch.hpp"
 #include "cohort/torch_train.hpp"
 #include "shard_state.hpp"
@@ -76,11 +78,19 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     size_t unit;
     int slot;
     WorkPtr work;
-    std::unique_ptr<std::byte[]> into;  // the reduced chunk, added into grad_shard when done
+    std::shared_ptr<std::byte[]> into;  // the reduced chunk, added into grad_shard when done
   };
 
   ProcessGroup* group = nullptr;
   int rank = 0, n = 1;
+  // Where the module is, and so every unit's shards, gather slots and
+  // gradients: the CPU (Host: memcpy, the group's shared memory for the
+  // slots) or the group's GPU (Device, on nccl: memory from LibTorch's
+  // caching allocator, every copy and zeroing a LibTorch operation on its
+  // current stream, every collective ordered after that stream, and the
+  // stream, not the host, made to wait for a gather or a reduction).
+  ::torch::Device device{::torch::kCPU};
+  MemoryMode mode = MemoryMode::Host;
   FsdpOptions opts;
   std::vector<::torch::Tensor> params;  // trainable, in the module's order
   std::vector<std::string> names;
@@ -93,7 +103,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   std::vector<AccumulatorPtr> accumulators;
   std::vector<uintptr_t> hook_keys;
   std::shared_ptr<std::byte[]> shards;  // every unit's chunk
-  std::unique_ptr<std::byte[]> grad_shards;
+  std::shared_ptr<std::byte[]> grad_shards;
   std::vector<std::shared_ptr<std::byte[]>> slots;  // the gather pool, each `slot_bytes`
   std::vector<bool> busy;
   // Per unit: this rank's chunk cut into runs of one param group each, as
@@ -125,6 +135,49 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       throw;
     }
   }
+  // What comes next waits for w: on a GPU the current stream (the host goes
+  // on queueing the forward, the backward, the optimizer step), else the host.
+  void wait_here(const WorkPtr& w) {
+    if (mode == MemoryMode::Host) return wait(w);
+    try {
+      w->wait_on_stream(stream());
+    } catch (...) {
+      failed = true;
+      throw;
+    }
+  }
+
+  // The stream collectives issued now are ordered after (CudaStreamScope):
+  // LibTorch's current one on a GPU, none on the CPU.
+  void* stream() const { return current_stream_handle(device); }
+  ::torch::TensorOptions on_device(::torch::ScalarType t) const { return ::torch::TensorOptions().dtype(t).device(device); }
+  // `count` elements of `t` at `data` (FSDP's own memory: a shard, a slot).
+  ::torch::Tensor tensor(void* data, size_t count, ::torch::ScalarType t) const {
+    return wrap(data, {static_cast<int64_t>(count)}, on_device(t));
+  }
+  void zero(std::byte* data, size_t bytes) const {
+    if (bytes == 0) return;
+    if (mode == MemoryMode::Host) {
+      std::memset(data, 0, bytes);
+      return;
+    }
+    ::torch::NoGradGuard no_grad;
+    tensor(data, bytes, ::torch::kByte).zero_();
+  }
+  void copy(std::byte* to, const std::byte* from, size_t bytes) const {
+    if (bytes == 0) return;
+    if (mode == MemoryMode::Host) {
+      std::memcpy(to, from, bytes);
+      return;
+    }
+    ::torch::NoGradGuard no_grad;
+    tensor(to, bytes, ::torch::kByte).copy_(tensor(const_cast<std::byte*>(from), bytes, ::torch::kByte));
+  }
+  // `bytes` zeroed bytes of FSDP's own memory (own_bytes: `shared` for the
+  // gather slots, which peers read a chunk of on one host).
+  std::shared_ptr<std::byte[]> memory(size_t bytes, bool shared) const {
+    return own_bytes(*group, mode, device, bytes, shared);
+  }
 
   // A free slot of the pool, allocating one when every slot is in use.
   int acquire() {
@@ -133,14 +186,15 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
         busy[s] = true;
         return static_cast<int>(s);
       }
-    slots.push_back(group->allocate_buffer(slot_bytes));
+    slots.push_back(memory(slot_bytes, true));
     busy.push_back(true);
     return static_cast<int>(slots.size()) - 1;
   }
 
+  // The unit's parameters now view `bytes` at `data` (on the storage's own device).
   static void point_storage(Unit& u, void* data, size_t bytes) {
     c10::StorageImpl* impl = u.storage.unsafeGetStorageImpl();
-    impl->set_data_ptr_noswap(c10::DataPtr(data, c10::Device(c10::kCPU)));
+    impl->set_data_ptr_noswap(c10::DataPtr(data, impl->device()));
     impl->set_nbytes(bytes);
   }
 
@@ -153,15 +207,14 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     u.slot = i == 0 ? kRootSlot : acquire();
     std::byte* full = i == 0 ? root_buffer.get() : slots[static_cast<size_t>(u.slot)].get();
     point_storage(u, full, u.compute_bytes());
+    CudaStreamScope scope(stream());  // after the step that wrote the shard, the kernels that read the slot last
     if (u.compute == u.type) {
       u.gathering = group->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{full, u.count, u.dtype});
       return;
     }
     std::byte* mine = full + static_cast<size_t>(rank) * u.chunk * dtype_size(u.compute_dtype);
-    const auto n_ = static_cast<int64_t>(u.chunk);
     ::torch::NoGradGuard no_grad;
-    ::torch::from_blob(mine, {n_}, ::torch::TensorOptions().dtype(u.compute))
-        .copy_(::torch::from_blob(u.shard, {n_}, ::torch::TensorOptions().dtype(u.type)));
+    tensor(mine, u.chunk, u.compute).copy_(tensor(u.shard, u.chunk, u.type));
     u.gathering = group->allgather(Buffer{mine, u.chunk, u.compute_dtype}, Buffer{full, u.count, u.compute_dtype});
   }
   // Unit u gathered and complete.
@@ -170,7 +223,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     Unit& u = units[i];
     if (u.gathering) {
       WorkPtr w = std::move(u.gathering);
-      wait(w);
+      wait_here(w);
     }
   }
   void release(size_t i) {
@@ -261,23 +314,23 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     for (size_t j = 0; j < u.params.size(); ++j) {
       ::torch::Tensor& p = params[u.params[j]];
       std::byte* to = full + u.offsets[j] * es;
+      const size_t bytes = static_cast<size_t>(p.numel()) * es;
       const auto& g = p.grad();
-      if (g.defined()) {
-        if (u.compute == u.type) {
-          const ::torch::Tensor c = g.contiguous();
-          std::memcpy(to, c.data_ptr(), static_cast<size_t>(p.numel()) * es);
-        } else {  // reduced in the master dtype
-          ::torch::NoGradGuard no_grad;
-          ::torch::from_blob(to, p.sizes(), ::torch::TensorOptions().dtype(u.type)).copy_(g);
-        }
-      } else {
-        std::memset(to, 0, static_cast<size_t>(p.numel()) * es);
+      if (!g.defined()) {
+        zero(to, bytes);
+      } else if (u.compute == u.type && mode == MemoryMode::Host) {
+        const ::torch::Tensor c = g.contiguous();
+        std::memcpy(to, c.data_ptr(), bytes);
+      } else {  // on the GPU's stream; under mixed precision reduced in the master dtype
+        ::torch::NoGradGuard no_grad;
+        wrap(to, p.sizes(), on_device(u.type)).copy_(g);
       }
       p.mutable_grad().reset();
     }
-    std::memset(full + u.used * es, 0, (u.count - u.used) * es);
+    zero(full + u.used * es, (u.count - u.used) * es);
     if (i > 0) release(i);
-    Pending r{.unit = i, .slot = s, .work = {}, .into = std::make_unique<std::byte[]>(u.chunk_bytes())};
+    Pending r{.unit = i, .slot = s, .work = {}, .into = memory(u.chunk_bytes(), false)};
+    CudaStreamScope scope(stream());  // after the copies above
     r.work = group->reduce_scatter(Buffer{full, u.count, u.dtype}, Buffer{r.into.get(), u.chunk, u.dtype},
                                    {.op = ReduceOp::Avg});
     pending.push_back(std::move(r));
@@ -290,14 +343,12 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   // The oldest reduction (waited for) added into its gradient shard.
   void reap_one() {
     Pending& r = pending.front();
-    wait(r.work);
+    wait_here(r.work);
     Unit& u = units[r.unit];
     attach_shard_grad(u);  // (cleared first if the optimizer set it to none)
     attach_run_grads(r.unit);
     ::torch::NoGradGuard no_grad;
-    const auto opt = ::torch::TensorOptions().dtype(u.type);
-    const auto n_ = static_cast<int64_t>(u.chunk);
-    ::torch::from_blob(u.grad_shard, {n_}, opt).add_(::torch::from_blob(r.into.get(), {n_}, opt));
+    tensor(u.grad_shard, u.chunk, u.type).add_(tensor(r.into.get(), u.chunk, u.type));
     busy[static_cast<size_t>(r.slot)] = false;
     pending.pop_front();
   }
@@ -359,17 +410,16 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     for (auto& [param, len] : runs[unit]) {
       std::byte* at = u.grad_shard + start * elem;
       auto& g = param.mutable_grad();
-      if (!g.defined()) std::memset(at, 0, len * elem);
-      if (!g.defined() || g.data_ptr() != static_cast<void*>(at))
-        g = ::torch::from_blob(at, {static_cast<int64_t>(len)}, ::torch::TensorOptions().dtype(u.type));
+      if (!g.defined()) zero(at, len * elem);
+      if (!g.defined() || g.data_ptr() != static_cast<void*>(at)) g = wrap(at, {static_cast<int64_t>(len)}, on_device(u.type), grad_shards);
       start += len;
     }
   }
-  static void attach_shard_grad(Unit& u) {
+  void attach_shard_grad(Unit& u) const {
     auto& g = u.shard_param.mutable_grad();
     if (g.defined() && g.data_ptr() == static_cast<void*>(u.grad_shard)) return;
-    if (!g.defined()) std::memset(u.grad_shard, 0, u.chunk_bytes());
-    g = ::torch::from_blob(u.grad_shard, {static_cast<int64_t>(u.chunk)}, ::torch::TensorOptions().dtype(u.type));
+    if (!g.defined()) zero(u.grad_shard, u.chunk_bytes());
+    g = wrap(u.grad_shard, {static_cast<int64_t>(u.chunk)}, on_device(u.type), grad_shards);
   }
 
   // A hook of a backward that runs after this iteration's backward ended.
@@ -417,17 +467,19 @@ thread_local FsdpShardedInit* g_sharded_init = nullptr;
 
 void free_storage(c10::Storage& storage) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
   impl->set_nbytes(0);
+}
+
+// Where FsdpShardedInit puts a unit: the group's GPU (nccl), else the CPU.
+::torch::Device init_device(const ProcessGroup& g) {
+  const int gpu = g.cuda_device();
+  return gpu >= 0 ? ::torch::Device(::torch::kCUDA, static_cast<c10::DeviceIndex>(gpu)) : ::torch::Device(::torch::kCPU);
 }
 }  // namespace
 
 FsdpShardedInit::FsdpShardedInit(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)), previous_(g_sharded_init) {
   if (!group_) throw InvalidArgument("FsdpShardedInit: the process group is null (call cohort::init_process_group())");
-  if (group_->cuda_device() >= 0)
-    throw InvalidArgument(fmt::format("FsdpShardedInit: the {} backend moves GPU memory; FSDP runs on a host group "
-                                      "(native or mpi) for now",
-                                      group_->backend_name()));
   g_sharded_init = this;
 }
 FsdpShardedInit::~FsdpShardedInit() { g_sharded_init = previous_; }
@@ -458,9 +510,11 @@ void FsdpUnitBase::built() {
                                         "one flat tensor of one dtype",
                                         item.key(), c10::toString(p.scalar_type()),
                                         c10::toString(params.front().scalar_type())));
-    if (!p.device().is_cpu())
-      throw InvalidArgument(fmt::format("FsdpShardedInit: parameter '{}' is on {}; FSDP runs on CPU modules for now",
-                                        item.key(), p.device().str()));
+    if (!p.device().is_cpu() && p.device() != init_device(g))
+      throw InvalidArgument(fmt::format("FsdpShardedInit: parameter '{}' is on {}, but units built under this {} group "
+                                        "are sharded onto {}. HINT: build the model on the CPU (the default) inside "
+                                        "FsdpShardedInit: each unit moves to the group's device as it is sharded",
+                                        item.key(), p.device().str(), g.backend_name(), init_device(g).str()));
     params.push_back(p);
     pre->impls.push_back(impl);
     pre->used += static_cast<size_t>(p.numel());
@@ -470,7 +524,11 @@ void FsdpUnitBase::built() {
   pre->count = (pre->used + n - 1) / n * n;
   const size_t chunk = pre->count / n;
   ::torch::NoGradGuard no_grad;
-  ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(pre->count)}, params.front().options().requires_grad(false));
+  // On the group's GPU (nccl): the unit is sharded there, and the rest of the
+  // model follows it with module->to(device) (a no-op for these parameters).
+  const ::torch::Device device = init_device(g);
+  ::torch::Tensor flat = ::torch::zeros({static_cast<int64_t>(pre->count)},
+                                        ::torch::TensorOptions().dtype(params.front().scalar_type()).device(device));
   int64_t at = 0;
   for (auto& p : params) {
     auto view = flat.narrow(0, at, p.numel()).view(p.sizes());
@@ -478,7 +536,10 @@ void FsdpUnitBase::built() {
     p.set_data(view);  // frees the parameter's own memory
     at += p.numel();
   }
-  g.broadcast(Buffer{flat.data_ptr(), pre->count, to_dtype(flat.scalar_type())})->wait();  // rank 0's values
+  {
+    CudaStreamScope scope(current_stream_handle(device));  // after the copies
+    wait_keeping(g.broadcast(Buffer{flat.data_ptr(), pre->count, to_dtype(flat.scalar_type())}), {flat});  // rank 0's values
+  }
   pre->chunk = flat.narrow(0, static_cast<int64_t>(static_cast<size_t>(pre->rank) * chunk), static_cast<int64_t>(chunk)).clone();
   pre->storage = flat.storage();
   free_storage(pre->storage);
@@ -558,11 +619,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::
   if (opts_.prefetch < 0)
     throw InvalidArgument(fmt::format("{}: prefetch must be >= 0 (got {}); 0 gathers each unit only when it runs", kWho,
                                       opts_.prefetch));
-  if (group_->cuda_device() >= 0)
-    throw InvalidArgument(fmt::format("{}: the {} backend moves GPU memory; FSDP runs on a CPU module with a host "
-                                      "group (native or mpi) for now (docs/fsdp.md). HINT: init the group with the "
-                                      "native backend",
-                                      kWho, group_->backend_name()));
   if (dynamic_cast<FsdpUnitBase*>(module_.get()))
     throw InvalidArgument(fmt::format("{}: the model itself is an FsdpUnit; wrap its blocks in FsdpUnit instead: the "
                                       "parameters outside every unit form the root unit by themselves",
@@ -588,11 +644,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::
   // Trainable parameters by unit; a tensor in two units is refused.
   std::vector<::torch::Tensor> frozen, all_tensors;
   std::vector<std::string> frozen_names;
+  place_on_device();
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const ::torch::Tensor& p = item.value();
-    if (!p.device().is_cpu())
-      throw InvalidArgument(fmt::format("{}: parameter '{}' is on {}; FSDP runs on CPU modules for now (docs/fsdp.md)",
-                                        kWho, item.key(), p.device().str()));
     const size_t u = unit_for(item.key(), st.units);
     const auto seen = st.index_of.find(p.unsafeGetTensorImpl());
     if (seen != st.index_of.end()) {
@@ -658,6 +712,34 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<::torch::nn::
   shard_units();
 }
 
+// The module's device (one for all its parameters and buffers) and the mode
+// it trains in with this group: a CPU module on a host group, or a GPU module
+// on nccl, whose collectives move that GPU's memory. A GPU module on a host
+// group is refused: unlike DDP, which can stage a bucket through host memory,
+// FSDP gathers every unit twice a step and would copy the model across PCIe each time.
+void FullyShardedDataParallel::place_on_device() {
+  constexpr const char* kWho = "FullyShardedDataParallel";
+  State& st = *state_;
+  std::vector<std::string> names;
+  std::vector<::torch::Tensor> tensors;
+  for (const auto& item : module_->named_parameters(true)) {
+    names.push_back(item.key());
+    tensors.push_back(item.value());
+  }
+  for (const auto& item : module_->named_buffers(true)) {
+    names.push_back(item.key());
+    tensors.push_back(item.value());
+  }
+  st.device = common_device(names, tensors, kWho);
+  st.mode = memory_mode(st.device, *group_, kWho);
+  if (st.mode == MemoryMode::Staged)
+    throw InvalidArgument(fmt::format(
+        "{}: the module is on {}, but the {} backend moves host memory; FSDP keeps each unit's shard, gathers and "
+        "gradients on the module's device and moves them with the group's collectives, so a GPU module needs the "
+        "nccl backend (docs/fsdp.md). HINT: COHORT_BACKEND=nccl, one process per GPU; or keep the module on the CPU",
+        kWho, st.device.str(), group_->backend_name()));
+}
+
 // A unit sharded at construction (FsdpShardedInit) must be the unit this
 // FSDP found, for this group.
 void FullyShardedDataParallel::check_pre_sharded() {
@@ -710,26 +792,26 @@ void FullyShardedDataParallel::shard_units() {
   // set, the whole model's worth by the end of a step); the ring moves a
   // chunk through the transport's slots instead. The gather slots, which
   // peers read only a chunk of in the reduce-scatter, stay shared.
-  st.shards = std::make_shared<std::byte[]>(std::max<size_t>(shard_total, 64));
+  st.shards = st.memory(std::max<size_t>(shard_total, 64), false);
   if (st.units[0].count > 0) {
     st.root_bytes = std::max(round64(st.units[0].bytes()), round64(st.units[0].compute_bytes()));
-    st.root_buffer = group_->allocate_buffer(st.root_bytes);
+    st.root_buffer = st.memory(st.root_bytes, true);
   }
-  st.grad_shards = std::make_unique<std::byte[]>(std::max<size_t>(shard_total, 64));  // zeroed
+  st.grad_shards = st.memory(std::max<size_t>(shard_total, 64), false);  // zeroed
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i) {
     Unit& u = st.units[i];
     if (u.count == 0) continue;
     u.shard = st.shards.get() + at[i];
     u.grad_shard = st.grad_shards.get() + at[i];
-    const auto opt = ::torch::TensorOptions().dtype(u.type);
+    const auto opt = st.on_device(u.type);
     FsdpUnitBase* module = st.unit_modules[i];
     if (module && module->pre_) {  // sharded at construction: its chunk is ready
-      std::memcpy(u.shard, module->pre_->chunk.data_ptr(), u.chunk_bytes());
+      st.copy(u.shard, static_cast<const std::byte*>(module->pre_->chunk.data_ptr()), u.chunk_bytes());
       u.storage = module->pre_->storage;
       module->pre_.reset();
       if (u.compute != u.type) {  // the parameters view a storage of the compute dtype instead
-        ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, ::torch::TensorOptions().dtype(u.compute));
+        ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, st.on_device(u.compute));
         for (size_t j = 0; j < u.params.size(); ++j) {
           ::torch::Tensor& p = st.params[u.params[j]];
           p.set_data(flat.narrow(0, static_cast<int64_t>(u.offsets[j]), p.numel()).view(p.sizes()));
@@ -744,8 +826,8 @@ void FullyShardedDataParallel::shard_units() {
         view.copy_(p);
         p.set_data(view);  // the parameter now views the unit's storage
       }
-      std::memcpy(u.shard, static_cast<std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
-                  u.chunk_bytes());
+      st.copy(u.shard, static_cast<const std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
+              u.chunk_bytes());
       if (u.compute != u.type) {  // mixed precision: the parameters view a compute-dtype storage
         flat = flat.to(u.compute);
         for (size_t j = 0; j < u.params.size(); ++j) {
@@ -756,10 +838,9 @@ void FullyShardedDataParallel::shard_units() {
       u.storage = flat.storage();
     }
     State::point_storage(u, nullptr, 0);  // the whole unit freed; this rank's chunk lives on in the shard
-    auto keep = st.shards;
-    u.shard_param = ::torch::from_blob(u.shard, {static_cast<int64_t>(u.chunk)}, [keep](void*) {}, opt);
+    u.shard_param = wrap(u.shard, {static_cast<int64_t>(u.chunk)}, opt, st.shards);
     u.shard_param.requires_grad_(true);
-    u.shard_param.mutable_grad() = ::torch::from_blob(u.grad_shard, {static_cast<int64_t>(u.chunk)}, opt);
+    u.shard_param.mutable_grad() = wrap(u.grad_shard, {static_cast<int64_t>(u.chunk)}, opt, st.grad_shards);
   }
   for (size_t i = 0; i < st.params.size(); ++i) {
     auto acc = ::torch::autograd::impl::grad_accumulator(st.params[i]);
@@ -816,8 +897,8 @@ void FullyShardedDataParallel::zero_grad() {
   st.recover_from_failed_backward();
   for (size_t i = 0; i < st.units.size(); ++i)
     if (st.units[i].chunk > 0) {
-      std::memset(st.units[i].grad_shard, 0, st.units[i].chunk_bytes());
-      State::attach_shard_grad(st.units[i]);
+      st.zero(st.units[i].grad_shard, st.units[i].chunk_bytes());
+      st.attach_shard_grad(st.units[i]);
       st.attach_run_grads(i);
     }
   for (auto& p : st.params) p.mutable_grad().reset();  // what no_sync accumulated
@@ -844,17 +925,16 @@ std::vector<std::vector<::torch::Tensor>> FullyShardedDataParallel::parameter_gr
   std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> runs(st.units.size());
   std::vector<size_t> sizes;  // by parameter
   for (const auto& p : st.params) sizes.push_back(static_cast<size_t>(p.numel()));
-  const auto owner = st.shards;
   for (size_t i = 0; i < st.units.size(); ++i) {
     Unit& u = st.units[i];
     if (u.chunk == 0) continue;
     const size_t elem = dtype_size(u.dtype);
     for (const shard::RunSpan& r : shard::runs_of(u.params, u.offsets, sizes, group_of, u.count, u.chunk, st.rank)) {
-      const auto opt = ::torch::TensorOptions().dtype(u.type);
-      auto t = ::torch::from_blob(u.shard + r.start * elem, {static_cast<int64_t>(r.len)}, [owner](void*) {}, opt);
+      const auto opt = st.on_device(u.type);
+      auto t = wrap(u.shard + r.start * elem, {static_cast<int64_t>(r.len)}, opt, st.shards);
       t.requires_grad_(true);
       // The gradient shard as it is (gradients reduced before this call are kept).
-      t.mutable_grad() = ::torch::from_blob(u.grad_shard + r.start * elem, {static_cast<int64_t>(r.len)}, opt);
+      t.mutable_grad() = wrap(u.grad_shard + r.start * elem, {static_cast<int64_t>(r.len)}, opt, st.grad_shards);
       runs[i].emplace_back(t, r.len);
       out[r.group].push_back(t);
     }
@@ -880,8 +960,10 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
                                       "(got {})",
                                       max_norm));
   ::torch::NoGradGuard no_grad;
-  double squares = 0;
-  for (const auto& p : parameters()) squares += p.grad().to(::torch::kDouble).square().sum().item<double>();
+  // Summed where the gradients are, read back once (a GPU would sync per unit otherwise).
+  ::torch::Tensor sum = ::torch::zeros({}, ::torch::TensorOptions().dtype(::torch::kDouble).device(st.device));
+  for (const auto& p : parameters()) sum += p.grad().to(::torch::kDouble).square().sum();
+  const double squares = sum.item<double>();
   const double norm = std::sqrt(allreduce_scalar(*group_, squares, ReduceOp::Sum));
   const double coef = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
   if (coef < 1)
@@ -974,8 +1056,8 @@ FsdpLayout layout_of(const std::vector<Unit>& units, int world) {
   return l;
 }
 
-::torch::Tensor chunk_view(const Unit& u, std::byte* data) {
-  return ::torch::from_blob(data, {static_cast<int64_t>(u.chunk)}, ::torch::TensorOptions().dtype(u.type));
+::torch::Tensor chunk_view(const Unit& u, std::byte* data, const ::torch::Device& device) {
+  return wrap(data, {static_cast<int64_t>(u.chunk)}, ::torch::TensorOptions().dtype(u.type).device(device));
 }
 
 // Frozen parameters and buffers: FSDP keeps them whole on every rank, and
@@ -1047,8 +1129,11 @@ std::vector<NamedTensor> FullyShardedDataParallel::full_state() {
     const Unit& u = st.units[i];
     if (u.count == 0) continue;
     // The shards themselves (the master dtype under mixed precision), one unit at a time.
-    ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, ::torch::TensorOptions().dtype(u.type));
-    st.wait(group_->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{flat.data_ptr(), u.count, u.dtype}));
+    ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, st.on_device(u.type));
+    {
+      CudaStreamScope scope(st.stream());  // after the last step
+      st.wait(group_->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{flat.data_ptr(), u.count, u.dtype}));
+    }
     for (size_t j = 0; j < u.params.size(); ++j) {
       const size_t p = u.params[j];
       trained.emplace(p, to_named(st.names[p], flat.narrow(0, static_cast<int64_t>(u.offsets[j]), st.params[p].numel())
@@ -1123,7 +1208,7 @@ void FullyShardedDataParallel::load_full_state(const std::vector<NamedTensor>& s
   }
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i)
-    if (chunks[i].defined()) chunk_view(st.units[i], st.units[i].shard).copy_(chunks[i]);
+    if (chunks[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.device).copy_(chunks[i]);
   for (auto& [to, from] : whole) to.copy_(from);
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
   st.open = false;  // the root is gathered anew by the next pre_forward()
@@ -1133,7 +1218,7 @@ std::vector<NamedTensor> FullyShardedDataParallel::state_shard() const {
   const State& st = *state_;
   std::vector<NamedTensor> out;
   for (size_t i = 0; i < st.units.size(); ++i)
-    if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard)));
+    if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard, st.device)));
   out.push_back(layout_of(st.units, st.n).encode());
   if (st.rank == 0)  // whole on every rank: rank 0's (the buffers broadcast_buffers spreads) are saved
     append_whole(out, *module_, [&st](const ::torch::Tensor& p) { return st.index_of.contains(p.unsafeGetTensorImpl()); });
@@ -1162,7 +1247,7 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
       kWho);
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i)
-    if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard).copy_(staged[i]);
+    if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.device).copy_(staged[i]);
   for (const auto& [to, from] : whole) to.copy_(from);
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
   st.open = false;
@@ -1245,7 +1330,7 @@ std::vector<NamedTensor> FullyShardedDataParallel::optimizer_state_shard(::torch
   int64_t steps = 0;
   for (size_t i = 0; i < st.units.size(); ++i) {
     if (st.units[i].chunk == 0) continue;
-    const shard::ShardState s = shard::chunk_state(optimizer, chunks[i], fields, st.units[i].type);
+    const shard::ShardState s = shard::chunk_state(optimizer, chunks[i], fields, st.units[i].type, st.device);
     steps = std::max(steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("fsdp.unit{}.{}", i, field), t));
   }
@@ -1280,7 +1365,7 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
     for (const auto& [name, t] : first)
       if (name.rfind(prefix, 0) == 0)
         s.fields.emplace_back(name.substr(prefix.size()),
-                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho));
+                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho).to(st.device));
     std::vector<shard::ShardState> parts = shard::split_state(s, chunks[i]);  // by param group, if cut
     for (size_t k = 0; k < parts.size(); ++k) staged.emplace_back(chunks[i][k].first, std::move(parts[k]));
   }

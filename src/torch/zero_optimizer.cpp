@@ -66,29 +66,6 @@ std::vector<::torch::Tensor> trainable_of(const ::torch::nn::Module& module) {
 
 size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// A tensor over `data` on `device` that keeps `owner` alive (as wrap(),
-// no driver call to find where the pointer lives).
-::torch::Tensor view_of(void* data, ::torch::IntArrayRef sizes, ::torch::ScalarType type, const ::torch::Device& device,
-                        const std::shared_ptr<std::byte[]>& owner) {
-  auto maker = at::for_blob(data, sizes);
-  maker.options(::torch::TensorOptions().dtype(type).device(device));
-  maker.deleter([owner](void*) {});
-  if (device.has_index()) maker.target_device(device);
-  return maker.make_tensor();
-}
-
-// `bytes` zeroed bytes of ZeRO's own memory: for a module on the CPU the
-// group's (shared memory on one host: the single-copy collectives), or
-// plain heap for the gradient shard (`shared` false), which no peer reads;
-// for a module on a GPU its memory, from LibTorch's caching allocator.
-std::shared_ptr<std::byte[]> storage(ProcessGroup& group, MemoryMode mode, const ::torch::Device& device, size_t bytes,
-                                     bool shared) {
-  bytes = std::max<size_t>(bytes, 1);
-  if (mode != MemoryMode::Host) return device_bytes(device, bytes);
-  if (!shared) return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
-  return group.allocate_buffer(bytes);  // zeroed
-}
-
 double lr_of(const ShardOptimizerOptions& o) {
   return std::visit([](const auto& x) { return x.lr(); }, o);
 }
@@ -324,11 +301,12 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
   }
   st.device = ddp_->device();
   st.mode = memory_mode(st.device, *group_);
-  st.params = storage(*group_, st.mode, st.device, total, true);
-  if (opts_.stage == ZeroStage::Two) st.grad_shard = storage(*group_, st.mode, st.device, shard_total, false);
+  st.params = own_bytes(*group_, st.mode, st.device, total, true);
+  if (opts_.stage == ZeroStage::Two) st.grad_shard = own_bytes(*group_, st.mode, st.device, shard_total, false);
   params_ = trainable_of(*module_);  // DDP's order: reducer parameter i is params_[i]
 
   ::torch::NoGradGuard no_grad;
+  const auto on_device = [&st](::torch::ScalarType t) { return ::torch::TensorOptions().dtype(t).device(st.device); };
   st.buckets.resize(plan.size());
   runs_.resize(plan.size());
   std::vector<std::vector<::torch::Tensor>> group_params(opts_.param_groups.size() + 1);
@@ -347,7 +325,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
       k.type = p.scalar_type();
       k.used += static_cast<size_t>(p.numel());
       std::byte* slot = k.param + plan[b].offsets[j] * dtype_size(k.dtype);
-      auto moved = view_of(slot, p.sizes(), p.scalar_type(), st.device, st.params);
+      auto moved = wrap(slot, p.sizes(), on_device(p.scalar_type()), st.params);
       moved.copy_(p);
       p.set_data(moved);  // the module's parameter now lives in the bucket
     }
@@ -361,9 +339,9 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<::torch::nn::Module> module, std::s
     for (const shard::RunSpan& r :
          shard::runs_of(plan[b].params, plan[b].offsets, sizes, group_of, k.count, k.chunk, st.rank)) {
       const int64_t n = static_cast<int64_t>(r.len);
-      auto sp = view_of(param_chunk + r.start * elem, {n}, k.type, st.device, st.params);
+      auto sp = wrap(param_chunk + r.start * elem, {n}, on_device(k.type), st.params);
       sp.requires_grad_(true);
-      sp.mutable_grad() = view_of(grad_chunk + r.start * elem, {n}, k.type, st.device, grad_owner);
+      sp.mutable_grad() = wrap(grad_chunk + r.start * elem, {n}, on_device(k.type), grad_owner);
       runs_[b].emplace_back(sp, r.len);
       group_params[r.group].push_back(sp);
     }

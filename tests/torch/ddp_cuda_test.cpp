@@ -27,6 +27,7 @@
 #include <filesystem>
 
 #include "cohort/torch.hpp"
+#include "cohort/torch_fsdp.hpp"
 #include "cohort/torch_train.hpp"
 #include "cohort/torch_zero.hpp"
 #include "proc_util.hpp"
@@ -403,6 +404,170 @@ TEST(ZeroCuda, AGpuModuleOnAHostBackendIsRefused) {
     });
     EXPECT_NE(m.find("needs the nccl"), std::string::npos) << m;
   });
+}
+
+// ---- FSDP on the GPU (docs/fsdp.md) ----
+
+using cohort::torch::FsdpUnit;
+using cohort::torch::FullyShardedDataParallel;
+
+// Two units and a root (the head): gathers, prefetches and reductions of
+// several units per step.
+struct UnitNetImpl : torch::nn::Module {
+  UnitNetImpl() {
+    a = register_module("a", std::make_shared<FsdpUnit<torch::nn::Linear>>(torch::nn::Linear(8, 32)));
+    b = register_module("b", std::make_shared<FsdpUnit<torch::nn::Linear>>(torch::nn::Linear(32, 32)));
+    head = register_module("head", torch::nn::Linear(32, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head->forward(torch::tanh(b->forward(torch::tanh(a->forward(x))))); }
+  std::shared_ptr<FsdpUnit<torch::nn::Linear>> a, b;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(UnitNet);
+
+const auto kFsdpAdamW = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+constexpr int64_t kFsdpBatch = 32;
+constexpr int kFsdpSteps = 20;
+
+// The values of a fresh UnitNet, to start every run from (each construction draws others).
+std::vector<cohort::NamedTensor> unit_net_start() {
+  UnitNet net;
+  return cohort::torch::module_state(*net);
+}
+
+// One process, no FSDP: AdamW with clipping on the GPU.
+std::vector<torch::Tensor> fsdp_reference(const std::vector<cohort::NamedTensor>& start) {
+  UnitNet ref;
+  cohort::torch::load_module_state(*ref, start);
+  ref->to(kGpu);
+  torch::optim::AdamW plain(ref->parameters(), kFsdpAdamW);
+  for (int s = 0; s < kFsdpSteps; ++s) {
+    plain.zero_grad();
+    const int64_t at = s * kFsdpBatch;
+    torch::mse_loss(ref->forward(inputs(at, kFsdpBatch).to(kGpu)), targets(at, kFsdpBatch).to(kGpu)).backward();
+    torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
+    plain.step();
+  }
+  return params_of(*ref);
+}
+
+void fsdp_cuda_steps(FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt, UnitNet& net, int from, int to,
+                     torch::ScalarType compute = torch::kFloat) {
+  for (int s = from; s < to; ++s) {
+    fsdp.zero_grad();
+    fsdp.pre_forward();
+    const int64_t at = s * kFsdpBatch;
+    auto y = net->forward(inputs(at, kFsdpBatch).to(kGpu, compute)).to(torch::kFloat);
+    torch::mse_loss(y, targets(at, kFsdpBatch).to(kGpu)).backward();
+    fsdp.clip_grad_norm(0.5);
+    opt.step();
+  }
+}
+
+// The trained parameters, in the module's order, from full_state().
+std::vector<torch::Tensor> full_params(FullyShardedDataParallel& fsdp) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : fsdp.full_state()) out.push_back(cohort::torch::from_named(t));
+  return out;
+}
+
+TEST(FsdpCuda, WorldOneOnNcclEqualsOneProcessAndResumes) {
+  REQUIRE_GPU();
+  auto pg = nccl_world_of_one();
+  const auto start = unit_net_start();
+  const auto want = fsdp_reference(start);
+  UnitNet net;
+  cohort::torch::load_module_state(*net, start);
+  net->to(kGpu);
+  FullyShardedDataParallel fsdp(net.ptr(), pg, {.prefetch = 1});
+  for (const auto& p : fsdp.parameters()) ASSERT_TRUE(p.is_cuda() && p.grad().is_cuda()) << "a shard off the GPU";
+  torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
+  fsdp_cuda_steps(fsdp, opt, net, 0, kFsdpSteps / 2);
+  const auto model = fsdp.state_shard();
+  const auto optim = fsdp.optimizer_state_shard(opt);
+  fsdp_cuda_steps(fsdp, opt, net, kFsdpSteps / 2, kFsdpSteps);
+  for (const auto& p : net->parameters()) EXPECT_TRUE(p.is_cuda()) << "a parameter left the GPU";
+  for (const auto& p : net->parameters()) EXPECT_EQ(p.storage().nbytes(), 0u) << "a unit left gathered";
+  expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP");
+
+  UnitNet again;
+  again->to(kGpu);
+  FullyShardedDataParallel resumed(again.ptr(), pg);
+  torch::optim::AdamW ropt(resumed.parameters(), kFsdpAdamW);
+  resumed.load_state_shards([&](int) { return model; });
+  resumed.load_optimizer_state_shards(ropt, [&](int) { return optim; });
+  fsdp_cuda_steps(resumed, ropt, again, kFsdpSteps / 2, kFsdpSteps);
+  expect_rel_close(full_params(resumed), full_params(fsdp), 1e-6, "FSDP resumed");
+}
+
+// Forward, backward and step on a side stream, prefetching two units: every
+// gather, copy and reduce-scatter must follow that stream, not the legacy
+// default one NCCL would otherwise be ordered after.
+TEST(FsdpCuda, ASideStreamAndUnitsShardedAsTheyAreBuilt) {
+  REQUIRE_GPU();
+  auto pg = nccl_world_of_one();
+  const auto start = unit_net_start();
+  const auto want = fsdp_reference(start);
+  {
+    UnitNet side;
+    cohort::torch::load_module_state(*side, start);
+    side->to(kGpu);
+    c10::StreamGuard on(c10::impl::getDeviceGuardImpl(torch::kCUDA)->getStreamFromGlobalPool(kGpu));
+    FullyShardedDataParallel fsdp(side.ptr(), pg, {.prefetch = 2});
+    torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
+    fsdp_cuda_steps(fsdp, opt, side, 0, kFsdpSteps);
+    expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP on a side stream");
+  }
+  // Built under FsdpShardedInit on nccl: each unit lands on the GPU as it is
+  // sharded (never whole there); the root follows with module->to().
+  std::shared_ptr<UnitNetImpl> built;
+  {
+    cohort::torch::FsdpShardedInit sharded(pg);
+    built = std::make_shared<UnitNetImpl>();
+  }
+  for (const auto& p : built->a->parameters()) EXPECT_TRUE(p.is_cuda() && p.storage().nbytes() == 0);
+  built->to(kGpu);
+  UnitNet net(built);
+  FullyShardedDataParallel fsdp(built, pg);
+  fsdp.load_full_state(start);
+  torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
+  fsdp_cuda_steps(fsdp, opt, net, 0, kFsdpSteps);
+  expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP built sharded");
+}
+
+// bf16 gathers and compute over float32 master shards: close to float32.
+TEST(FsdpCuda, MixedPrecisionStaysClose) {
+  REQUIRE_GPU();
+  auto pg = nccl_world_of_one();
+  const auto start = unit_net_start();
+  const auto want = fsdp_reference(start);
+  UnitNet net;
+  cohort::torch::load_module_state(*net, start);
+  net->to(kGpu);
+  FullyShardedDataParallel fsdp(net.ptr(), pg, {.param_dtype = torch::kBFloat16});
+  for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+  torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
+  fsdp_cuda_steps(fsdp, opt, net, 0, kFsdpSteps, torch::kBFloat16);
+  for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
+  expect_rel_close(full_params(fsdp), want, 5e-2, "FSDP bf16");
+}
+
+TEST(FsdpCuda, WrongPlacementsAreRefused) {
+  REQUIRE_GPU();
+  run_ranks(1, "shm", [&](cohort::ProcessGroup& pg) {
+    UnitNet net;
+    net->to(kGpu);
+    std::string m = error_of([&] { FullyShardedDataParallel f(net.ptr(), borrowed(pg)); });
+    EXPECT_NE(m.find("needs the nccl"), std::string::npos) << m;
+  });
+  auto pg = nccl_world_of_one();
+  UnitNet cpu;
+  std::string m = error_of([&] { FullyShardedDataParallel f(cpu.ptr(), pg); });
+  EXPECT_NE(m.find("moves GPU memory only"), std::string::npos) << m;
+  UnitNet split;
+  split->head->to(kGpu);
+  m = error_of([&] { FullyShardedDataParallel f(split.ptr(), pg); });
+  EXPECT_NE(m.find("split across devices"), std::string::npos) << m;
 }
 
 }  // namespace

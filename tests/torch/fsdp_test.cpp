@@ -17,6 +17,7 @@
 #include "cohort/torch_train.hpp"
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
+#include "torch/device_mode.hpp"
 
 namespace {
 
@@ -24,6 +25,7 @@ using cohort::testing::run_ranks;
 using cohort::torch::FsdpUnit;
 using cohort::torch::FullyShardedDataParallel;
 using ddp_test::borrowed;
+using ddp_test::DeviceModeOnCpu;
 using ddp_test::inputs;
 using ddp_test::targets;
 using torch::nn::Linear;
@@ -180,12 +182,29 @@ void expect_invalid(F&& call, const std::string& words) {
   }
 }
 
-class Fsdp : public ::testing::TestWithParam<int> {};
+// A world size, on the host path or the device path (DeviceModeOnCpu: the
+// code a module on a GPU runs, with the CPU as the device).
+struct Case {
+  int world = 1;
+  bool device = false;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << "world " << c.world << (c.device ? ", device path" : ", host path"); }
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int world : {1, 2, 3, 4}) out.push_back({world, false});
+  for (int world : {1, 3}) out.push_back({world, true});
+  return out;
+}
+
+class Fsdp : public ::testing::TestWithParam<Case> {
+ protected:
+  const int world = GetParam().world;
+  DeviceModeOnCpu path{GetParam().device};
+};
 
 // The bar: AdamW over 100 steps, 1e-6 relative (float64: the
 // reduction order is the only difference).
 TEST_P(Fsdp, AdamW100StepsEqualOneProcessOnTheGlobalBatch) {
-  const int world = GetParam();
   const auto want = reference(torch::kDouble, 100);
   const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 100});
   for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-6) << "rank " << r;
@@ -193,14 +212,12 @@ TEST_P(Fsdp, AdamW100StepsEqualOneProcessOnTheGlobalBatch) {
 
 // float32 with the fused AdamW on the shards; LibTorch's step is the reference.
 TEST_P(Fsdp, Float32WithTheFusedStepIsCloseToOneProcess) {
-  const int world = GetParam();
   const auto want = reference(torch::kFloat, 30);
   const auto got = train_fsdp(world, {.type = torch::kFloat, .steps = 30, .fused = true});
   for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-4) << "rank " << r;
 }
 
 TEST_P(Fsdp, AccumulatesMicroBatchesSyncedOrUnderNoSync) {
-  const int world = GetParam();
   const auto want = reference(torch::kDouble, 5, 3);
   for (bool no_sync : {false, true}) {
     const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 5, .micro = 3, .no_sync = no_sync});
@@ -209,7 +226,6 @@ TEST_P(Fsdp, AccumulatesMicroBatchesSyncedOrUnderNoSync) {
 }
 
 TEST_P(Fsdp, ClipsByTheGlobalNormWithAnyPrefetch) {
-  const int world = GetParam();
   const auto want = reference(torch::kDouble, 10, 1, 0.05);  // small enough to clip every step
   for (int prefetch : {0, 1, 3}) {
     const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 10, .clip = 0.05, .prefetch = prefetch});
@@ -220,18 +236,21 @@ TEST_P(Fsdp, ClipsByTheGlobalNormWithAnyPrefetch) {
 // LibTorch's own zero_grad() on the optimizer sets the shards' .grad to none;
 // the next reduction clears and re-attaches them: the same training.
 TEST_P(Fsdp, TheOptimizersZeroGradWorksAsFsdpsOwn) {
-  const int world = GetParam();
   const auto want = reference(torch::kDouble, 10);
   const auto got = train_fsdp(world, {.type = torch::kDouble, .steps = 10, .optimizer_zero_grad = true});
   for (int r = 0; r < world; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, Fsdp, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return "np" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Worlds, Fsdp, ::testing::ValuesIn(cases()), [](const auto& info) {
+  return "np" + std::to_string(info.param.world) + (info.param.device ? "_device" : "");
+});
 
 // Each rank keeps 1/N of every unit; outside a unit's forward and backward
 // its parameters hold no memory, and at most a few units are whole at once.
 TEST(FsdpMemory, ShardsAreOneNthAndUnitsAreFreedAfterUse) {
+  for (bool device : {false, true}) {
+  SCOPED_TRACE(device ? "device path" : "host path");
+  DeviceModeOnCpu path(device);
   run_ranks(4, "shm", [&](cohort::ProcessGroup& pg) {
     torch::set_num_threads(1);
     FNet net;
@@ -266,12 +285,16 @@ TEST(FsdpMemory, ShardsAreOneNthAndUnitsAreFreedAfterUse) {
     const size_t root = (8 * 4 + 4 + 3) / 4 * 4;
     EXPECT_LE(fsdp.memory().gather_bytes, 4 * m.largest_unit * sizeof(float) + root * sizeof(float) + 5 * 64);
   });
+  }
 }
 
 // Built under FsdpShardedInit, each unit is sharded as soon as it exists
 // (rank 0's values: rank 1 starts from others), and trains as the whole model.
 TEST(FsdpShardedInit, UnitsAreShardedAsTheyAreBuiltAndTrainTheSame) {
   const auto want = reference(torch::kFloat, 10);
+  for (bool device : {false, true}) {
+  SCOPED_TRACE(device ? "device path" : "host path");
+  DeviceModeOnCpu path(device);
   std::vector<std::map<std::string, torch::Tensor>> got(3);
   run_ranks(3, "shm", [&](cohort::ProcessGroup& pg) {
     torch::set_num_threads(1);
@@ -295,6 +318,7 @@ TEST(FsdpShardedInit, UnitsAreShardedAsTheyAreBuiltAndTrainTheSame) {
     got[pg.rank()] = by_name(fsdp.full_state());
   });
   for (int r = 0; r < 3; ++r) EXPECT_LT(rel_error(got[r], want), 1e-4) << "rank " << r;
+  }
   // An FSDP on a group of another size than the one the units were sharded for is refused.
   run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
     std::shared_ptr<FNetImpl> net;
@@ -316,6 +340,9 @@ TEST(FsdpShardedInit, UnitsAreShardedAsTheyAreBuiltAndTrainTheSame) {
 // float32 run (bf16 keeps 8 bits of mantissa), and the state is float32.
 TEST(FsdpMixedPrecision, Bf16ComputeOnFloat32MasterShards) {
   const auto want = reference(torch::kFloat, 20);
+  for (bool device : {false, true}) {
+  SCOPED_TRACE(device ? "device path" : "host path");
+  DeviceModeOnCpu path(device);
   std::vector<std::map<std::string, torch::Tensor>> got(2);
   run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
     torch::set_num_threads(1);
@@ -344,6 +371,7 @@ TEST(FsdpMixedPrecision, Bf16ComputeOnFloat32MasterShards) {
     EXPECT_GT(worst, 0.0) << "bf16 compute should differ from float32 somewhere";
   }
   EXPECT_EQ(rel_error(got[0], got[1]), 0.0) << "every rank holds the same parameters";
+  }
 }
 
 // Evaluation under NoGradGuard gathers and frees the same way, and gives
@@ -446,6 +474,26 @@ TEST(FsdpCheckpoint, ShardsSavedAtWorld4ResumeAtAnyWorld) {
       fsdp.load_optimizer_state_shards(opt, [&](int k) { return saved.optim.at(k); });
     });
     expect_resumed(got, saved.losses, saved.want, 1e-6, 1e-12, "world " + std::to_string(world));
+  }
+}
+
+// Model and optimizer shards written on the device path (a module on a GPU)
+// resume on the host path and the other way round, at another world size:
+// the files do not depend on where the module trained.
+TEST(FsdpCheckpoint, TheDevicePathSavesAndLoadsTheHostPathsState) {
+  for (bool saved_on_device : {true, false}) {
+    SavedRun saved;
+    {
+      DeviceModeOnCpu path(saved_on_device);
+      saved = save_mid_run(2);
+    }
+    DeviceModeOnCpu path(!saved_on_device);
+    const Resumed got = resume_in_fsdp(3, ungrouped, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt) {
+      fsdp.load_state_shards([&](int k) { return saved.model.at(k); });
+      fsdp.load_optimizer_state_shards(opt, [&](int k) { return saved.optim.at(k); });
+    });
+    expect_resumed(got, saved.losses, saved.want, 1e-6, 1e-12,
+                   saved_on_device ? "saved on the device path" : "saved on the host path");
   }
 }
 

@@ -12,6 +12,7 @@
 #include "test_util.hpp"
 #include "torch/ddp_test_model.hpp"
 #include "torch/device.hpp"
+#include "torch/device_mode.hpp"
 #include "torch/shard_state.hpp"
 
 namespace {
@@ -21,30 +22,12 @@ using cohort::torch::ZeroOptimizer;
 using cohort::torch::ZeroOptions;
 using cohort::torch::ZeroStage;
 using ddp_test::borrowed;
+using ddp_test::DeviceModeOnCpu;
 using ddp_test::inputs;
 using ddp_test::Net;
 using ddp_test::targets;
 
 constexpr int64_t kGlobal = 24;  // divides by 1, 2, 3 and 4
-
-// ZeRO's device path (a module on a GPU with nccl: buckets from LibTorch's
-// allocator, every copy and zeroing a LibTorch operation, DDP's device
-// gradient memory) run on the CPU for as long as it lives
-// (src/torch/device.hpp); tests/torch/ddp_cuda_test.cpp runs it on a GPU.
-class DeviceModeOnCpu {
- public:
-  explicit DeviceModeOnCpu(bool on) : on_(on) {
-    if (on_) cohort::torch::testing::set_device_mode_on_cpu(true);
-  }
-  ~DeviceModeOnCpu() {
-    if (on_) cohort::torch::testing::set_device_mode_on_cpu(false);
-  }
-  DeviceModeOnCpu(const DeviceModeOnCpu&) = delete;
-  DeviceModeOnCpu& operator=(const DeviceModeOnCpu&) = delete;
-
- private:
-  bool on_;
-};
 
 // Caps so small that the model's 212 parameters fill several buckets.
 ZeroOptions small_buckets(ZeroStage stage) {
