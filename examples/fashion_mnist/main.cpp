@@ -68,6 +68,23 @@ CLI::Validator directory_or_missing() {
       "");
 }
 
+// --shard and what goes with it.
+void add_shard_flags(CLI::App& app, TrainConfig& cfg) {
+  app.add_option("--shard", cfg.shard,
+                 "none: DistributedDataParallel; zero1 or zero2: ZeroOptimizer, each rank keeping 1/N of the "
+                 "optimizer state (zero2: gradients reduce-scattered during backward; docs/zero.md); fsdp: "
+                 "FullyShardedDataParallel, 1/N of parameters, gradients and optimizer state, each layer whole only "
+                 "while it computes (docs/fsdp.md)")
+      ->check(CLI::IsMember({"none", "zero1", "zero2", "fsdp"}));
+  app.add_option("--param-dtype", cfg.param_dtype,
+                 "with --shard fsdp: fp32, or bf16 (mixed precision: layers gathered and computing in bf16, fp32 "
+                 "master shards, gradients reduced in fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--cpu-offload", cfg.cpu_offload,
+               "with --shard fsdp and --device cuda: keep the shards, their gradients and the optimizer's state and "
+               "step in host memory; the GPU holds only the layers being gathered (docs/fsdp.md)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -140,16 +157,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fp16-autocast", cfg.fp16_autocast,
                "run the forward pass under fp16 autocast with a GradScaler (--device cuda only)")
       ->excludes(bf16);
-  app.add_option("--shard", cfg.shard,
-                 "none: DistributedDataParallel; zero1 or zero2: ZeroOptimizer, each rank keeping 1/N of the "
-                 "optimizer state (zero2: gradients reduce-scattered during backward; docs/zero.md); fsdp: "
-                 "FullyShardedDataParallel, 1/N of parameters, gradients and optimizer state, each layer whole only "
-                 "while it computes (docs/fsdp.md)")
-      ->check(CLI::IsMember({"none", "zero1", "zero2", "fsdp"}));
-  app.add_option("--param-dtype", cfg.param_dtype,
-                 "with --shard fsdp: fp32, or bf16 (mixed precision: layers gathered and computing in bf16, fp32 "
-                 "master shards, gradients reduced in fp32)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+  add_shard_flags(app, cfg);
   app.add_flag("--no-ddp", cfg.no_ddp, "train without DistributedDataParallel (one rank only): DDP's baseline");
   app.add_flag("--reduce-at-world-size-1", cfg.reduce_at_world_size_1,
                "run DDP's gradient reduction even with one rank (by default a lone rank skips it), as PyTorch does");

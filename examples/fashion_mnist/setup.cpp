@@ -117,6 +117,8 @@ std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainCo
     if (cfg.param_dtype != "fp32")
       throw cohort::InvalidArgument("--param-dtype is for --shard fsdp; HINT: for bf16 compute without FSDP use "
                                     "--bf16-autocast");
+    if (cfg.cpu_offload)
+      throw cohort::InvalidArgument("--cpu-offload is for --shard fsdp (with --device cuda); HINT: add --shard fsdp");
     return nullptr;
   }
   const auto refuse = [&](const char* flag, const char* why) {
@@ -133,6 +135,7 @@ std::unique_ptr<cohort::torch::FullyShardedDataParallel> make_fsdp(const TrainCo
                                                       "gathers the layers in bf16 already");
   cohort::torch::FsdpOptions opts;
   if (cfg.param_dtype == "bf16") opts.param_dtype = torch::kBFloat16;
+  opts.cpu_offload = cfg.cpu_offload;  // (FSDP refuses it for a model on the CPU, naming why)
   auto fsdp = std::make_unique<cohort::torch::FullyShardedDataParallel>(model.module, pg, opts);
   model.forward = [f = fsdp.get(), forward = std::move(model.forward)](torch::Tensor x) {
     f->pre_forward();  // gathers the root unit (the last layer), broadcasts buffers

@@ -37,6 +37,7 @@ struct TrainConfig {
   bool bf16_autocast = false;
   bool fp16_autocast = false;  // CUDA only, with a GradScaler
   std::string shard = "none";  // none (DDP), zero1 or zero2 (cohort::torch::ZeroOptimizer), fsdp
+  bool cpu_offload = false;  // --shard fsdp on a GPU: shards and the optimizer step in host memory
   std::string param_dtype = "fp32";  // --shard fsdp: the dtype units are gathered and compute in (bf16: mixed precision)
   bool no_ddp = false;  // one rank, no DistributedDataParallel: the baseline for DDP's overhead
   std::string device = "auto";  // cpu, cuda (GPU LOCAL_RANK, or the nccl group's), auto (cuda on the nccl backend)

@@ -127,7 +127,8 @@ class FsdpUnit : public FsdpUnitBase {
 // model afterwards, on the same group, takes these shards as they are. On
 // nccl each unit is sharded onto the group's GPU (build the model on the CPU,
 // the default; move the rest with model->to(device) afterwards, which leaves
-// the sharded units where they are).
+// the sharded units where they are: only to that device, with no dtype
+// change; any other to() would copy parameters that have no data).
 //
 //   std::shared_ptr<Net> model;
 //   { cohort::torch::FsdpShardedInit sharded(pg); model = std::make_shared<Net>(); }
@@ -162,6 +163,13 @@ struct COHORT_API FsdpOptions {
   // tensor inputs are cast to it; cast the model's input yourself when the
   // root unit computes first. Unset: no casting.
   std::optional<::torch::ScalarType> param_dtype;
+  // For a module on a GPU: the shards and their gradients live in host
+  // memory, so parameters() are CPU tensors and the optimizer's state and
+  // step are on the CPU; the GPU holds only the units being gathered. Each
+  // gather copies this rank's chunk up, each reduction's chunk comes back
+  // down (PyTorch FSDP's CPUOffload(offload_params=True)). Refused for a
+  // module on the CPU.
+  bool cpu_offload = false;
 };
 
 // What this rank holds, in elements and bytes.

@@ -24,6 +24,8 @@
 // it gathers the unit again and prefetches the one before it.
 #include "cohort/torch_fsdp.hpp"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -37,6 +39,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string_view>
 
@@ -78,7 +81,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     size_t unit;
     int slot;
     WorkPtr work;
-    std::shared_ptr<std::byte[]> into;  // the reduced chunk, added into grad_shard when done
+    ::torch::Tensor into;  // bytes: the reduced chunk, added into grad_shard when done
   };
 
   ProcessGroup* group = nullptr;
@@ -91,6 +94,12 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   // stream, not the host, made to wait for a gather or a reduction).
   ::torch::Device device{::torch::kCPU};
   MemoryMode mode = MemoryMode::Host;
+  // FsdpOptions::cpu_offload (Device mode only): the shards and gradient
+  // shards, and so the optimizer's state and step, live in host memory; the
+  // GPU holds only the gathered units. A gather copies this rank's chunk up
+  // into its place in the slot and allgathers in place; a reduction's chunk
+  // comes back down and is added on the host.
+  bool offload = false;
   FsdpOptions opts;
   std::vector<::torch::Tensor> params;  // trainable, in the module's order
   std::vector<std::string> names;
@@ -106,6 +115,12 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   std::shared_ptr<std::byte[]> grad_shards;
   std::vector<std::shared_ptr<std::byte[]>> slots;  // the gather pool, each `slot_bytes`
   std::vector<bool> busy;
+  // On a GPU, by slot: recorded on the stream that freed it, after the work
+  // that used it (a unit's kernels, a reduction waited for). Whichever stream
+  // takes the slot next waits for it: autograd runs a parameter's gradient
+  // hook on the stream its accumulator was made on (FSDP's construction),
+  // which need not be the stream forward and backward run on.
+  std::vector<std::optional<c10::Event>> freed;
   // Per unit: this rank's chunk cut into runs of one param group each, as
   // optimizer parameters with their lengths (parameter_groups()); empty until then.
   std::vector<std::vector<std::pair<::torch::Tensor, size_t>>> runs;
@@ -151,6 +166,22 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   // LibTorch's current one on a GPU, none on the CPU.
   void* stream() const { return current_stream_handle(device); }
   ::torch::TensorOptions on_device(::torch::ScalarType t) const { return ::torch::TensorOptions().dtype(t).device(device); }
+  // Where the shards, their gradients and the optimizer state are: the
+  // module's device, or the CPU under cpu_offload.
+  ::torch::Device shard_device() const { return offload ? ::torch::Device(::torch::kCPU) : device; }
+  ::torch::TensorOptions on_shard_device(::torch::ScalarType t) const {
+    return ::torch::TensorOptions().dtype(t).device(shard_device());
+  }
+  // `count` elements of `t` at `data` in the shards' memory.
+  ::torch::Tensor shard_tensor(void* data, size_t count, ::torch::ScalarType t) const {
+    return wrap(data, {static_cast<int64_t>(count)}, on_shard_device(t));
+  }
+  void zero_shard(std::byte* data, size_t bytes) const {
+    if (offload)
+      std::memset(data, 0, bytes);
+    else
+      zero(data, bytes);
+  }
   // `count` elements of `t` at `data` (FSDP's own memory: a shard, a slot).
   ::torch::Tensor tensor(void* data, size_t count, ::torch::ScalarType t) const {
     return wrap(data, {static_cast<int64_t>(count)}, on_device(t));
@@ -164,19 +195,14 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     ::torch::NoGradGuard no_grad;
     tensor(data, bytes, ::torch::kByte).zero_();
   }
-  void copy(std::byte* to, const std::byte* from, size_t bytes) const {
-    if (bytes == 0) return;
-    if (mode == MemoryMode::Host) {
-      std::memcpy(to, from, bytes);
-      return;
-    }
-    ::torch::NoGradGuard no_grad;
-    tensor(to, bytes, ::torch::kByte).copy_(tensor(const_cast<std::byte*>(from), bytes, ::torch::kByte));
-  }
   // `bytes` zeroed bytes of FSDP's own memory (own_bytes: `shared` for the
   // gather slots, which peers read a chunk of on one host).
   std::shared_ptr<std::byte[]> memory(size_t bytes, bool shared) const {
     return own_bytes(*group, mode, device, bytes, shared);
+  }
+  // The same for the shards and gradient shards (host heap under cpu_offload).
+  std::shared_ptr<std::byte[]> shard_memory(size_t bytes) const {
+    return offload ? std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(bytes, 1)]()) : memory(bytes, false);
   }
 
   // A free slot of the pool, allocating one when every slot is in use.
@@ -184,12 +210,22 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     for (size_t s = 0; s < slots.size(); ++s)
       if (!busy[s]) {
         busy[s] = true;
+        if (freed[s]) freed[s]->block(stream_now());
         return static_cast<int>(s);
       }
     slots.push_back(memory(slot_bytes, true));
     busy.push_back(true);
+    freed.emplace_back();
     return static_cast<int>(slots.size()) - 1;
   }
+  void free_slot(int s) {
+    const auto i = static_cast<size_t>(s);
+    busy[i] = false;
+    if (!device.is_cuda()) return;
+    if (!freed[i]) freed[i].emplace(device.type());
+    freed[i]->record(stream_now());
+  }
+  c10::Stream stream_now() const { return c10::impl::getDeviceGuardImpl(device.type())->getStream(device); }
 
   // The unit's parameters now view `bytes` at `data` (on the storage's own device).
   static void point_storage(Unit& u, void* data, size_t bytes) {
@@ -208,13 +244,15 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     std::byte* full = i == 0 ? root_buffer.get() : slots[static_cast<size_t>(u.slot)].get();
     point_storage(u, full, u.compute_bytes());
     CudaStreamScope scope(stream());  // after the step that wrote the shard, the kernels that read the slot last
-    if (u.compute == u.type) {
+    if (u.compute == u.type && !offload) {
       u.gathering = group->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{full, u.count, u.dtype});
       return;
     }
+    // This rank's chunk into its place in the slot (cast to the compute
+    // dtype, up from the host under cpu_offload), then an in-place allgather.
     std::byte* mine = full + static_cast<size_t>(rank) * u.chunk * dtype_size(u.compute_dtype);
     ::torch::NoGradGuard no_grad;
-    tensor(mine, u.chunk, u.compute).copy_(tensor(u.shard, u.chunk, u.type));
+    tensor(mine, u.chunk, u.compute).copy_(shard_tensor(u.shard, u.chunk, u.type));
     u.gathering = group->allgather(Buffer{mine, u.chunk, u.compute_dtype}, Buffer{full, u.count, u.compute_dtype});
   }
   // Unit u gathered and complete.
@@ -234,7 +272,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       wait(w);
     }
     point_storage(u, nullptr, 0);
-    if (u.slot != kRootSlot) busy[static_cast<size_t>(u.slot)] = false;
+    if (u.slot != kRootSlot) free_slot(u.slot);
     u.slot = -1;
   }
 
@@ -329,9 +367,9 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     }
     zero(full + u.used * es, (u.count - u.used) * es);
     if (i > 0) release(i);
-    Pending r{.unit = i, .slot = s, .work = {}, .into = memory(u.chunk_bytes(), false)};
+    Pending r{.unit = i, .slot = s, .work = {}, .into = ::torch::empty({static_cast<int64_t>(u.chunk_bytes())}, on_device(::torch::kByte))};
     CudaStreamScope scope(stream());  // after the copies above
-    r.work = group->reduce_scatter(Buffer{full, u.count, u.dtype}, Buffer{r.into.get(), u.chunk, u.dtype},
+    r.work = group->reduce_scatter(Buffer{full, u.count, u.dtype}, Buffer{r.into.data_ptr(), u.chunk, u.dtype},
                                    {.op = ReduceOp::Avg});
     pending.push_back(std::move(r));
   }
@@ -348,8 +386,14 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     attach_shard_grad(u);  // (cleared first if the optimizer set it to none)
     attach_run_grads(r.unit);
     ::torch::NoGradGuard no_grad;
-    tensor(u.grad_shard, u.chunk, u.type).add_(tensor(r.into.get(), u.chunk, u.type));
-    busy[static_cast<size_t>(r.slot)] = false;
+    const ::torch::Tensor reduced = tensor(r.into.data_ptr(), u.chunk, u.type);
+    // (Under cpu_offload down to the host first: after the wait above, on the stream that waited.)
+    shard_tensor(u.grad_shard, u.chunk, u.type).add_(offload ? reduced.to(::torch::kCPU) : reduced);
+    // The add above reads `into` on this stream, which may not be the one it
+    // was allocated on (a hook's): LibTorch's allocator must not hand it out there before.
+    if (device.is_cuda())
+      c10::impl::getDeviceGuardImpl(device.type())->recordDataPtrOnStream(r.into.storage().data_ptr(), stream_now());
+    free_slot(r.slot);
     pending.pop_front();
   }
 
@@ -410,16 +454,17 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     for (auto& [param, len] : runs[unit]) {
       std::byte* at = u.grad_shard + start * elem;
       auto& g = param.mutable_grad();
-      if (!g.defined()) zero(at, len * elem);
-      if (!g.defined() || g.data_ptr() != static_cast<void*>(at)) g = wrap(at, {static_cast<int64_t>(len)}, on_device(u.type), grad_shards);
+      if (!g.defined()) zero_shard(at, len * elem);
+      if (!g.defined() || g.data_ptr() != static_cast<void*>(at))
+        g = wrap(at, {static_cast<int64_t>(len)}, on_shard_device(u.type), grad_shards);
       start += len;
     }
   }
   void attach_shard_grad(Unit& u) const {
     auto& g = u.shard_param.mutable_grad();
     if (g.defined() && g.data_ptr() == static_cast<void*>(u.grad_shard)) return;
-    if (!g.defined()) zero(u.grad_shard, u.chunk_bytes());
-    g = wrap(u.grad_shard, {static_cast<int64_t>(u.chunk)}, on_device(u.type), grad_shards);
+    if (!g.defined()) zero_shard(u.grad_shard, u.chunk_bytes());
+    g = wrap(u.grad_shard, {static_cast<int64_t>(u.chunk)}, on_shard_device(u.type), grad_shards);
   }
 
   // A hook of a backward that runs after this iteration's backward ended.
@@ -738,6 +783,12 @@ void FullyShardedDataParallel::place_on_device() {
         "gradients on the module's device and moves them with the group's collectives, so a GPU module needs the "
         "nccl backend (docs/fsdp.md). HINT: COHORT_BACKEND=nccl, one process per GPU; or keep the module on the CPU",
         kWho, st.device.str(), group_->backend_name()));
+  if (opts_.cpu_offload && st.mode != MemoryMode::Device)
+    throw InvalidArgument(fmt::format("{}: cpu_offload is for a module on a GPU (it keeps the shards and the "
+                                      "optimizer step in host memory); this module is on the CPU, where they are "
+                                      "already. HINT: leave cpu_offload off",
+                                      kWho));
+  st.offload = opts_.cpu_offload;
 }
 
 // A unit sharded at construction (FsdpShardedInit) must be the unit this
@@ -792,12 +843,12 @@ void FullyShardedDataParallel::shard_units() {
   // set, the whole model's worth by the end of a step); the ring moves a
   // chunk through the transport's slots instead. The gather slots, which
   // peers read only a chunk of in the reduce-scatter, stay shared.
-  st.shards = st.memory(std::max<size_t>(shard_total, 64), false);
+  st.shards = st.shard_memory(std::max<size_t>(shard_total, 64));
   if (st.units[0].count > 0) {
     st.root_bytes = std::max(round64(st.units[0].bytes()), round64(st.units[0].compute_bytes()));
     st.root_buffer = st.memory(st.root_bytes, true);
   }
-  st.grad_shards = st.memory(std::max<size_t>(shard_total, 64), false);  // zeroed
+  st.grad_shards = st.shard_memory(std::max<size_t>(shard_total, 64));  // zeroed
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i) {
     Unit& u = st.units[i];
@@ -805,9 +856,10 @@ void FullyShardedDataParallel::shard_units() {
     u.shard = st.shards.get() + at[i];
     u.grad_shard = st.grad_shards.get() + at[i];
     const auto opt = st.on_device(u.type);
+    const ::torch::Tensor shard = st.shard_tensor(u.shard, u.chunk, u.type);
     FsdpUnitBase* module = st.unit_modules[i];
     if (module && module->pre_) {  // sharded at construction: its chunk is ready
-      st.copy(u.shard, static_cast<const std::byte*>(module->pre_->chunk.data_ptr()), u.chunk_bytes());
+      shard.copy_(module->pre_->chunk);
       u.storage = module->pre_->storage;
       module->pre_.reset();
       if (u.compute != u.type) {  // the parameters view a storage of the compute dtype instead
@@ -826,8 +878,7 @@ void FullyShardedDataParallel::shard_units() {
         view.copy_(p);
         p.set_data(view);  // the parameter now views the unit's storage
       }
-      st.copy(u.shard, static_cast<const std::byte*>(flat.data_ptr()) + static_cast<size_t>(st.rank) * u.chunk_bytes(),
-              u.chunk_bytes());
+      shard.copy_(flat.narrow(0, static_cast<int64_t>(static_cast<size_t>(st.rank) * u.chunk), static_cast<int64_t>(u.chunk)));
       if (u.compute != u.type) {  // mixed precision: the parameters view a compute-dtype storage
         flat = flat.to(u.compute);
         for (size_t j = 0; j < u.params.size(); ++j) {
@@ -838,9 +889,9 @@ void FullyShardedDataParallel::shard_units() {
       u.storage = flat.storage();
     }
     State::point_storage(u, nullptr, 0);  // the whole unit freed; this rank's chunk lives on in the shard
-    u.shard_param = wrap(u.shard, {static_cast<int64_t>(u.chunk)}, opt, st.shards);
+    u.shard_param = wrap(u.shard, {static_cast<int64_t>(u.chunk)}, st.on_shard_device(u.type), st.shards);
     u.shard_param.requires_grad_(true);
-    u.shard_param.mutable_grad() = wrap(u.grad_shard, {static_cast<int64_t>(u.chunk)}, opt, st.grad_shards);
+    u.shard_param.mutable_grad() = wrap(u.grad_shard, {static_cast<int64_t>(u.chunk)}, st.on_shard_device(u.type), st.grad_shards);
   }
   for (size_t i = 0; i < st.params.size(); ++i) {
     auto acc = ::torch::autograd::impl::grad_accumulator(st.params[i]);
@@ -897,7 +948,7 @@ void FullyShardedDataParallel::zero_grad() {
   st.recover_from_failed_backward();
   for (size_t i = 0; i < st.units.size(); ++i)
     if (st.units[i].chunk > 0) {
-      st.zero(st.units[i].grad_shard, st.units[i].chunk_bytes());
+      st.zero_shard(st.units[i].grad_shard, st.units[i].chunk_bytes());
       st.attach_shard_grad(st.units[i]);
       st.attach_run_grads(i);
     }
@@ -930,7 +981,7 @@ std::vector<std::vector<::torch::Tensor>> FullyShardedDataParallel::parameter_gr
     if (u.chunk == 0) continue;
     const size_t elem = dtype_size(u.dtype);
     for (const shard::RunSpan& r : shard::runs_of(u.params, u.offsets, sizes, group_of, u.count, u.chunk, st.rank)) {
-      const auto opt = st.on_device(u.type);
+      const auto opt = st.on_shard_device(u.type);
       auto t = wrap(u.shard + r.start * elem, {static_cast<int64_t>(r.len)}, opt, st.shards);
       t.requires_grad_(true);
       // The gradient shard as it is (gradients reduced before this call are kept).
@@ -961,7 +1012,7 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
                                       max_norm));
   ::torch::NoGradGuard no_grad;
   // Summed where the gradients are, read back once (a GPU would sync per unit otherwise).
-  ::torch::Tensor sum = ::torch::zeros({}, ::torch::TensorOptions().dtype(::torch::kDouble).device(st.device));
+  ::torch::Tensor sum = ::torch::zeros({}, ::torch::TensorOptions().dtype(::torch::kDouble).device(st.shard_device()));
   for (const auto& p : parameters()) sum += p.grad().to(::torch::kDouble).square().sum();
   const double squares = sum.item<double>();
   const double norm = std::sqrt(allreduce_scalar(*group_, squares, ReduceOp::Sum));
@@ -1131,8 +1182,15 @@ std::vector<NamedTensor> FullyShardedDataParallel::full_state() {
     // The shards themselves (the master dtype under mixed precision), one unit at a time.
     ::torch::Tensor flat = ::torch::empty({static_cast<int64_t>(u.count)}, st.on_device(u.type));
     {
+      // Under cpu_offload this rank's chunk goes up into its place first (an in-place allgather).
+      void* mine = u.shard;
+      if (st.offload) {
+        ::torch::Tensor place = flat.narrow(0, static_cast<int64_t>(static_cast<size_t>(st.rank) * u.chunk), static_cast<int64_t>(u.chunk));
+        place.copy_(st.shard_tensor(u.shard, u.chunk, u.type));
+        mine = place.data_ptr();
+      }
       CudaStreamScope scope(st.stream());  // after the last step
-      st.wait(group_->allgather(Buffer{u.shard, u.chunk, u.dtype}, Buffer{flat.data_ptr(), u.count, u.dtype}));
+      st.wait(group_->allgather(Buffer{mine, u.chunk, u.dtype}, Buffer{flat.data_ptr(), u.count, u.dtype}));
     }
     for (size_t j = 0; j < u.params.size(); ++j) {
       const size_t p = u.params[j];
@@ -1208,7 +1266,7 @@ void FullyShardedDataParallel::load_full_state(const std::vector<NamedTensor>& s
   }
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i)
-    if (chunks[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.device).copy_(chunks[i]);
+    if (chunks[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.shard_device()).copy_(chunks[i]);
   for (auto& [to, from] : whole) to.copy_(from);
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
   st.open = false;  // the root is gathered anew by the next pre_forward()
@@ -1218,7 +1276,7 @@ std::vector<NamedTensor> FullyShardedDataParallel::state_shard() const {
   const State& st = *state_;
   std::vector<NamedTensor> out;
   for (size_t i = 0; i < st.units.size(); ++i)
-    if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard, st.device)));
+    if (st.units[i].chunk > 0) out.push_back(to_named(fmt::format("fsdp.unit{}", i), chunk_view(st.units[i], st.units[i].shard, st.shard_device())));
   out.push_back(layout_of(st.units, st.n).encode());
   if (st.rank == 0)  // whole on every rank: rank 0's (the buffers broadcast_buffers spreads) are saved
     append_whole(out, *module_, [&st](const ::torch::Tensor& p) { return st.index_of.contains(p.unsafeGetTensorImpl()); });
@@ -1247,7 +1305,7 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
       kWho);
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i)
-    if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.device).copy_(staged[i]);
+    if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.shard_device()).copy_(staged[i]);
   for (const auto& [to, from] : whole) to.copy_(from);
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
   st.open = false;
@@ -1330,7 +1388,7 @@ std::vector<NamedTensor> FullyShardedDataParallel::optimizer_state_shard(::torch
   int64_t steps = 0;
   for (size_t i = 0; i < st.units.size(); ++i) {
     if (st.units[i].chunk == 0) continue;
-    const shard::ShardState s = shard::chunk_state(optimizer, chunks[i], fields, st.units[i].type, st.device);
+    const shard::ShardState s = shard::chunk_state(optimizer, chunks[i], fields, st.units[i].type, st.shard_device());
     steps = std::max(steps, s.step);
     for (const auto& [field, t] : s.fields) out.push_back(to_named(fmt::format("fsdp.unit{}.{}", i, field), t));
   }
@@ -1365,7 +1423,7 @@ void FullyShardedDataParallel::load_optimizer_state_shards(::torch::optim::Optim
     for (const auto& [name, t] : first)
       if (name.rfind(prefix, 0) == 0)
         s.fields.emplace_back(name.substr(prefix.size()),
-                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho).to(st.device));
+                              files.rechunk(name, u.type, st.rank, u.chunk, u.used, lay.chunk(i), kWho).to(st.shard_device()));
     std::vector<shard::ShardState> parts = shard::split_state(s, chunks[i]);  // by param group, if cut
     for (size_t k = 0; k < parts.size(); ++k) staged.emplace_back(chunks[i][k].first, std::move(parts[k]));
   }

@@ -60,6 +60,8 @@ TEST(ExampleArgs, DeviceFlagsThatCannotWorkAreRefused) {
       {"1 --fp16-autocast", {"--fp16-autocast runs on a GPU (--device cuda), not on cpu"}},
       {"2 --no-ddp", {"--no-ddp trains one replica; this job has 2 ranks"}},
       {"1 --param-dtype bf16", {"--param-dtype is for --shard fsdp", "HINT"}},
+      {"1 --cpu-offload", {"--cpu-offload is for --shard fsdp", "HINT"}},
+      {"1 --shard fsdp --cpu-offload", {"cpu_offload is for a module on a GPU", "HINT"}},
       {"2 --shard fsdp --no-allreduce", {"--shard fsdp does not run with --no-allreduce"}},
       {"1 --shard fsdp --param-dtype bf16 --bf16-autocast", {"--shard fsdp does not run with --bf16-autocast and --param-dtype bf16"}},
   };

@@ -127,6 +127,7 @@ struct Train {
   bool fused = false;    // cohort::torch::adamw_step instead of opt.step()
   bool optimizer_zero_grad = false;  // LibTorch's opt.zero_grad() (.grad set to none) instead of fsdp.zero_grad()
   int prefetch = 1;
+  bool cpu_offload = false;  // FsdpOptions::cpu_offload (the device path only)
 };
 
 // Steps [from, to) of the schedule on an existing FSDP; returns each step's
@@ -164,7 +165,7 @@ std::vector<std::map<std::string, torch::Tensor>> train_fsdp(int world, const Tr
     torch::set_num_threads(1);
     FNet net;
     net->to(t.type);
-    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg), {.prefetch = t.prefetch});
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg), {.prefetch = t.prefetch, .cpu_offload = t.cpu_offload});
     torch::optim::AdamW opt(fsdp.parameters(), adamw());
     fsdp_steps(fsdp, opt, net, t, 0, t.steps);
     out[pg.rank()] = by_name(fsdp.full_state());
@@ -495,6 +496,65 @@ TEST(FsdpCheckpoint, TheDevicePathSavesAndLoadsTheHostPathsState) {
     expect_resumed(got, saved.losses, saved.want, 1e-6, 1e-12,
                    saved_on_device ? "saved on the device path" : "saved on the host path");
   }
+}
+
+// cpu_offload on the device path: the shards, their gradients and the
+// optimizer's state are host memory, each gather copies the chunk up and
+// each reduction's chunk comes down; the training is the same (with
+// clipping, micro-batches under no_sync, mixed precision), and its state
+// saves and resumes into an FSDP without offload.
+TEST(FsdpOffload, TrainsAsOneProcessAndItsStateResumesWithoutIt) {
+  DeviceModeOnCpu path(true);
+  const auto want = reference(torch::kDouble, 10, 1, 0.05);
+  auto got = train_fsdp(3, {.type = torch::kDouble, .steps = 10, .clip = 0.05, .cpu_offload = true});
+  for (int r = 0; r < 3; ++r) EXPECT_LT(rel_error(got[r], want), 1e-9) << "rank " << r;
+  const auto accumulated = reference(torch::kDouble, 4, 3);
+  got = train_fsdp(2, {.type = torch::kDouble, .steps = 4, .micro = 3, .no_sync = true, .cpu_offload = true});
+  for (int r = 0; r < 2; ++r) EXPECT_LT(rel_error(got[r], accumulated), 1e-9) << "rank " << r << " under no_sync";
+
+  std::vector<std::vector<cohort::NamedTensor>> model(2), optim(2);
+  std::vector<std::map<std::string, torch::Tensor>> mixed(2);
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    net->to(torch::kDouble);
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg), {.cpu_offload = true});
+    for (const auto& p : fsdp.parameters()) EXPECT_TRUE(p.device().is_cpu() && p.grad().device().is_cpu());
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    fsdp_steps(fsdp, opt, net, {}, 0, 5);
+    model[pg.rank()] = fsdp.state_shard();
+    optim[pg.rank()] = fsdp.optimizer_state_shard(opt);
+  });
+  const SavedRun plain = save_mid_run(2);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(rel_error(by_name(model[r]), by_name(plain.model[r])), 0.0) << "the same model shard, rank " << r;
+    EXPECT_LT(rel_error(by_name(optim[r]), by_name(plain.optim[r])), 1e-12) << "the same optimizer shard, rank " << r;
+  }
+  const Resumed resumed = resume_in_fsdp(3, ungrouped, [&](FullyShardedDataParallel& fsdp, torch::optim::AdamW& opt) {
+    fsdp.load_state_shards([&](int k) { return model.at(k); });
+    fsdp.load_optimizer_state_shards(opt, [&](int k) { return optim.at(k); });
+  });
+  expect_resumed(resumed, plain.losses, plain.want, 1e-6, 1e-12, "offloaded state resumed at world 3");
+
+  // bf16 gathers of host master shards.
+  run_ranks(2, "shm", [&](cohort::ProcessGroup& pg) {
+    torch::set_num_threads(1);
+    FNet net;
+    FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg), {.param_dtype = torch::kBFloat16, .cpu_offload = true});
+    torch::optim::AdamW opt(fsdp.parameters(), adamw());
+    const int64_t local = kGlobal / 2;
+    for (int s = 0; s < 5; ++s) {
+      fsdp.zero_grad();
+      fsdp.pre_forward();
+      const int64_t at = s * kGlobal + pg.rank() * local;
+      torch::mse_loss(net->forward(inputs(at, local).to(torch::kBFloat16)).to(torch::kFloat), targets(at, local)).backward();
+      opt.step();
+    }
+    mixed[pg.rank()] = by_name(fsdp.full_state());
+  });
+  const auto want_mixed = reference(torch::kFloat, 5);
+  for (int r = 0; r < 2; ++r)
+    for (const auto& [name, w] : want_mixed) EXPECT_LT((mixed[r].at(name) - w).abs().max().item<double>(), 2e-2) << name;
 }
 
 // full_state() is the unwrapped model's module_state(); it loads into an
@@ -1031,6 +1091,8 @@ TEST(FsdpErrors, BadInputIsNamed) {
     expect_invalid([&] { FullyShardedDataParallel f(net.ptr(), borrowed(pg), {.prefetch = -1}); }, "prefetch must be");
     auto whole = std::make_shared<FsdpUnit<Linear>>(Linear(2, 2));
     expect_invalid([&] { FullyShardedDataParallel f(whole, borrowed(pg)); }, "the model itself is an FsdpUnit");
+    expect_invalid([&] { FullyShardedDataParallel f(net.ptr(), borrowed(pg), {.cpu_offload = true}); },
+                   "cpu_offload is for a module on a GPU");
     FullyShardedDataParallel fsdp(net.ptr(), borrowed(pg));
     expect_invalid([&] { FullyShardedDataParallel again(net.ptr(), borrowed(pg)); }, "already belongs");
     expect_invalid([&] { net->forward(inputs(0, 2)); }, "before pre_forward()");
