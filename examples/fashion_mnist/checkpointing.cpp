@@ -156,7 +156,8 @@ void check_resumable(const cohort::LoadedCheckpoint& ck, const nlohmann::json& n
           std::tuple{"weight_decay", "--weight-decay", kValue}, std::tuple{"augment", "--augment", kValue},
           std::tuple{"clip_grad_norm", "--clip-grad-norm", kValue}, std::tuple{"comm_hook", "--comm-hook", kValue},
           std::tuple{"bf16_autocast", "--bf16-autocast", kValue},
-          std::tuple{"fp16_autocast", "--fp16-autocast", kValue}, std::tuple{"device", "--device", kValue}})
+          std::tuple{"fp16_autocast", "--fp16-autocast", kValue}, std::tuple{"device", "--device", kValue},
+          std::tuple{"param_dtype", "--param-dtype", kValue}, std::tuple{"cpu_offload", "--cpu-offload", kValue}})
       if (saved.contains(key) && saved[key] != now.at(key))
         std::printf("resume: the checkpoint was written with %s %s, this run has %s: the run continues with %s\n", flag,
                     show(saved[key]).c_str(), show(now.at(key)).c_str(), goes_on_with);
@@ -323,8 +324,8 @@ nlohmann::json run_config(const TrainConfig& cfg, const torch::Device& device, i
                         {"comm_hook", cfg.comm_hook}, {"bf16_autocast", cfg.bf16_autocast},
                         {"fp16_autocast", cfg.fp16_autocast}, {"device", device.str()}, {"seed", cfg.seed},
                         {"train_samples", train_samples}, {"world_size", world}, {"run", run_id},
-                        {"shard", cfg.shard}, {"bucket_cap_mb", cfg.bucket_cap_mb},
-                        {"first_bucket_mb", cfg.first_bucket_mb}};
+                        {"shard", cfg.shard}, {"param_dtype", cfg.param_dtype}, {"cpu_offload", cfg.cpu_offload},
+                        {"bucket_cap_mb", cfg.bucket_cap_mb}, {"first_bucket_mb", cfg.first_bucket_mb}};
 }
 
 Progress resume(const TrainConfig& cfg, cohort::ProcessGroup& pg, const nlohmann::json& config,

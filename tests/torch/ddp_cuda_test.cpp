@@ -528,6 +528,20 @@ TEST(FsdpCuda, ASideStreamAndUnitsShardedAsTheyAreBuilt) {
     fsdp_cuda_steps(fsdp, opt, side, 0, kFsdpSteps);
     expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP on a side stream");
   }
+  // Built on the default stream, trained on a side stream: autograd runs the
+  // gradient hooks (the reductions) on the stream the accumulators were made
+  // on, forward and the gathers on the side stream, so slots and reduction
+  // buffers pass between two streams every step.
+  {
+    UnitNet two;
+    cohort::torch::load_module_state(*two, start);
+    two->to(kGpu);
+    FullyShardedDataParallel fsdp(two.ptr(), pg, {.prefetch = 1});
+    torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
+    c10::StreamGuard on(c10::impl::getDeviceGuardImpl(torch::kCUDA)->getStreamFromGlobalPool(kGpu));
+    fsdp_cuda_steps(fsdp, opt, two, 0, kFsdpSteps);
+    expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP built on one stream, trained on another");
+  }
   // Built under FsdpShardedInit on nccl: each unit lands on the GPU as it is
   // sharded (never whole there); the root follows with module->to().
   std::shared_ptr<UnitNetImpl> built;
@@ -578,9 +592,40 @@ TEST(FsdpCuda, CpuOffloadEqualsOneProcess) {
   FullyShardedDataParallel fsdp(net.ptr(), pg, {.cpu_offload = true});
   for (const auto& p : fsdp.parameters()) EXPECT_TRUE(p.is_cpu() && p.grad().is_cpu()) << "a shard on the GPU";
   torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
-  fsdp_cuda_steps(fsdp, opt, net, 0, kFsdpSteps);
+  fsdp_cuda_steps(fsdp, opt, net, 0, kFsdpSteps / 2);
+  const auto model = fsdp.state_shard();
+  const auto optim = fsdp.optimizer_state_shard(opt);
+  fsdp_cuda_steps(fsdp, opt, net, kFsdpSteps / 2, kFsdpSteps);
   for (const auto& p : net->parameters()) EXPECT_TRUE(p.is_cuda()) << "a unit's parameter left the GPU";
   expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP with cpu_offload");
+
+  // Its state resumes in an FSDP without offload (the shards on the GPU).
+  UnitNet again;
+  again->to(kGpu);
+  FullyShardedDataParallel resumed(again.ptr(), pg);
+  torch::optim::AdamW ropt(resumed.parameters(), kFsdpAdamW);
+  resumed.load_state_shards([&](int) { return model; });
+  resumed.load_optimizer_state_shards(ropt, [&](int) { return optim; });
+  fsdp_cuda_steps(resumed, ropt, again, kFsdpSteps / 2, kFsdpSteps);
+  expect_rel_close(full_params(resumed), full_params(fsdp), 1e-6, "offloaded state resumed on the GPU");
+
+  // Built sharded, offloaded, bf16: the chunk comes down from the GPU at
+  // construction and goes up cast to bf16 at every gather.
+  std::shared_ptr<UnitNetImpl> built;
+  {
+    cohort::torch::FsdpShardedInit sharded(pg);
+    built = std::make_shared<UnitNetImpl>();
+  }
+  built->to(kGpu);
+  UnitNet mixed(built);
+  FullyShardedDataParallel bf16(built, pg, {.param_dtype = torch::kBFloat16, .cpu_offload = true});
+  bf16.load_full_state(start);
+  torch::optim::AdamW mopt(bf16.parameters(), kFsdpAdamW);
+  fsdp_cuda_steps(bf16, mopt, mixed, 0, kFsdpSteps, torch::kBFloat16);
+  const auto got = full_params(bf16);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LT((got[i].to(torch::kCPU) - want[i].to(torch::kCPU)).abs().max().item<double>(), 2e-2) << "tensor " << i;
 }
 
 TEST(FsdpCuda, WrongPlacementsAreRefused) {

@@ -502,7 +502,11 @@ TEST(FsdpCheckpoint, TheDevicePathSavesAndLoadsTheHostPathsState) {
 // optimizer's state are host memory, each gather copies the chunk up and
 // each reduction's chunk comes down; the training is the same (with
 // clipping, micro-batches under no_sync, mixed precision), and its state
-// saves and resumes into an FSDP without offload.
+// saves and resumes into an FSDP without offload. (With the CPU as the
+// device, host and device memory are the same: this runs the offload's
+// code, the in-place gathers and the host zeroing, but cannot tell whether
+// the shards really live elsewhere; FsdpCuda.CpuOffloadEqualsOneProcess in
+// ddp_cuda_test does, on a GPU.)
 TEST(FsdpOffload, TrainsAsOneProcessAndItsStateResumesWithoutIt) {
   DeviceModeOnCpu path(true);
   const auto want = reference(torch::kDouble, 10, 1, 0.05);
