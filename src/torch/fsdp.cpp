@@ -200,9 +200,27 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   std::shared_ptr<std::byte[]> memory(size_t bytes, bool shared) const {
     return own_bytes(*group, mode, device, bytes, shared);
   }
-  // The same for the shards and gradient shards (host heap under cpu_offload).
+  // The same for the shards and gradient shards. Under cpu_offload host
+  // memory: pinned (page-locked) for a GPU, so that a gather's copy up is
+  // queued on the stream like any kernel (from pageable memory CUDA first
+  // waits for everything queued before it); plain heap with the CPU as the
+  // device (the test seam).
   std::shared_ptr<std::byte[]> shard_memory(size_t bytes) const {
-    return offload ? std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(bytes, 1)]()) : memory(bytes, false);
+    bytes = std::max<size_t>(bytes, 1);
+    if (!offload) return memory(bytes, false);
+    if (!device.is_cuda()) return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
+    ::torch::Tensor t = ::torch::zeros({static_cast<int64_t>(bytes)},
+                                       ::torch::TensorOptions().dtype(::torch::kByte).pinned_memory(true));
+    auto* p = static_cast<std::byte*>(t.data_ptr());
+    return std::shared_ptr<std::byte[]>(p, [t](std::byte*) mutable { t.reset(); });
+  }
+  // Under cpu_offload on a GPU: the host waits for everything queued on the
+  // current stream, so that the host may write the shards (the optimizer's
+  // step after backward, a load) that queued copies up may still read.
+  void sync_with_stream() const {
+    if (!offload || !device.is_cuda()) return;
+    ::torch::NoGradGuard no_grad;
+    (void)::torch::zeros({1}, on_device(::torch::kByte)).to(::torch::kCPU);  // a copy to pageable memory waits
   }
 
   // A free slot of the pool, allocating one when every slot is in use.
@@ -252,7 +270,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     // dtype, up from the host under cpu_offload), then an in-place allgather.
     std::byte* mine = full + static_cast<size_t>(rank) * u.chunk * dtype_size(u.compute_dtype);
     ::torch::NoGradGuard no_grad;
-    tensor(mine, u.chunk, u.compute).copy_(shard_tensor(u.shard, u.chunk, u.type));
+    tensor(mine, u.chunk, u.compute).copy_(shard_tensor(u.shard, u.chunk, u.type), /*non_blocking=*/offload);
     u.gathering = group->allgather(Buffer{mine, u.chunk, u.compute_dtype}, Buffer{full, u.count, u.compute_dtype});
   }
   // Unit u gathered and complete.
@@ -428,6 +446,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
       units[i].reduced = false;
     }
     attach_shard_grads();
+    sync_with_stream();  // (cpu_offload) before the optimizer steps the host shards the gathers read
     last_order = std::move(order);
     order.clear();
     open = false;
@@ -1265,6 +1284,7 @@ void FullyShardedDataParallel::load_full_state(const std::vector<NamedTensor>& s
     throw InvalidArgument(fmt::format("{}: the state has tensors the model does not: {}", kWho, extra));
   }
   ::torch::NoGradGuard no_grad;
+  st.sync_with_stream();  // no queued gather still reads the shards
   for (size_t i = 0; i < st.units.size(); ++i)
     if (chunks[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.shard_device()).copy_(chunks[i]);
   for (auto& [to, from] : whole) to.copy_(from);
@@ -1304,6 +1324,7 @@ void FullyShardedDataParallel::load_state_shards(const std::function<std::vector
       *module_, [&st](const ::torch::Tensor& p) { return st.index_of.contains(p.unsafeGetTensorImpl()); }, files.get(0),
       kWho);
   ::torch::NoGradGuard no_grad;
+  st.sync_with_stream();  // no queued gather still reads the shards
   for (size_t i = 0; i < st.units.size(); ++i)
     if (staged[i].defined()) chunk_view(st.units[i], st.units[i].shard, st.shard_device()).copy_(staged[i]);
   for (const auto& [to, from] : whole) to.copy_(from);
