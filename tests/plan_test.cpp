@@ -648,6 +648,15 @@ TEST(PlanCli, ClusterPresetAndBadNumbers) {
   r = lt::run({"plan", "--model", "gpt:1.7b", "--cluster", "a100-80g", "--hosts", "1", "--gpus-per-host", "2147483647"});
   EXPECT_EQ(r.status, 1) << r.err;
   EXPECT_TRUE(contains(r.err, "at most 4096 per host")) << r.err;
+  // A flag the chosen mode would ignore is named, with the way out.
+  r = lt::run({"plan", "--collective", "allreduce", "--ranks-per-host", "2", "--model", "gpt:1.7b"});
+  EXPECT_EQ(r.status != 0 && contains(r.err, "--model describes the model") && contains(r.err, "HINT"), true) << r.err;
+  r = lt::run({"plan", "--collective", "allreduce", "--ranks-per-host", "2", "--top", "3"});
+  EXPECT_EQ(r.status != 0 && contains(r.err, "--top"), true) << r.err;
+  r = lt::run({"plan", "--model", "gpt:1.7b", "--cluster", "a100-80g", "--hosts", "1", "--sizes", "1M"});
+  EXPECT_EQ(r.status != 0 && contains(r.err, "--sizes is for --collective"), true) << r.err;
+  r = lt::run({"plan", "--model", "gpt:1.7b", "--cluster", "a100-80g", "--hosts", "1", "--transport", "tcp"});
+  EXPECT_EQ(r.status != 0 && contains(r.err, "--transport is for --collective"), true) << r.err;
   // A first word that is no command is named.
   r = lt::run({"bogus"});
   EXPECT_EQ(r.status, 1);

@@ -139,6 +139,32 @@ int plan_layouts(const PlanFlags& f) {
   return 0;
 }
 
+// The flags only one of the two modes reads, refused in the other by name
+// (a flag that silently does nothing reads as though it had been applied).
+void check_mode_flags(const CLI::App& cmd, bool collective) {
+  static const std::vector<std::string> kLayoutOnly = {
+      "--model", "--params", "--layers", "--hidden", "--heads", "--seq", "--vocab", "--flops-per-sample",
+      "--activation-bytes", "--sample-ms", "--global-batch", "--micro-batch", "--precision", "--optimizer",
+      "--recompute", "--no-recompute", "--top", "--device-memory-gb", "--device-tflops", "--memory-gbs", "--mfu"};
+  static const std::vector<std::string> kCollectiveOnly = {"--sizes", "--transport"};
+  if (collective) {
+    for (const auto& flag : kLayoutOnly)
+      if (cmd.count(flag) > 0)
+        throw InvalidArgument(fmt::format(
+            "cohort plan: {} describes the model or the devices' compute for planning layouts, but --collective "
+            "predicts one collective's times and would ignore it. HINT: drop {}, or drop --collective to plan "
+            "the model's layouts",
+            flag, flag));
+    return;
+  }
+  for (const auto& flag : kCollectiveOnly)
+    if (cmd.count(flag) > 0)
+      throw InvalidArgument(fmt::format("cohort plan: {} is for --collective (one collective's predicted times); "
+                                        "planning a model's layouts would ignore it. HINT: add --collective allreduce "
+                                        "(or allgather, reduce_scatter, broadcast), or drop {}",
+                                        flag, flag));
+}
+
 }  // namespace
 
 void add_plan_command(CLI::App& app, int& exit_code) {
@@ -157,7 +183,10 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   add_cluster_options(*cmd, f.cluster);
   add_model_options(*cmd, f.model);
   cmd->add_option("--top", f.top, "print this many layouts (best first)")->check(finite_above(0));
-  cmd->callback([&exit_code] { exit_code = f.collective.empty() ? plan_layouts(f) : plan_collective(f); });
+  cmd->callback([&exit_code, cmd] {
+    check_mode_flags(*cmd, !f.collective.empty());
+    exit_code = f.collective.empty() ? plan_layouts(f) : plan_collective(f);
+  });
 }
 
 }  // namespace cohort::tools
