@@ -202,41 +202,32 @@ else record accuracy FAIL "${acc:-no}% after $epochs epochs (want >= 91.6); $log
 
 fi
 
-if wanted zero; then
-# ---- ZeRO on the GPU: the example sharded, checkpointed (the ranks agree over
-# the nccl group's host_group()) and resumed under the other stage ----
-zdir=$logs/zero-checkpoints
-rm -rf "$zdir"
-COHORT_BACKEND=nccl run zero-train 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
-  --data-dir "$data" --shard zero2 --epochs 2 --checkpoint-dir "$zdir"
-zacc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/zero-train.log" | tail -1)
-COHORT_BACKEND=nccl run zero-resume 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
-  --data-dir "$data" --shard zero1 --epochs 3 --checkpoint-dir "$zdir" --resume
-racc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/zero-resume.log" | tail -1)
-if [[ -n $zacc && -n $racc ]] && grep -q "^resumed from" "$logs/zero-resume.log" &&
-  awk -v a="$zacc" -v b="$racc" 'BEGIN {exit !(a >= 88 && b >= 88)}'; then
-  record zero ok "zero2 2 epochs $zacc%, resumed as zero1 to 3 epochs $racc%"
-else record zero FAIL "zero2 ${zacc:-no}%, resumed ${racc:-no}% (want >= 88 each, and a resume); $logs/zero-*.log"; fi
+# The example sharded on the GPU (world 1, nccl) for 2 epochs with
+# checkpoints (the ranks agree on them over the nccl group's host_group()),
+# then resumed to 3 epochs: step $1 is ok when a resume happened and both
+# runs reach 88 % test accuracy. $2 and $3: the flags of the first run and of
+# the resumed one (words, split here); $4: what the summary calls them.
+train_and_resume() {
+  local step=$1 what=$4 dir=$logs/$1-checkpoints first second a b
+  read -ra first <<<"$2"
+  read -ra second <<<"$3"
+  rm -rf "$dir"
+  COHORT_BACKEND=nccl run "$step-train" 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+    --data-dir "$data" "${first[@]}" --epochs 2 --checkpoint-dir "$dir"
+  a=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/$step-train.log" | tail -1)
+  COHORT_BACKEND=nccl run "$step-resume" 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
+    --data-dir "$data" "${second[@]}" --epochs 3 --checkpoint-dir "$dir" --resume
+  b=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/$step-resume.log" | tail -1)
+  if [[ -n $a && -n $b ]] && grep -q "^resumed from" "$logs/$step-resume.log" &&
+    awk -v a="$a" -v b="$b" 'BEGIN {exit !(a >= 88 && b >= 88)}'; then
+    record "$step" ok "$what: 2 epochs $a%, resumed to 3 epochs $b%"
+  else record "$step" FAIL "$what: ${a:-no}% after 2 epochs, resumed ${b:-no}% (want >= 88 each, and a resume); $logs/$step-*.log"; fi
+}
 
-fi
-
-if wanted fsdp; then
-# ---- FSDP on the GPU: shards, gathers and reductions in GPU memory over
-# NCCL; the sharded checkpoint written through the host group and resumed ----
-fdir=$logs/fsdp-checkpoints
-rm -rf "$fdir"
-COHORT_BACKEND=nccl run fsdp-train 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
-  --data-dir "$data" --shard fsdp --epochs 2 --checkpoint-dir "$fdir"
-facc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/fsdp-train.log" | tail -1)
-COHORT_BACKEND=nccl run fsdp-resume 300 "$cohort" run --nproc-per-node 1 "$build/fashion_mnist" --device cuda \
-  --data-dir "$data" --shard fsdp --epochs 3 --checkpoint-dir "$fdir" --resume --cpu-offload
-fracc=$(sed -n 's/.*final test accuracy: \([0-9.]*\)%.*/\1/p' "$logs/fsdp-resume.log" | tail -1)
-if [[ -n $facc && -n $fracc ]] && grep -q "^resumed from" "$logs/fsdp-resume.log" &&
-  awk -v a="$facc" -v b="$fracc" 'BEGIN {exit !(a >= 88 && b >= 88)}'; then
-  record fsdp ok "2 epochs $facc%, resumed with --cpu-offload to 3 epochs $fracc%"
-else record fsdp FAIL "${facc:-no}% after 2 epochs, resumed ${fracc:-no}% (want >= 88 each, and a resume); $logs/fsdp-*.log"; fi
-
-fi
+# ZeRO: buckets, gradient shard and optimizer state in GPU memory; resumed under the other stage.
+if wanted zero; then train_and_resume zero "--shard zero2" "--shard zero1" "zero2, resumed as zero1"; fi
+# FSDP: shards, gathers and reductions in GPU memory; resumed with the shards offloaded to the host.
+if wanted fsdp; then train_and_resume fsdp "--shard fsdp" "--shard fsdp --cpu-offload" "fsdp, resumed with --cpu-offload"; fi
 
 # ---- speed at world 1: cohort DDP, cohort without DDP, PyTorch DDP ----
 ips() { sed -n 's/.*RESULT ddp_summary .*imgs_per_s=\([0-9.]*\).*/\1/p' "$logs/$1.log" | tail -1; }

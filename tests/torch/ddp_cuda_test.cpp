@@ -444,11 +444,17 @@ std::vector<cohort::NamedTensor> unit_net_start() {
   return cohort::torch::module_state(*net);
 }
 
+// A UnitNet with `start`'s values, on the GPU.
+UnitNet unit_net_on_gpu(const std::vector<cohort::NamedTensor>& start) {
+  UnitNet net;
+  cohort::torch::load_module_state(*net, start);
+  net->to(kGpu);
+  return net;
+}
+
 // One process, no FSDP: AdamW with clipping on the GPU.
 std::vector<torch::Tensor> fsdp_reference(const std::vector<cohort::NamedTensor>& start) {
-  UnitNet ref;
-  cohort::torch::load_module_state(*ref, start);
-  ref->to(kGpu);
+  UnitNet ref = unit_net_on_gpu(start);
   torch::optim::AdamW plain(ref->parameters(), kFsdpAdamW);
   for (int s = 0; s < kFsdpSteps; ++s) {
     plain.zero_grad();
@@ -480,14 +486,48 @@ std::vector<torch::Tensor> full_params(FullyShardedDataParallel& fsdp) {
   return out;
 }
 
+// Steps [kFsdpSteps / 2, kFsdpSteps) of a fresh FSDP (shards on the GPU)
+// after loading `model` and `optim`, saved at kFsdpSteps / 2 by a run that
+// went on to `uninterrupted`: the same parameters.
+void expect_resumes_on_the_gpu(const std::shared_ptr<cohort::ProcessGroup>& pg,
+                               const std::vector<cohort::NamedTensor>& model, const std::vector<cohort::NamedTensor>& optim,
+                               FullyShardedDataParallel& uninterrupted, const std::string& what) {
+  UnitNet again;
+  again->to(kGpu);
+  FullyShardedDataParallel resumed(again.ptr(), pg);
+  torch::optim::AdamW ropt(resumed.parameters(), kFsdpAdamW);
+  resumed.load_state_shards([&](int) { return model; });
+  resumed.load_optimizer_state_shards(ropt, [&](int) { return optim; });
+  fsdp_cuda_steps(resumed, ropt, again, kFsdpSteps / 2, kFsdpSteps);
+  expect_rel_close(full_params(resumed), full_params(uninterrupted), 1e-6, what);
+}
+
+// A UnitNet built under FsdpShardedInit on `pg` (its units sharded onto the
+// GPU as they are built), the root moved there after.
+std::shared_ptr<UnitNetImpl> built_sharded(const std::shared_ptr<cohort::ProcessGroup>& pg) {
+  std::shared_ptr<UnitNetImpl> built;
+  {
+    cohort::torch::FsdpShardedInit sharded(pg);
+    built = std::make_shared<UnitNetImpl>();
+  }
+  built->to(kGpu);
+  return built;
+}
+
+// bf16 compute against the float32 reference: lr 1e-2 x 20 steps moves
+// weights by ~0.2; bf16 rounding stays well below 2e-2.
+void expect_bf16_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LT((got[i].to(torch::kCPU) - want[i].to(torch::kCPU)).abs().max().item<double>(), 2e-2) << "tensor " << i;
+}
+
 TEST(FsdpCuda, WorldOneOnNcclEqualsOneProcessAndResumes) {
   REQUIRE_GPU();
   auto pg = nccl_world_of_one();
   const auto start = unit_net_start();
   const auto want = fsdp_reference(start);
-  UnitNet net;
-  cohort::torch::load_module_state(*net, start);
-  net->to(kGpu);
+  UnitNet net = unit_net_on_gpu(start);
   FullyShardedDataParallel fsdp(net.ptr(), pg, {.prefetch = 1});
   for (const auto& p : fsdp.parameters()) ASSERT_TRUE(p.is_cuda() && p.grad().is_cuda()) << "a shard off the GPU";
   torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
@@ -499,15 +539,7 @@ TEST(FsdpCuda, WorldOneOnNcclEqualsOneProcessAndResumes) {
   for (const auto* unit : {&net->a, &net->b})  // (the root unit, the head, stays gathered until the next pre_forward)
     for (const auto& p : (*unit)->parameters()) EXPECT_EQ(p.storage().nbytes(), 0u) << "a unit left gathered";
   expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP");
-
-  UnitNet again;
-  again->to(kGpu);
-  FullyShardedDataParallel resumed(again.ptr(), pg);
-  torch::optim::AdamW ropt(resumed.parameters(), kFsdpAdamW);
-  resumed.load_state_shards([&](int) { return model; });
-  resumed.load_optimizer_state_shards(ropt, [&](int) { return optim; });
-  fsdp_cuda_steps(resumed, ropt, again, kFsdpSteps / 2, kFsdpSteps);
-  expect_rel_close(full_params(resumed), full_params(fsdp), 1e-6, "FSDP resumed");
+  expect_resumes_on_the_gpu(pg, model, optim, fsdp, "FSDP resumed");
 }
 
 // Forward, backward and step on a side stream, prefetching two units: every
@@ -519,9 +551,7 @@ TEST(FsdpCuda, ASideStreamAndUnitsShardedAsTheyAreBuilt) {
   const auto start = unit_net_start();
   const auto want = fsdp_reference(start);
   {
-    UnitNet side;
-    cohort::torch::load_module_state(*side, start);
-    side->to(kGpu);
+    UnitNet side = unit_net_on_gpu(start);
     c10::StreamGuard on(c10::impl::getDeviceGuardImpl(torch::kCUDA)->getStreamFromGlobalPool(kGpu));
     FullyShardedDataParallel fsdp(side.ptr(), pg, {.prefetch = 2});
     torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
@@ -533,9 +563,7 @@ TEST(FsdpCuda, ASideStreamAndUnitsShardedAsTheyAreBuilt) {
   // on, forward and the gathers on the side stream, so slots and reduction
   // buffers pass between two streams every step.
   {
-    UnitNet two;
-    cohort::torch::load_module_state(*two, start);
-    two->to(kGpu);
+    UnitNet two = unit_net_on_gpu(start);
     FullyShardedDataParallel fsdp(two.ptr(), pg, {.prefetch = 1});
     torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
     c10::StreamGuard on(c10::impl::getDeviceGuardImpl(torch::kCUDA)->getStreamFromGlobalPool(kGpu));
@@ -544,13 +572,8 @@ TEST(FsdpCuda, ASideStreamAndUnitsShardedAsTheyAreBuilt) {
   }
   // Built under FsdpShardedInit on nccl: each unit lands on the GPU as it is
   // sharded (never whole there); the root follows with module->to().
-  std::shared_ptr<UnitNetImpl> built;
-  {
-    cohort::torch::FsdpShardedInit sharded(pg);
-    built = std::make_shared<UnitNetImpl>();
-  }
+  const auto built = built_sharded(pg);
   for (const auto& p : built->a->parameters()) EXPECT_TRUE(p.is_cuda() && p.storage().nbytes() == 0);
-  built->to(kGpu);
   UnitNet net(built);
   FullyShardedDataParallel fsdp(built, pg);
   fsdp.load_full_state(start);
@@ -565,18 +588,13 @@ TEST(FsdpCuda, MixedPrecisionStaysClose) {
   auto pg = nccl_world_of_one();
   const auto start = unit_net_start();
   const auto want = fsdp_reference(start);
-  UnitNet net;
-  cohort::torch::load_module_state(*net, start);
-  net->to(kGpu);
+  UnitNet net = unit_net_on_gpu(start);
   FullyShardedDataParallel fsdp(net.ptr(), pg, {.param_dtype = torch::kBFloat16});
   for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
   torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
   fsdp_cuda_steps(fsdp, opt, net, 0, kFsdpSteps, torch::kBFloat16);
   for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
-  const auto got = full_params(fsdp);
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i)  // lr 1e-2 x 20 steps moves weights by ~0.2; bf16 rounding stays well below
-    EXPECT_LT((got[i].to(torch::kCPU) - want[i].to(torch::kCPU)).abs().max().item<double>(), 2e-2) << "tensor " << i;
+  expect_bf16_close(full_params(fsdp), want);
 }
 
 // cpu_offload: the shards, their gradients and AdamW's state on the host,
@@ -586,9 +604,7 @@ TEST(FsdpCuda, CpuOffloadEqualsOneProcess) {
   auto pg = nccl_world_of_one();
   const auto start = unit_net_start();
   const auto want = fsdp_reference(start);
-  UnitNet net;
-  cohort::torch::load_module_state(*net, start);
-  net->to(kGpu);
+  UnitNet net = unit_net_on_gpu(start);
   FullyShardedDataParallel fsdp(net.ptr(), pg, {.cpu_offload = true});
   for (const auto& p : fsdp.parameters()) EXPECT_TRUE(p.is_cpu() && p.grad().is_cpu()) << "a shard on the GPU";
   torch::optim::AdamW opt(fsdp.parameters(), kFsdpAdamW);
@@ -600,32 +616,17 @@ TEST(FsdpCuda, CpuOffloadEqualsOneProcess) {
   expect_rel_close(full_params(fsdp), want, 1e-5, "FSDP with cpu_offload");
 
   // Its state resumes in an FSDP without offload (the shards on the GPU).
-  UnitNet again;
-  again->to(kGpu);
-  FullyShardedDataParallel resumed(again.ptr(), pg);
-  torch::optim::AdamW ropt(resumed.parameters(), kFsdpAdamW);
-  resumed.load_state_shards([&](int) { return model; });
-  resumed.load_optimizer_state_shards(ropt, [&](int) { return optim; });
-  fsdp_cuda_steps(resumed, ropt, again, kFsdpSteps / 2, kFsdpSteps);
-  expect_rel_close(full_params(resumed), full_params(fsdp), 1e-6, "offloaded state resumed on the GPU");
+  expect_resumes_on_the_gpu(pg, model, optim, fsdp, "offloaded state resumed on the GPU");
 
   // Built sharded, offloaded, bf16: the chunk comes down from the GPU at
   // construction and goes up cast to bf16 at every gather.
-  std::shared_ptr<UnitNetImpl> built;
-  {
-    cohort::torch::FsdpShardedInit sharded(pg);
-    built = std::make_shared<UnitNetImpl>();
-  }
-  built->to(kGpu);
+  const auto built = built_sharded(pg);
   UnitNet mixed(built);
   FullyShardedDataParallel bf16(built, pg, {.param_dtype = torch::kBFloat16, .cpu_offload = true});
   bf16.load_full_state(start);
   torch::optim::AdamW mopt(bf16.parameters(), kFsdpAdamW);
   fsdp_cuda_steps(bf16, mopt, mixed, 0, kFsdpSteps, torch::kBFloat16);
-  const auto got = full_params(bf16);
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_LT((got[i].to(torch::kCPU) - want[i].to(torch::kCPU)).abs().max().item<double>(), 2e-2) << "tensor " << i;
+  expect_bf16_close(full_params(bf16), want);
 }
 
 TEST(FsdpCuda, WrongPlacementsAreRefused) {
