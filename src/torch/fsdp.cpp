@@ -270,7 +270,11 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
     // dtype, up from the host under cpu_offload), then an in-place allgather.
     std::byte* mine = full + static_cast<size_t>(rank) * u.chunk * dtype_size(u.compute_dtype);
     ::torch::NoGradGuard no_grad;
-    tensor(mine, u.chunk, u.compute).copy_(shard_tensor(u.shard, u.chunk, u.type), /*non_blocking=*/offload);
+    // Asynchronous only while autograd records (a backward follows, whose end
+    // waits for the stream before the optimizer may write the shards); an
+    // evaluation's forward copies synchronously, since nothing waits after it.
+    const bool async = offload && ::torch::GradMode::is_enabled();
+    tensor(mine, u.chunk, u.compute).copy_(shard_tensor(u.shard, u.chunk, u.type), /*non_blocking=*/async);
     u.gathering = group->allgather(Buffer{mine, u.chunk, u.compute_dtype}, Buffer{full, u.count, u.compute_dtype});
   }
   // Unit u gathered and complete.
@@ -421,6 +425,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   void recover_from_failed_backward() {
     if (!callback_queued) return;
     callback_queued = false;
+    sync_with_stream();
     reap(true);
     for (size_t i = 0; i < units.size(); ++i) {
       release(i);
@@ -867,7 +872,10 @@ void FullyShardedDataParallel::shard_units() {
     st.root_bytes = std::max(round64(st.units[0].bytes()), round64(st.units[0].compute_bytes()));
     st.root_buffer = st.memory(st.root_bytes, true);
   }
-  st.grad_shards = st.shard_memory(std::max<size_t>(shard_total, 64));  // zeroed
+  // (Under cpu_offload plain heap: only the host writes it, from a
+  // synchronous copy down, so page-locking it would buy nothing.)
+  st.grad_shards = st.offload ? std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(shard_total, 64)]())
+                              : st.shard_memory(std::max<size_t>(shard_total, 64));  // zeroed
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i) {
     Unit& u = st.units[i];
