@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "flip", "flip+shift"}));
   app.add_option("--threads", cfg.threads, "intra-op threads per rank")
       ->check(kPositive);
-  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch)")
+  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (0: run every epoch); with --checkpoint-dir the stop saves a checkpoint")
       ->check(kNonNegative);
   app.add_flag("--eval-at-stop", cfg.eval_at_stop,
                "when --max-steps stops the run mid-epoch, still measure and print the test accuracy");

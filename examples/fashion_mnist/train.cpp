@@ -154,10 +154,18 @@ int train(const TrainConfig& cfg) {
   cohort::StepMetrics metrics(*pg);
   StepTimes timed;
   LastEval last;
-  for (bool stop = false; at.epoch < cfg.epochs && !stop;) {
+  // A run resumed from the checkpoint its --max-steps stop wrote has nothing left to train.
+  const bool done = cfg.max_steps > 0 && at.step >= cfg.max_steps;
+  if (done && lead)
+    std::printf("nothing to train: the run is at step %lld and --max-steps is %lld\n", static_cast<long long>(at.step),
+                static_cast<long long>(cfg.max_steps));
+  for (bool stop = done; at.epoch < cfg.epochs && !stop;) {
     const EpochResult r = train_epoch(t, train_set, sampler, at, schedule, metrics, timed, save);
     stop = r.stopped;
     const bool cut_short = stop && at.position < sampler.size();  // --max-steps ended the epoch early
+    // The steps since the last checkpoint are not lost: the stop saves its
+    // state, unless --checkpoint-every saved this very step.
+    if (cut_short && !(cfg.ckpt_every > 0 && at.step % cfg.ckpt_every == 0)) save(at);
     if (cut_short && !cfg.eval_at_stop) break;
     last = {.acc = evaluate(model, test_set, *pg, device), .epoch = at.epoch + 1, .step = at.step, .partial = cut_short};
     if (lead) print_epoch(cfg, world, at, r, cut_short, last.acc);

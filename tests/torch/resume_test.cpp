@@ -27,6 +27,19 @@ std::map<int, double> losses(const std::string& out) {
 
 bool have_data() { return fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
 
+// A copy of checkpoint directory `dir` at `into` without its checkpoints
+// after `step`: a run that stopped there, for a resume that must start at
+// that step although `dir` went on (every run saves at its --max-steps stop).
+std::string fork_at(const std::string& dir, int step, const std::string& into) {
+  fs::create_directories(into);
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && std::stoi(name.substr(5)) > step) continue;
+    fs::copy(e.path(), into + "/" + name, fs::copy_options::recursive);
+  }
+  return into;
+}
+
 std::vector<std::string> job(const std::string& ckpt, std::vector<std::string> extra, int max_steps = 70) {
   std::vector<std::string> a = {"run", "--standalone", "--nproc-per-node", "2", COHORT_FASHION_MNIST_BIN, "--epochs", "2",
                                 "--max-steps", std::to_string(max_steps), "--checkpoint-dir", ckpt, "--checkpoint-every", "20", "--log-losses",
@@ -81,6 +94,14 @@ TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   ASSERT_EQ(full.status, 0) << full.err;
   auto want = losses(full.out);
   ASSERT_EQ(want.size(), 70u) << full.out;
+  // --max-steps 70 stopped the run mid-epoch: it saved that step, and the
+  // same command with --resume has nothing left to train.
+  EXPECT_TRUE(fs::exists(base + "/a/step_000000070/manifest.json")) << full.out;
+  auto again = lt::run(job(base + "/a", {"--resume"}), env, 600);
+  ASSERT_EQ(again.status, 0) << again.err;
+  EXPECT_NE(again.out.find("nothing to train: the run is at step 70 and --max-steps is 70"), std::string::npos)
+      << again.out;
+  EXPECT_TRUE(losses(again.out).empty()) << again.out;
 
   // Rank 1 dies right after step 47: the newest checkpoint is step 40.
   auto killed = lt::run(job(base + "/b", {"--fault-kill-rank", "1", "--fault-at-step", "47"}), env, 600);
@@ -138,7 +159,8 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   ASSERT_TRUE(fs::exists(base + "/a/step_000000040/optimizer.rank1.safetensors"));
   expect_resumes_after_a_kill(base + "/b", sharded, want);
 
-  std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "zero1", "--resume"}, 54);
+  std::vector<std::string> one =
+      job(fork_at(base + "/b", 40, base + "/one"), {"--optimizer", "adamw", "--shard", "zero1", "--resume"}, 54);
   one[3] = "1";  // --nproc-per-node 1: the two ranks' state resharded into one
   auto alone = lt::run(one, env, 600);
   ASSERT_EQ(alone.status, 0) << alone.err;
@@ -146,7 +168,7 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   // Without --shard: every rank's part gathered into LibTorch's AdamW; the
   // losses follow the sharded run's (DDP's allreduce against ZeRO's
   // reduce-scatter: the same sums, up to the order of additions).
-  expect_converted_resume(base + "/b", {"--optimizer", "adamw"},
+  expect_converted_resume(fork_at(base + "/b", 40, base + "/ddp"), {"--optimizer", "adamw"},
                           "this run has --shard none: its optimizer state is gathered from every rank's part", want);
   fs::remove_all(base);
 }
@@ -176,16 +198,17 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   // every rank's file; the losses follow the FSDP run's (the same sums, up to
   // the order of additions).
   expect_converted_resume(
-      base + "/b", {"--optimizer", "adamw"},
+      fork_at(base + "/b", 40, base + "/ddp"), {"--optimizer", "adamw"},
       "this run has --shard none: its model and optimizer state are gathered from every rank's part", want);
 
   // And the other way: a DDP run's checkpoint cut into FSDP's shards.
   auto plain = lt::run(job(base + "/p", {"--optimizer", "adamw"}, 50), env, 600);
   ASSERT_EQ(plain.status, 0) << plain.err;
-  expect_converted_resume(base + "/p", {"--optimizer", "adamw", "--shard", "fsdp"},
+  expect_converted_resume(fork_at(base + "/p", 40, base + "/p40"), {"--optimizer", "adamw", "--shard", "fsdp"},
                           "its model and optimizer state are cut into this run's shards", losses(plain.out));
 
-  std::vector<std::string> one = job(base + "/b", {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 54);
+  std::vector<std::string> one =
+      job(fork_at(base + "/b", 40, base + "/one"), {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 54);
   one[3] = "1";  // --nproc-per-node 1: the two ranks' shards resharded into one
   auto alone = lt::run(one, env, 600);
   ASSERT_EQ(alone.status, 0) << alone.err;
@@ -247,13 +270,13 @@ TEST(Resume, ARestartResumesThisJobsCheckpointNotAnEarlierRunsHigherOne) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
-  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // the earlier run: step 20 saved
+  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // the earlier run: steps 20 and 25 saved
   std::vector<std::string> again = job(base + "/a", {"--fault-kill-rank", "1", "--fault-at-step", "6"}, 12);
   *(std::find(again.begin(), again.end(), "--checkpoint-every") + 1) = "4";
   again.insert(again.begin() + 1, {"--max-restarts", "1"});
   auto r = lt::run(again, env, 600);
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_NE(r.out.find("holds checkpoints of an earlier run (newest: step 20)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("holds checkpoints of an earlier run (newest: step 25)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("written by another run"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("step_000000004: epoch 0, step 4"), std::string::npos) << r.out;
   fs::remove_all(base);
@@ -263,7 +286,7 @@ TEST(Resume, AnotherWorldSizeContinuesTheEpochWhereTheOldWorldStopped) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
-  ASSERT_EQ(lt::run(job(base + "/a", {}, 25), env, 600).status, 0);  // 2 ranks: checkpoint at step 20
+  ASSERT_EQ(lt::run(job(base + "/a", {}, 20), env, 600).status, 0);  // 2 ranks: checkpoint at step 20
   std::vector<std::string> one = job(base + "/a", {"--resume"}, 24);
   one[3] = "1";  // --nproc-per-node 1
   auto r = lt::run(one, env, 600);
@@ -284,7 +307,7 @@ TEST(Resume, AChangedBatchSizeOrSeedIsRefusedNamingBoth) {
   if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
   std::string base = lt::temp_dir();
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
-  ASSERT_EQ(lt::run(job(base + "/a", {"--train-limit", "4096"}, 25), env, 600).status, 0);  // checkpoint at step 20
+  ASSERT_EQ(lt::run(job(base + "/a", {"--train-limit", "4096"}, 20), env, 600).status, 0);  // checkpoint at step 20
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--train-limit", "4096", "--batch-size", "32"},
        "it was written with --batch-size 64, this run has --batch-size 32, so the data order"},
@@ -388,9 +411,9 @@ TEST(Resume, RefusalsAndABucketLayoutConversion) {
   const std::vector<std::string> zero2 = {"--optimizer", "adamw", "--shard", "zero2"};
   auto full = lt::run(job(base + "/z", zero2, 30), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  const auto want = losses(full.out);  // the checkpoint is step 20's
+  const auto want = losses(full.out);  // from the step-20 checkpoint (the stop saved step 30 too)
   auto converted = lt::run(
-      job(base + "/z", {"--optimizer", "adamw", "--shard", "zero1", "--first-bucket-mb", "0.05", "--resume"}, 30), env, 600);
+      job(fork_at(base + "/z", 20, base + "/z20"), {"--optimizer", "adamw", "--shard", "zero1", "--first-bucket-mb", "0.05", "--resume"}, 30), env, 600);
   ASSERT_EQ(converted.status, 0) << converted.err;
   EXPECT_NE(converted.out.find("gathering its optimizer state and cutting it into this run's buckets"),
             std::string::npos) << converted.out;
