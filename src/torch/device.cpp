@@ -230,6 +230,16 @@ std::shared_ptr<std::byte[]> own_bytes(ProcessGroup& group, MemoryMode mode, con
   return group.allocate_buffer(n);  // zeroed
 }
 
+void zero_own_bytes(std::byte* data, size_t bytes, MemoryMode mode, const ::torch::Device& device) {
+  if (bytes == 0) return;
+  if (mode == MemoryMode::Host) {
+    std::memset(data, 0, bytes);
+    return;
+  }
+  ::torch::NoGradGuard no_grad;
+  wrap(data, {static_cast<int64_t>(bytes)}, bytes_on(device)).zero_();
+}
+
 namespace {
 at::TensorMaker maker_for(void* data, ::torch::IntArrayRef sizes, const ::torch::TensorOptions& options) {
   auto maker = at::for_blob(data, sizes);

@@ -61,6 +61,10 @@ std::shared_ptr<std::byte[]> device_bytes(const ::torch::Device& device, size_t 
 std::shared_ptr<std::byte[]> own_bytes(ProcessGroup& group, MemoryMode mode, const ::torch::Device& device, size_t n,
                                        bool shared);
 
+// Zeroes `bytes` bytes at `data`, a sharded wrapper's own memory in `mode`:
+// memset in Host mode, else a kernel on `device`'s current stream.
+void zero_own_bytes(std::byte* data, size_t bytes, MemoryMode mode, const ::torch::Device& device);
+
 // LibTorch's current stream on `device`, as a cudaStream_t; nullptr for the CPU.
 void* current_stream_handle(const ::torch::Device& device);
 

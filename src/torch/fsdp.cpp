@@ -186,15 +186,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   ::torch::Tensor tensor(void* data, size_t count, ::torch::ScalarType t) const {
     return wrap(data, {static_cast<int64_t>(count)}, on_device(t));
   }
-  void zero(std::byte* data, size_t bytes) const {
-    if (bytes == 0) return;
-    if (mode == MemoryMode::Host) {
-      std::memset(data, 0, bytes);
-      return;
-    }
-    ::torch::NoGradGuard no_grad;
-    tensor(data, bytes, ::torch::kByte).zero_();
-  }
+  void zero(std::byte* data, size_t bytes) const { zero_own_bytes(data, bytes, mode, device); }
   // `bytes` zeroed bytes of FSDP's own memory (own_bytes: `shared` for the
   // gather slots, which peers read a chunk of on one host).
   std::shared_ptr<std::byte[]> memory(size_t bytes, bool shared) const {
@@ -208,7 +200,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   std::shared_ptr<std::byte[]> shard_memory(size_t bytes) const {
     bytes = std::max<size_t>(bytes, 1);
     if (!offload) return memory(bytes, false);
-    if (!device.is_cuda()) return std::shared_ptr<std::byte[]>(new std::byte[bytes]());
+    if (!device.is_cuda()) return own_bytes(*group, MemoryMode::Host, ::torch::kCPU, bytes, false);
     ::torch::Tensor t = ::torch::zeros({static_cast<int64_t>(bytes)},
                                        ::torch::TensorOptions().dtype(::torch::kByte).pinned_memory(true));
     auto* p = static_cast<std::byte*>(t.data_ptr());
@@ -218,9 +210,7 @@ struct COHORT_HIDDEN FullyShardedDataParallel::State {
   // current stream, so that the host may write the shards (the optimizer's
   // step after backward, a load) that queued copies up may still read.
   void sync_with_stream() const {
-    if (!offload || !device.is_cuda()) return;
-    ::torch::NoGradGuard no_grad;
-    (void)::torch::zeros({1}, on_device(::torch::kByte)).to(::torch::kCPU);  // a copy to pageable memory waits
+    if (offload && device.is_cuda()) stream_now().synchronize();
   }
 
   // A free slot of the pool, allocating one when every slot is in use.
@@ -874,7 +864,7 @@ void FullyShardedDataParallel::shard_units() {
   }
   // (Under cpu_offload plain heap: only the host writes it, from a
   // synchronous copy down, so page-locking it would buy nothing.)
-  st.grad_shards = st.offload ? std::shared_ptr<std::byte[]>(new std::byte[std::max<size_t>(shard_total, 64)]())
+  st.grad_shards = st.offload ? own_bytes(*st.group, MemoryMode::Host, ::torch::kCPU, std::max<size_t>(shard_total, 64), false)
                               : st.shard_memory(std::max<size_t>(shard_total, 64));  // zeroed
   ::torch::NoGradGuard no_grad;
   for (size_t i = 0; i < st.units.size(); ++i) {
@@ -945,6 +935,10 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     (void)new std::shared_ptr<State>(state_);
     return;
   }
+  // Kernels queued on the current stream may still read the slots and the
+  // shards (a last forward's copies, an offloaded shard's copy up): the
+  // memory goes back to LibTorch's allocators only after them.
+  if (st.device.is_cuda()) st.stream_now().synchronize();
   for (size_t i = 0; i < st.units.size(); ++i) st.release(i);
 }
 

@@ -187,13 +187,7 @@ struct COHORT_HIDDEN ZeroOptimizer::State {
     return wrap(data, {static_cast<int64_t>(count)}, ::torch::TensorOptions().dtype(b.type).device(device));
   }
   void zero(std::byte* data, size_t count, const Bucket& b) const {
-    if (count == 0) return;
-    if (mode == MemoryMode::Host) {
-      std::memset(data, 0, count * dtype_size(b.dtype));
-      return;
-    }
-    ::torch::NoGradGuard no_grad;
-    tensor(data, count, b).zero_();
+    zero_own_bytes(data, count * dtype_size(b.dtype), mode, device);
   }
   // The stream collectives issued now are ordered after (CudaStreamScope):
   // LibTorch's current one on a GPU, none on the CPU.
