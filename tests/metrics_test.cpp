@@ -1,12 +1,19 @@
 // Step metrics: /proc/net/dev parsing, a DDP iteration's times (pure), and
 // StepMetrics over a 2-rank reducer (ranks as threads): the JSON lines of
 // COHORT_METRICS parse and compute + exposed communication + data wait = step,
-// and injected delays of known length land in the right column.
+// and injected delays of known length land in the right column. And
+// StopSignal: a caught SIGTERM, agreed by both ranks, its refusals, and the
+// handler it replaced put back.
 #include "cohort/metrics.hpp"
+#include "cohort/stop_signal.hpp"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -154,6 +161,78 @@ TEST(StepMetrics, MisuseIsNamed) {
     EXPECT_THROW(m.end_step(), InvalidArgument);
     EXPECT_THROW(m.data_ready(), InvalidArgument);
   });
+}
+
+std::atomic<int> g_before{0};
+extern "C" void before_handler(int sig) { g_before = sig; }
+
+TEST(StopSignal, ASigtermIsAgreedByEveryRankAndTheOldHandlerComesBack) {
+  struct sigaction mine {}, old {};
+  mine.sa_handler = before_handler;
+  sigemptyset(&mine.sa_mask);
+  ASSERT_EQ(sigaction(SIGUSR1, &mine, &old), 0);
+  {
+    StopSignal stop({SIGTERM, SIGUSR1});
+    EXPECT_EQ(stop.received(), 0);
+    // Ranks are threads here, so both see the one flag: what is tested is
+    // that agreed() is a collective both ranks return the same value from.
+    cohort::testing::run_ranks(2, "shm", [&](ProcessGroup& pg) { EXPECT_EQ(stop.agreed(pg), 0); });
+    raise(SIGUSR1);  // delivered before raise returns (one thread sends it to itself)
+    raise(SIGTERM);  // the first signal is the one kept
+    EXPECT_EQ(stop.received(), SIGUSR1);
+    cohort::testing::run_ranks(2, "shm", [&](ProcessGroup& pg) { EXPECT_EQ(stop.agreed(pg), SIGUSR1); });
+    EXPECT_EQ(g_before.load(), 0) << "the earlier handler ran while StopSignal was alive";
+    try {
+      StopSignal second;
+      ADD_FAILURE() << "a second StopSignal was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("another StopSignal is alive"), std::string::npos) << e.what();
+    }
+  }
+  raise(SIGUSR1);
+  EXPECT_EQ(g_before.load(), SIGUSR1) << "the handler StopSignal replaced was not put back";
+  sigaction(SIGUSR1, &old, nullptr);
+}
+
+// In a child process: a plain SIGTERM only sets the flag (the child goes on
+// and exits 0), and the SIGTERM `cohort run` queues after a worker's failure
+// ends the child as SIGTERM's default action would.
+TEST(StopSignal, TheLaunchersStopAfterAFailureEndsTheProcessAtOnce) {
+  for (const bool after_failure : {false, true}) {
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      StopSignal stop;
+      if (after_failure)
+        sigqueue(getpid(), SIGTERM, sigval{.sival_int = kStopAfterFailure});
+      else
+        kill(getpid(), SIGTERM);
+      _exit(stop.received() == SIGTERM ? 0 : 3);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    if (after_failure) {
+      EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "status " << status;
+    } else {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+    }
+  }
+}
+
+TEST(StopSignal, SignalsThatCannotAskForAStopAreRefusedByName) {
+  for (int sig : {SIGKILL, SIGSEGV}) {
+    try {
+      StopSignal stop({sig});
+      ADD_FAILURE() << "signal " << sig << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("signal " + std::to_string(sig) + " ("), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("HINT: use SIGTERM"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(StopSignal(std::vector<int>{}), InvalidArgument);
+  EXPECT_THROW(StopSignal({SIGTERM, SIGUSR1, SIGTERM}), InvalidArgument);
+  StopSignal fine;  // the refusals left nothing installed that blocks a new one
+  EXPECT_EQ(fine.received(), 0);
 }
 
 }  // namespace

@@ -252,6 +252,10 @@ EpochResult train_epoch(Trainer& t, const cohort::data::FashionMnist& train_set,
       std::fflush(stdout);
       raise(SIGKILL);
     }
+    if (t.stop != nullptr && (result.signal = t.stop->agreed(t.pg)) != 0) {
+      result.stopped = true;
+      break;
+    }
     if (cfg.max_steps > 0 && at.step >= cfg.max_steps) {
       result.stopped = true;
       break;

@@ -10,8 +10,10 @@
 //
 // Rank 0 prints progress (epoch, step/total, loss, images/s, ETA) and the test
 // accuracy after each epoch; checkpoints are written every --checkpoint-every
-// steps and at each epoch's end; --resume continues from the newest valid one
-// (same data order, step and learning rate).
+// steps, at each epoch's end, where --max-steps stops the run, and at the
+// step the ranks agree on after a SIGTERM (a scheduler stopping the job: the
+// run then exits 143); --resume continues from the newest valid one (same
+// data order, step and learning rate).
 //
 // On GPUs (docs/gpu.md): --device cuda, one process per GPU, with
 // COHORT_BACKEND=nccl; --fp16-autocast adds fp16 autocast and a GradScaler.

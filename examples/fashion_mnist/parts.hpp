@@ -178,6 +178,7 @@ struct Trainer {
   cohort::torch::ZeroOptimizer* zero;           // --shard zero1|zero2, else nullptr
   cohort::torch::FullyShardedDataParallel* fsdp;  // --shard fsdp, else nullptr
   std::vector<torch::Tensor> params;            // the model's parameters, for clipping and counting
+  cohort::StopSignal* stop = nullptr;           // with --checkpoint-dir: SIGTERM stops the run after an agreed step
 };
 
 // Steps past --warmup-timing-steps and the seconds they took, for the throughput summary.
@@ -187,7 +188,8 @@ struct StepTimes {
 };
 
 struct EpochResult {
-  bool stopped = false;   // --max-steps was reached in this epoch
+  bool stopped = false;   // --max-steps was reached in this epoch, or a stop signal
+  int signal = 0;         // that signal (SIGTERM): every rank stopped after the same step
   double seconds = 0;     // the epoch's wall time on this rank
   double train_loss = 0;  // the mean over this rank's steps, averaged over the ranks
 };
@@ -198,7 +200,8 @@ struct EpochResult {
 // unscaled loss. Collective with DDP.
 torch::Tensor train_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr);
 // Trains epoch `at.epoch` from sample `at.position` of this rank's share to
-// its end, or until --max-steps; advances `at`. Calls `save` every
+// its end, until --max-steps, or until the ranks agree on a stop signal
+// (t.stop, checked after every step); advances `at`. Calls `save` every
 // --checkpoint-every steps (not at the epoch's last: the end-of-epoch save
 // follows). Rank 0 prints progress, and with --log-losses every step's loss.
 // Collective.

@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <optional>
 
 #include <sys/resource.h>
 
@@ -103,6 +105,30 @@ void print_final_accuracy(const TrainConfig& cfg, int world, int64_t step, const
                 static_cast<long long>(step));
 }
 
+// The run stopped after step at.step because every rank agreed on `signal`
+// (train_epoch). Part-way through an epoch the caller saved that step; at
+// the epoch's last step (`epoch_done`) the end-of-epoch checkpoint is saved
+// here. The process then ends as the signal would have ended it, 128 +
+// signal, so that a scheduler does not take the run for finished.
+int stop_on_signal(cohort::ProcessGroup& pg, const TrainConfig& cfg, const Progress& at, int signal, bool epoch_done,
+                   const std::function<void(const Progress&)>& save) {
+  if (epoch_done) {  // the epoch's last step: the checkpoint of the epoch's end, as after an evaluation
+    Progress next = at;
+    next.epoch += 1;
+    next.position = 0;
+    save(next);
+  }
+  if (pg.rank() == 0) {
+    const char* name = sigabbrev_np(signal);
+    std::printf("stopped at step %lld: SIG%s reached the job; the state after this step is in %s (--resume continues "
+                "from it)\n",
+                static_cast<long long>(at.step), name ? name : "?", cfg.ckpt_dir.c_str());
+    std::fflush(stdout);
+  }
+  pg.shutdown();
+  return 128 + signal;
+}
+
 }  // namespace
 
 int train(const TrainConfig& cfg) {
@@ -143,8 +169,13 @@ int train(const TrainConfig& cfg) {
   const auto powersgd = make_powersgd_state(cfg);  // --comm-hook powersgd: saved with the checkpoints
   if (powersgd && !at.resumed_from.empty()) restore_powersgd(*powersgd, *pg, at);
   const auto ddp = make_ddp(cfg, model, pg, device, powersgd);
+  // With checkpoints, SIGTERM (a scheduler's, or `cohort run` stopping the
+  // job) ends the run after a step every rank agrees on, saving it.
+  std::optional<cohort::StopSignal> on_signal;
+  if (!cfg.ckpt_dir.empty()) on_signal.emplace();
   Trainer t{.cfg = cfg, .pg = *pg, .device = device, .model = model, .optimizer = optimizer, .scaler = scaler,
-            .ddp = ddp.get(), .zero = zero.get(), .fsdp = fsdp.get(), .params = model.module->parameters()};
+            .ddp = ddp.get(), .zero = zero.get(), .fsdp = fsdp.get(), .params = model.module->parameters(),
+            .stop = on_signal ? &*on_signal : nullptr};
   const auto save = [&](const Progress& p) {
     write_checkpoint(*pg, cfg, p, model, *optimizer.optimizer, zero.get(), fsdp.get(), scaler, schedule, config,
                      powersgd.get());
@@ -162,10 +193,13 @@ int train(const TrainConfig& cfg) {
   for (bool stop = done; at.epoch < cfg.epochs && !stop;) {
     const EpochResult r = train_epoch(t, train_set, sampler, at, schedule, metrics, timed, save);
     stop = r.stopped;
-    const bool cut_short = stop && at.position < sampler.size();  // --max-steps ended the epoch early
+    const bool cut_short = stop && at.position < sampler.size();  // --max-steps or a signal ended the epoch early
     // The steps since the last checkpoint are not lost: the stop saves its
     // state, unless --checkpoint-every saved this very step.
     if (cut_short && !(cfg.ckpt_every > 0 && at.step % cfg.ckpt_every == 0)) save(at);
+    // (A signal agreed after the run's very last step changes nothing: the run ends as it would have.)
+    const bool last_step = (cfg.max_steps > 0 && at.step >= cfg.max_steps) || (!cut_short && at.epoch + 1 >= cfg.epochs);
+    if (r.signal != 0 && !last_step) return stop_on_signal(*pg, cfg, at, r.signal, !cut_short, save);
     if (cut_short && !cfg.eval_at_stop) break;
     last = {.acc = evaluate(model, test_set, *pg, device), .epoch = at.epoch + 1, .step = at.step, .partial = cut_short};
     if (lead) print_epoch(cfg, world, at, r, cut_short, last.acc);

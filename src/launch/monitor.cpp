@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "cohort/error.hpp"
+#include "cohort/stop_signal.hpp"
 #include "core/clock.hpp"
 #include "core/fd.hpp"
 #include "core/log.hpp"
@@ -133,12 +134,16 @@ class Monitor {
 
   // Stops every worker: SIGTERM now, SIGKILL at kill_at_. The groups of workers
   // that already exited are signalled too, for children they left behind (a
-  // group id is not reused while the group has members).
-  void begin_stop(Clock::time_point now) {
+  // group id is not reused while the group has members). After a worker's
+  // failure each running worker first gets a SIGTERM queued with
+  // kStopAfterFailure: a cohort::StopSignal then ends it at once instead of
+  // stopping at an agreed step, which the failed rank cannot reach.
+  void begin_stop(Clock::time_point now, bool after_failure = false) {
     if (stopping_) return;
     stopping_ = true;
     for (auto& w : workers_) {
       if (w.running) ++result_.stopped;
+      if (after_failure && w.running && w.pid > 0) sigqueue(w.pid, SIGTERM, sigval{.sival_int = kStopAfterFailure});
       if (w.pid > 0) signal_group(w.pid, SIGTERM);
     }
     kill_at_ = now + opts_.term_timeout;
@@ -192,7 +197,7 @@ class Monitor {
     result_.failure = pending_exit_;
     pending_ = nullptr;
     if (opts_.on_local_failure) opts_.on_local_failure(*result_.failure);
-    begin_stop(now);
+    begin_stop(now, /*after_failure=*/true);
   }
   Worker* pending_ = nullptr;  // a failure by exit code, named once the grace has passed
   WorkerExit pending_exit_{};

@@ -9,6 +9,9 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <thread>
+
+#include <signal.h>
 
 #include "launch_harness.hpp"
 #include "test_deps.hpp"
@@ -233,6 +236,48 @@ TEST(Resume, PowerSgdHookStateResumesWithIdenticalLosses) {
   for (const char* file : {"model", "optimizer", "powersgd.rank0", "powersgd.rank1"})
     EXPECT_TRUE(fs::exists(base + "/a/step_000000040/" + file + ".safetensors")) << file;
   expect_resumes_after_a_kill(base + "/b", hook, want);
+  fs::remove_all(base);
+}
+
+// SIGTERM to `cohort run` (a scheduler stopping the job): the launcher
+// passes it on, the ranks agree on a step (cohort::StopSignal), save it and
+// exit 128 + SIGTERM; --resume continues from that very step with the
+// losses of a run that was never stopped.
+TEST(Resume, ASigtermedJobSavesTheStepItStoppedAtAndResumesFromIt) {
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  std::string base = lt::temp_dir();
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  auto full = lt::run(job(base + "/a", {}, 300), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  const auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 300u) << full.out;
+
+  // Time enough between SIGTERM and SIGKILL for a step and a save on a busy machine.
+  std::map<std::string, std::string> slow_kill = env;
+  slow_kill["COHORT_TERM_TIMEOUT"] = "30s";
+  lt::Proc run(job(base + "/b", {}, 300), slow_kill);
+  for (int i = 0; i < 6000 && !fs::exists(base + "/b/step_000000040/manifest.json"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(base + "/b/step_000000040/manifest.json")) << "no step-40 checkpoint appeared";
+  kill(run.pid(), SIGTERM);
+  auto stopped = run.wait(120);
+  EXPECT_EQ(stopped.status, 128 + SIGTERM) << stopped.out << stopped.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(stopped.out, m, std::regex(R"(stopped at step (\d+): SIGTERM reached the job)")))
+      << stopped.out << stopped.err;
+  const int at = std::stoi(m[1]);
+  EXPECT_GE(at, 40);
+  ASSERT_LT(at, 300) << "the run ended before the signal: no stop was tested";
+  char name[32];
+  std::snprintf(name, sizeof(name), "step_%09d", at);
+  EXPECT_TRUE(fs::exists(base + "/b/" + name + "/manifest.json")) << name;
+
+  auto resumed = lt::run(job(base + "/b", {"--resume"}, 300), env, 600);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  const auto got = losses(resumed.out);
+  ASSERT_FALSE(got.empty()) << resumed.out;
+  EXPECT_EQ(got.begin()->first, at + 1) << resumed.out;
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
   fs::remove_all(base);
 }
 
