@@ -13,18 +13,22 @@
 // windows of the text and takes its dp slice, so any layout trains on the
 // tokens one process would. Prints the loss, the validation loss per epoch and
 // the tokens/s; --save writes the full (unsharded) model as a cohort
-// checkpoint, which --load reads at any layout.
+// checkpoint, which --load reads at any layout. With --save, a SIGTERM (a
+// scheduler, or `cohort run` stopped) saves the step every rank agrees on
+// and exits 143 (cohort::StopSignal).
 #include <CLI/CLI.hpp>
 #include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <optional>
 
 #include "cohort/checkpoint.hpp"
 #include "cohort/mesh.hpp"
+#include "cohort/stop_signal.hpp"
 #include "cohort/torch.hpp"
 #include "cohort/torch_pipeline.hpp"
 #include "cohort/torch_train.hpp"
@@ -296,10 +300,14 @@ struct Trainer {
     std::fclose(f);
   }
 
-  void run();
+  // Returns the exit code: 0, or 128 + a stop signal the ranks agreed on.
+  int run();
 };
 
-void Trainer::run() {
+int Trainer::run() {
+  // With --save, SIGTERM ends the run after a step every rank agrees on, saving it.
+  std::optional<cohort::StopSignal> stop;
+  if (!a.save.empty()) stop.emplace();
   int64_t params = 0;
   for (const auto& p : all->parameters()) params += p.numel();
   if (lead)
@@ -335,6 +343,18 @@ void Trainer::run() {
       if (!a.save.empty()) save();
     }
     std::fflush(stdout);
+    const int sig = stop && step < total_steps ? stop->agreed(*world) : 0;
+    if (sig != 0) {
+      if (step % a.epoch_steps != 0) save();  // (an epoch's last step was saved above)
+      if (lead) {
+        const char* name = sigabbrev_np(sig);
+        std::printf("stopped at step %lld: SIG%s reached the job; the state after this step is in %s (--load "
+                    "continues from it)\n",
+                    static_cast<long long>(step), name ? name : "?", a.save.c_str());
+        std::fflush(stdout);
+      }
+      return 128 + sig;
+    }
   }
   if (!a.trace.empty()) write_trace();
   struct rusage usage {};
@@ -347,6 +367,7 @@ void Trainer::run() {
                 a.model.recompute ? 1 : 0, a.schedule.c_str(), a.micro, a.chunks, static_cast<long long>(a.model.params()),
                 static_cast<long long>(params), static_cast<long long>(step), rate(),
                 timed ? bubble_sum / static_cast<double>(timed) : 0.0, val, peak_mb);
+  return 0;
 }
 
 // Whether a launcher (cohort run, torchrun, mpirun, srun) started this process.
@@ -372,11 +393,11 @@ int main(int argc, char** argv) {
       init.store = std::make_shared<cohort::MemoryStore>();
     }
     auto world = cohort::init_process_group(init);
-    Trainer(args, world).run();
+    const int rc = Trainer(args, world).run();
     world->shutdown();
+    return rc;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpt: error: %s\n", e.what());
     return 1;
   }
-  return 0;
 }

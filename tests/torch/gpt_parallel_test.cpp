@@ -12,6 +12,9 @@
 #include <memory>
 #include <regex>
 #include <string>
+#include <thread>
+
+#include <signal.h>
 
 #include "cohort/checkpoint.hpp"
 #include "launch_harness.hpp"
@@ -169,6 +172,46 @@ TEST(GptParallel, CheckpointResumesExactlyAtAnotherLayout) {
   EXPECT_EQ(back.losses.size(), 2u) << back.out;
   EXPECT_LT(loss_error_at(back, ref), 1e-5);
   EXPECT_LT(rel_error(model_at(base + "/e"), model_at(base + "/ref")), 1e-5);
+  fs::remove_all(base);
+}
+
+// SIGTERM to `cohort run` at tp 2: the ranks agree on a step, save it (an
+// unsharded checkpoint, as at an epoch's end) and exit 143; --load continues
+// from that step with the losses of one process never stopped.
+TEST(GptParallel, ASigtermSavesTheAgreedStepAndLoadContinuesFromIt) {
+  need_text();
+  const std::string base = lt::temp_dir();
+  const std::vector<std::string> fixed{"--decay-steps", "300", "--epoch-steps", "20", "--epochs", "15"};
+  auto with = [&](std::vector<std::string> layout) {
+    layout.insert(layout.end(), fixed.begin(), fixed.end());
+    return layout;
+  };
+  const Job ref = train(1, with({}), base + "/ref", 300);
+  ASSERT_EQ(ref.losses.size(), 300u) << ref.out;
+
+  std::vector<std::string> args{"run", "--standalone", "--nproc-per-node", "2", COHORT_GPT_BIN, "--tp", "2",
+                                "--max-steps", "300", "--save", base + "/a"};
+  for (const auto& v : {kModel, fixed}) args.insert(args.end(), v.begin(), v.end());
+  auto env = kEnv;
+  env["COHORT_TERM_TIMEOUT"] = "30s";  // time enough for a step and a save on a busy machine
+  lt::Proc run(args, env);
+  for (int i = 0; i < 6000 && !fs::exists(base + "/a/step_000000020/manifest.json"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(base + "/a/step_000000020/manifest.json")) << "no step-20 checkpoint appeared";
+  kill(run.pid(), SIGTERM);
+  const auto stopped = run.wait(120);
+  EXPECT_EQ(stopped.status, 128 + SIGTERM) << stopped.out << stopped.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(stopped.out, m, std::regex(R"(stopped at step (\d+): SIGTERM reached the job)")))
+      << stopped.out << stopped.err;
+  const int at = std::stoi(m[1]);
+  ASSERT_GE(at, 20);
+  ASSERT_LT(at, 300) << "the run ended before the signal: no stop was tested";
+
+  const Job resumed = train(2, with({"--tp", "2"}), base + "/b", 300, base + "/a");
+  EXPECT_NE(resumed.out.find("(step " + std::to_string(at) + ")"), std::string::npos) << resumed.out;
+  EXPECT_EQ(resumed.losses.size(), static_cast<size_t>(300 - at)) << resumed.out;
+  EXPECT_LT(loss_error_at(resumed, ref), 1e-5);
   fs::remove_all(base);
 }
 
