@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cohort/cohort.hpp"
+#include "collectives/algorithms.hpp"
 #include "core/element.hpp"
 #include "core/stream_copy.hpp"
 #include "transport/shared_buffer.hpp"
@@ -292,35 +293,41 @@ inline void check_allgather_reduce_scatter(ProcessGroup& pg) {
   }
 }
 
-// Large allgathers into shared outputs, where single copy pushes each block
-// into every output with streaming stores (core/stream_copy.hpp): an input
-// that is ordinary memory, outputs at an odd address and an odd block size
-// (the copy's unaligned head and tail), then in place. (x86-64 only: elsewhere
-// stream_copy_min() is SIZE_MAX and nothing pushes.)
-inline void check_allgather_streaming(ProcessGroup& pg) {
+// Allgathers into shared outputs large enough that single copy pushes each
+// block into every output: with memcpy (from allgather_push_min()) and with
+// streaming stores (from core::stream_copy_min(), x86-64 only; core/stream_copy.hpp).
+// Each size with an input that is ordinary memory, outputs at an odd address
+// and an odd block size (the copy's unaligned head and tail), then in place.
+inline void check_allgather_pushing(ProcessGroup& pg) {
   const int n = pg.size(), me = pg.rank();
-  const size_t per = core::stream_copy_min() / n + 13, total = per * n;
-  auto value = [](size_t rank, size_t i) { return static_cast<uint8_t>(rank * 37 + i * 11 + i / 4099); };
-  std::vector<uint8_t> in(per), want(total);
-  for (size_t i = 0; i < per; ++i) in[i] = value(me, i);
-  for (size_t i = 0; i < total; ++i) want[i] = value(i / per, i % per);
-  auto out_mem = pg.allocate_buffer(total + 3);
-  uint8_t* out = reinterpret_cast<uint8_t*>(out_mem.get()) + 3;
-  ASSERT_NE(transport::find_shared_buffer(out, total).id, 0u) << "the output must be a shared buffer to be pushed into";
-  auto expect_gathered = [&](const std::string& what) {
-    if (std::memcmp(out, want.data(), total) == 0) return;
-    const size_t i = static_cast<size_t>(std::mismatch(out, out + total, want.begin()).first - out);
-    FAIL() << what << ": byte " << i << " (block " << i / per << ") is " << int(out[i]) << ", not " << int(want[i]);
-  };
-  for (int rep = 0; rep < 2; ++rep) {  // the second time into a buffer the peers have mapped already
+  std::vector<size_t> totals;
+  if (collectives::allgather_push_min() != SIZE_MAX) totals.push_back(collectives::allgather_push_min());
+  if (core::stream_copy_min() != SIZE_MAX) totals.push_back(core::stream_copy_min());
+  for (size_t at_least : totals) {
+    const size_t per = at_least / n + 13, total = per * n;
+    auto value = [](size_t rank, size_t i) { return static_cast<uint8_t>(rank * 37 + i * 11 + i / 4099); };
+    std::vector<uint8_t> in(per), want(total);
+    for (size_t i = 0; i < per; ++i) in[i] = value(me, i);
+    for (size_t i = 0; i < total; ++i) want[i] = value(i / per, i % per);
+    auto out_mem = pg.allocate_buffer(total + 3);
+    uint8_t* out = reinterpret_cast<uint8_t*>(out_mem.get()) + 3;
+    ASSERT_NE(transport::find_shared_buffer(out, total).id, 0u) << "the output must be a shared buffer to be pushed into";
+    auto expect_gathered = [&](const std::string& what) {
+      if (std::memcmp(out, want.data(), total) == 0) return;
+      const size_t i = static_cast<size_t>(std::mismatch(out, out + total, want.begin()).first - out);
+      FAIL() << what << " of " << total << " bytes: byte " << i << " (block " << i / per << ") is " << int(out[i])
+             << ", not " << int(want[i]);
+    };
+    for (int rep = 0; rep < 2; ++rep) {  // the second time into a buffer the peers have mapped already
+      std::memset(out, 0xEE, total);
+      pg.allgather(Buffer{in.data(), per, DType::U8}, Buffer{out, total, DType::U8})->wait();
+      expect_gathered("out-of-place allgather, rep " + std::to_string(rep));
+    }
     std::memset(out, 0xEE, total);
-    pg.allgather(Buffer{in.data(), per, DType::U8}, Buffer{out, total, DType::U8})->wait();
-    expect_gathered("out-of-place allgather, rep " + std::to_string(rep));
+    std::memcpy(out + me * per, in.data(), per);
+    pg.allgather(Buffer{out + me * per, per, DType::U8}, Buffer{out, total, DType::U8})->wait();
+    expect_gathered("in-place allgather");
   }
-  std::memset(out, 0xEE, total);
-  std::memcpy(out + me * per, in.data(), per);
-  pg.allgather(Buffer{out + me * per, per, DType::U8}, Buffer{out, total, DType::U8})->wait();
-  expect_gathered("in-place allgather");
 }
 
 inline void check_gather_scatter_alltoall(ProcessGroup& pg) {

@@ -90,11 +90,12 @@ TEST_P(Collectives, AllgatherReduceScatter) {
   run_ranks(n, transport, check_allgather_reduce_scatter);
 }
 
-TEST_P(Collectives, AllgatherStreamingIntoSharedOutputs) {
+TEST_P(Collectives, AllgatherPushingIntoSharedOutputs) {
   auto [transport_name, n] = GetParam();
   if (base_transport(transport_name) != "shm" || n == 1) GTEST_SKIP() << "single copy runs over shm between peers";
-  if (core::stream_copy_min() == SIZE_MAX) GTEST_SKIP() << "no streaming stores on this architecture: nothing pushes";
-  run_ranks(n, "shm", check_allgather_streaming);
+  if (collectives::allgather_push_min() == SIZE_MAX && core::stream_copy_min() == SIZE_MAX)
+    GTEST_SKIP() << "COHORT_ALLGATHER_PUSH_BYTES=0 and no streaming stores on this architecture: nothing pushes";
+  run_ranks(n, "shm", check_allgather_pushing);
 }
 
 TEST_P(Collectives, GatherScatterAlltoall) {

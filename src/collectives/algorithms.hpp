@@ -74,12 +74,15 @@ void allgather_direct(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_
 void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op,
                          int avg_div = 0);
 // Every peer over shm with single copy: each byte crosses once, pulled by the
-// rank that needs it (in place as allgather_ring / reduce_scatter_ring take it).
-// With shared_only they run only when every rank's input is a shared buffer
+// rank that needs it (in place as allgather_ring / reduce_scatter_ring take it);
+// allgather into shared outputs of at least allgather_push_min() bytes in all
+// pushes instead (each rank writes its block into every output). With shared_only they run only when every rank's input is a shared buffer
 // (all ranks agree) and otherwise return false having moved no data: the
 // caller then runs the ring.
 bool allgather_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank,
                            bool shared_only = false);
+// COHORT_ALLGATHER_PUSH_BYTES of this process (SIZE_MAX when set to 0: never).
+size_t allgather_push_min();
 bool reduce_scatter_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t,
                                 ReduceOp op, int avg_div = 0, bool shared_only = false);
 

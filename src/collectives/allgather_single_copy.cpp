@@ -7,18 +7,21 @@
 // in one of two ways that every rank picks alike (all see the same list):
 //
 //   - Push, when every rank's output is a shared buffer and the outputs
-//     are too large to stay in cache (core::stream_copy_min()): rank r reads
-//     its own block once, piece by piece, and writes each piece into block r of every
-//     output, its own and its peers' (mapped; process_vm_writev where a
-//     mapping fails), with non-temporal stores (core/stream_copy.hpp) since
-//     this rank does not read those bytes again. Per rank, for a 2-rank
-//     64 MiB allgather: 32 MiB read, 64 MiB written. Pulling the same bytes
-//     with memcpy costs about twice that: two reads, and every destination
-//     line read for ownership before it is written.
-//     Below that size pulling is faster (the lines it writes are its own,
-//     not lines a peer holds in its cache): 11-12 against 6-10 GB/s busbw at
-//     8 MiB on the VM. Only x86-64 has the streaming stores, so only there
-//     does it push.
+//     reach COHORT_ALLGATHER_PUSH_BYTES: rank r reads its own block once,
+//     piece by piece, and writes each piece into block r of every output,
+//     its own and its peers' (mapped; process_vm_writev where a mapping
+//     fails). Its input stays in its own cache, read once; the lines it
+//     writes into a peer's output are pulled into its cache for writing.
+//     From core::stream_copy_min() of output up (too large to stay in any
+//     cache) it writes with non-temporal stores (core/stream_copy.hpp)
+//     since this rank does not read those bytes again: per rank, for a
+//     2-rank 64 MiB allgather, 32 MiB read and 64 MiB written, where pulling
+//     with memcpy reads and writes about twice that (two reads, and every
+//     destination line read for ownership before it is written).
+//     Measured on the Intel VM (2 ranks, busbw, docs/algorithms.md): at 1 MiB
+//     pushing with memcpy 17 GB/s against 10-12 pulling; at 16 MiB 8.7
+//     (memcpy) against 7.4 (streaming) and 6.5 (pull); at 64 MiB 7.2
+//     (streaming) against 4.3 (memcpy) and 3.7 (pull).
 //   - Pull, otherwise: rank r copies its own block into place and pulls each
 //     peer q's block straight into block q of its output: a load from the
 //     peer's shared buffer when it is one, else one process_vm_readv from the
@@ -45,22 +48,31 @@
 
 #include "collectives/algorithms.hpp"
 #include "collectives/single_copy.hpp"
+#include "core/env.hpp"
 #include "core/stream_copy.hpp"
 
 namespace cohort::collectives {
 
 namespace {
 
+const core::Knob kPushBytes{
+    "COHORT_ALLGATHER_PUSH_BYTES", "512K",
+    "single-copy allgathers whose output (in all) reaches this many bytes, into shared buffers on every rank, push "
+    "each rank's block into every output instead of each rank pulling its peers' blocks; 0: never push",
+    core::KnobKind::Bytes};
+
 // Writes this rank's block into block `rank` of every output; false (nothing
 // done) when some rank's output is not a shared buffer or the outputs are
-// smaller than some rank's stream_copy_min (`push_min`, the largest of them:
-// each process reads its own from sysfs). Every rank gives the same answer:
-// all see the same lists and sizes.
+// smaller than some rank's push threshold (`push_min`, the largest of them:
+// each process reads its own knob). Every rank gives the same answer: all
+// see the same lists and sizes. Whether the stores stream is this rank's own
+// choice (its stream_copy_min): no peer needs to agree on that.
 bool push_blocks(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes, const std::vector<PeerBuffer>& outs,
                  uint64_t push_min) {
   const int n = c.size(), rank = c.rank();
   const size_t at = bytes * static_cast<size_t>(rank), total = bytes * static_cast<size_t>(n);
   if (total < push_min || !all_shared(outs)) return false;
+  const bool streaming = total >= core::stream_copy_min();
   std::vector<uint8_t*> dest(n, nullptr);  // nullptr: process_vm_writev
   for (int q = 0; q < n; ++q) dest[q] = q == rank ? recv : map_shared(c, q, outs[q].ref, outs[q].addr, total);
   // Piece by piece, so that the second and later destinations read the piece from cache.
@@ -69,17 +81,28 @@ bool push_blocks(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes, cons
     for (int k = 0; k < n; ++k) {
       const int q = (rank + k) % n;  // everyone starts with its own output, then a different peer
       if (q == rank && recv + at == send) continue;  // in place
-      if (dest[q])
+      if (!dest[q]) {
+        if (p == 0) c.write_peer(q, outs[q].addr + at, send, bytes);  // the whole block in one call
+      } else if (streaming) {
         core::stream_copy(dest[q] + at + p, send + p, m);
-      else if (p == 0)
-        c.write_peer(q, outs[q].addr + at, send, bytes);  // the whole block in one call
+      } else {
+        std::memcpy(dest[q] + at + p, send + p, m);
+      }
     }
   }
-  core::stream_fence();  // the stores land before the "done" word does
+  if (streaming) core::stream_fence();  // the stores land before the "done" word does
   return true;
 }
 
 }  // namespace
+
+size_t allgather_push_min() {
+  static const size_t v = [] {
+    const uint64_t b = kPushBytes.bytes();
+    return b == 0 ? SIZE_MAX : static_cast<size_t>(b);
+  }();
+  return v;
+}
 
 bool allgather_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank, bool shared_only) {
   const int n = c.size(), rank = c.rank();
@@ -97,7 +120,7 @@ bool allgather_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t b
   const size_t total = bytes_per_rank * static_cast<size_t>(n);
   const Mine mine_{{reinterpret_cast<uint64_t>(send), transport::find_shared_buffer(send, bytes_per_rank)},
                    {reinterpret_cast<uint64_t>(recv), transport::find_shared_buffer(recv, total)},
-                   core::stream_copy_min()};
+                   allgather_push_min()};
   std::vector<Mine> all(static_cast<size_t>(n));
   allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine_), reinterpret_cast<uint8_t*>(all.data()), sizeof mine_);
   std::vector<PeerBuffer> ins, outs;

@@ -39,7 +39,7 @@ size_t stream_copy_min() {
 #if defined(__x86_64__)
   static const size_t min = [] {
     const size_t llc = last_level_cache();
-    return llc == 0 ? size_t{16} << 20 : std::max(size_t{4} << 20, llc / 2);
+    return llc == 0 ? size_t{16} << 20 : std::clamp(llc / 2, size_t{4} << 20, size_t{32} << 20);
   }();
   return min;
 #else

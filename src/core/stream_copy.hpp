@@ -25,11 +25,13 @@
 
 namespace cohort::core {
 
-// Half the last-level cache (as sysfs gives it), at least 4 MiB; 16 MiB when the
-// system does not say. Measured on the VM (32 MiB L3; a 2-rank allgather,
-// docs/algorithms.md): streaming wins from 16 MiB of output up, memcpy at 8
-// MiB. SIZE_MAX where there are no streaming stores (not x86-64): callers
-// then never prefer them.
+// Half the last-level cache (as sysfs gives it), from 4 to 32 MiB; 16 MiB
+// when the system does not say. Measured on the AMD VM (32 MiB L3; a 2-rank
+// allgather, docs/algorithms.md): streaming wins from 16 MiB of output up.
+// Capped because a guest sees the host's whole L3, shared with other guests:
+// the Intel VM reports 480 MiB, and there streaming already wins at 64 MiB
+// (7.2 against 4.3 GB/s busbw with memcpy) and is even at 32. SIZE_MAX where
+// there are no streaming stores (not x86-64): callers then never prefer them.
 size_t stream_copy_min();
 
 // memcpy(dst, src, n) with non-temporal stores on x86-64. The ranges must not
