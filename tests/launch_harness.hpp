@@ -160,6 +160,17 @@ inline std::vector<pid_t> wait_pid_files(const std::string& dir, int n, double t
   return {};
 }
 
+// Waits (up to timeout_s) for `path` to exist, as a running job writes it (a
+// checkpoint's manifest, before a test signals the job); false on timeout.
+inline bool wait_for_file(const std::string& path, double timeout_s = 120) {
+  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  while (!std::filesystem::exists(path)) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
 // True when pid is gone or a zombie nobody reaps (an init in a container may not).
 inline bool process_gone(pid_t pid) {
   if (kill(pid, 0) != 0) return true;

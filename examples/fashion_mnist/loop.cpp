@@ -246,11 +246,11 @@ EpochResult train_epoch(Trainer& t, const cohort::data::FashionMnist& train_set,
     }
     if (lead) progress.after_step(at.position, loss_sum, loss_n, t1);
     // At the epoch's last step the save after the epoch (epoch + 1, position 0) follows: one save, not two of one step.
-    if (cfg.ckpt_every > 0 && at.step % cfg.ckpt_every == 0 && at.position < sampler.size()) save(at);
+    if (periodic_save_at(cfg, at.step) && at.position < sampler.size()) save(at);
     // --fault-kill-rank / --fault-at-step: the first attempt only, so the restarted job runs through.
     if (t.pg.rank() == cfg.fault_rank && at.step == cfg.fault_step && restart_count() == 0) {
       std::fflush(stdout);
-      raise(SIGKILL);
+      raise(cfg.fault_signal == "TERM" ? SIGTERM : SIGKILL);  // SIGTERM: t.stop, just below, picks it up
     }
     if (t.stop != nullptr && (result.signal = t.stop->agreed(t.pg)) != 0) {
       result.stopped = true;

@@ -184,6 +184,10 @@ int main(int argc, char** argv) {
   app.add_option("--fault-kill-rank", cfg.fault_rank, "fault injection: this rank kills itself (SIGKILL) ...");
   app.add_option("--fault-at-step", cfg.fault_step,
                  "... right after this training step (first attempt only: not after a restart)");
+  app.add_option("--fault-signal", cfg.fault_signal,
+                 "... with this signal: KILL (a crash), or TERM (a stop request that reaches this rank alone; with "
+                 "--checkpoint-dir every rank stops after the same step and saves it)")
+      ->check(CLI::IsMember({"KILL", "TERM"}));
   CLI11_PARSE(app, argc, argv);
   if (cfg.optimizer == "adamw") {  // AdamW's usual settings unless given
     if (lr->count() == 0) cfg.base_lr = 1e-3;

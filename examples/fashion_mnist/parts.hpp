@@ -199,6 +199,10 @@ struct EpochResult {
 // gradients while it runs), clipping, the optimizer step. Returns the
 // unscaled loss. Collective with DDP.
 torch::Tensor train_step(Trainer& t, const torch::Tensor& x, const torch::Tensor& y, double lr);
+// Whether --checkpoint-every asks for a checkpoint after `step`.
+inline bool periodic_save_at(const TrainConfig& cfg, int64_t step) {
+  return cfg.ckpt_every > 0 && step % cfg.ckpt_every == 0;
+}
 // Trains epoch `at.epoch` from sample `at.position` of this rank's share to
 // its end, until --max-steps, or until the ranks agree on a stop signal
 // (t.stop, checked after every step); advances `at`. Calls `save` every

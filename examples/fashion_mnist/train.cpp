@@ -196,7 +196,7 @@ int train(const TrainConfig& cfg) {
     const bool cut_short = stop && at.position < sampler.size();  // --max-steps or a signal ended the epoch early
     // The steps since the last checkpoint are not lost: the stop saves its
     // state, unless --checkpoint-every saved this very step.
-    if (cut_short && !(cfg.ckpt_every > 0 && at.step % cfg.ckpt_every == 0)) save(at);
+    if (cut_short && !periodic_save_at(cfg, at.step)) save(at);
     // (A signal agreed after the run's very last step changes nothing: the run ends as it would have.)
     const bool last_step = (cfg.max_steps > 0 && at.step >= cfg.max_steps) || (!cut_short && at.epoch + 1 >= cfg.epochs);
     if (r.signal != 0 && !last_step) return stop_on_signal(*pg, cfg, at, r.signal, !cut_short, save);

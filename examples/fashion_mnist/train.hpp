@@ -48,8 +48,9 @@ struct TrainConfig {
   bool lockstep = false;  // with no_allreduce: a barrier per step (ranks in lockstep, no gradient traffic)
   int timing_skip = 20;
   bool log_losses = false;     // print every step's loss (tests compare resumed runs with this)
-  int fault_rank = -1;         // fault injection for tests: this rank SIGKILLs itself ...
-  int64_t fault_step = -1;     // ... right after this step, on the first attempt only (restart count 0)
+  int fault_rank = -1;         // fault injection for tests: this rank signals itself ...
+  int64_t fault_step = -1;     // ... right after this step, on the first attempt only (restart count 0) ...
+  std::string fault_signal = "KILL";  // ... with SIGKILL (a crash) or SIGTERM (a stop request to this rank alone)
 };
 
 // Returns the process exit code.

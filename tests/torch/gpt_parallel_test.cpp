@@ -12,7 +12,6 @@
 #include <memory>
 #include <regex>
 #include <string>
-#include <thread>
 
 #include <signal.h>
 
@@ -195,9 +194,7 @@ TEST(GptParallel, ASigtermSavesTheAgreedStepAndLoadContinuesFromIt) {
   auto env = kEnv;
   env["COHORT_TERM_TIMEOUT"] = "30s";  // time enough for a step and a save on a busy machine
   lt::Proc run(args, env);
-  for (int i = 0; i < 6000 && !fs::exists(base + "/a/step_000000020/manifest.json"); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  ASSERT_TRUE(fs::exists(base + "/a/step_000000020/manifest.json")) << "no step-20 checkpoint appeared";
+  ASSERT_TRUE(lt::wait_for_file(base + "/a/step_000000020/manifest.json")) << "no step-20 checkpoint appeared";
   kill(run.pid(), SIGTERM);
   const auto stopped = run.wait(120);
   EXPECT_EQ(stopped.status, 128 + SIGTERM) << stopped.out << stopped.err;

@@ -9,7 +9,6 @@
 #include <fstream>
 #include <map>
 #include <regex>
-#include <thread>
 
 #include <signal.h>
 
@@ -256,9 +255,7 @@ TEST(Resume, ASigtermedJobSavesTheStepItStoppedAtAndResumesFromIt) {
   std::map<std::string, std::string> slow_kill = env;
   slow_kill["COHORT_TERM_TIMEOUT"] = "30s";
   lt::Proc run(job(base + "/b", {}, 300), slow_kill);
-  for (int i = 0; i < 6000 && !fs::exists(base + "/b/step_000000040/manifest.json"); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  ASSERT_TRUE(fs::exists(base + "/b/step_000000040/manifest.json")) << "no step-40 checkpoint appeared";
+  ASSERT_TRUE(lt::wait_for_file(base + "/b/step_000000040/manifest.json")) << "no step-40 checkpoint appeared";
   kill(run.pid(), SIGTERM);
   auto stopped = run.wait(120);
   EXPECT_EQ(stopped.status, 128 + SIGTERM) << stopped.out << stopped.err;
@@ -277,6 +274,40 @@ TEST(Resume, ASigtermedJobSavesTheStepItStoppedAtAndResumesFromIt) {
   const auto got = losses(resumed.out);
   ASSERT_FALSE(got.empty()) << resumed.out;
   EXPECT_EQ(got.begin()->first, at + 1) << resumed.out;
+  for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
+  fs::remove_all(base);
+}
+
+// SIGTERM to one rank alone, after the last step of an epoch: the ranks
+// agree on it (StopSignal::agreed is a MAX over the group, so rank 0, never
+// signalled, stops too), save the end-of-epoch checkpoint and exit 143; the
+// launcher restarts the job, which resumes at the next epoch's start with
+// the losses of a run that was never stopped.
+TEST(Resume, ASigtermToOneRankAtAnEpochsEndStopsEveryRankAndTheRestartContinues) {
+  if (!have_data()) COHORT_MISSING_DEP("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)");
+  const std::string base = lt::temp_dir();
+  const std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
+  // 1280 images at 2 ranks x 64: 10 steps an epoch.
+  auto short_job = [&](const std::string& ckpt, std::vector<std::string> extra) {
+    std::vector<std::string> a = {"run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                                  COHORT_FASHION_MNIST_BIN, "--epochs", "3", "--train-limit", "1280",
+                                  "--checkpoint-dir", ckpt, "--log-losses"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto full = lt::run(short_job(base + "/a", {}), env, 600);
+  ASSERT_EQ(full.status, 0) << full.err;
+  const auto want = losses(full.out);
+  ASSERT_EQ(want.size(), 30u) << full.out;
+
+  auto r = lt::run(short_job(base + "/b", {"--fault-kill-rank", "1", "--fault-at-step", "10", "--fault-signal", "TERM"}),
+                   env, 600);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("stopped at step 10: SIGTERM reached the job"), std::string::npos) << r.out;  // rank 0 prints it
+  EXPECT_NE(r.out.find("resumed from " + base + "/b/step_000000010: epoch 1, step 10, sample 0 of the epoch"),
+            std::string::npos) << r.out;
+  const auto got = losses(r.out);
+  ASSERT_EQ(got.size(), 30u) << r.out;
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
   fs::remove_all(base);
 }
