@@ -22,6 +22,7 @@
 #include "core/job_secret.hpp"
 #include "core/log.hpp"
 #include "store/net.hpp"
+#include "transport/tcp/tcp_congestion.hpp"
 #include "transport/tcp/tcp_hello.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
@@ -47,6 +48,7 @@ std::string err(int e) {
 void tune_socket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  tune_congestion(fd);
   int buf = static_cast<int>(kSockBuf.bytes());
   if (buf > 0) {
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
@@ -195,6 +197,9 @@ std::unique_ptr<TcpTransport> TcpTransport::open(const TcpOptions& opts, Store& 
   // The listening socket: closed on every way out of here (core::Fd).
   core::Fd lfd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!lfd.valid()) throw IoError(fmt::format("socket() failed: {}", err(errno)));
+  // Accepted sockets take the listener's congestion control from the start: set
+  // after accept(), a socket that began with bbr would keep its pacing.
+  tune_congestion(lfd.get());
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   inet_pton(AF_INET, t->local_addr_.c_str(), &addr.sin_addr);
