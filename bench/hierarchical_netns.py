@@ -9,7 +9,11 @@ plus the bytes each configuration moved over machine 0's link per allreduce
 of the largest size. Needs root and iproute2; never touches the host's own
 network. With --rate (e.g. 1gbit) each machine's link is limited by tc.
 
-  sudo bench/hierarchical_netns.py --cohort build/cohort [--reps 3] [--rate 1gbit] [--csv docs/perf/F.csv]
+  sudo bench/hierarchical_netns.py --cohort build/cohort [--reps 3] [--rate 1gbit] [--congestion cubic] [--csv docs/perf/F.csv]
+
+cohort's sockets take cubic where the namespaces' default is bbr (COHORT_TCP_CONGESTION=auto), gloo's keep
+the default. --congestion NAME sets this host's net.ipv4.tcp_congestion_control while the namespaces are
+made (they take it as their default) and puts the old value back at the end: gloo then runs NAME too.
 """
 import argparse
 import os
@@ -104,6 +108,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rate", default="", help="limit each machine's link with tc tbf (e.g. 1gbit); default: none")
     ap.add_argument("--no-gloo", action="store_true")
+    ap.add_argument("--congestion", default="",
+                    help="the namespaces' default TCP congestion control (gloo's too), e.g. cubic; default: the host's")
     ap.add_argument("--csv", metavar="FILE", help="also write every rep's raw figures (compare_peers.py's CSV format)")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -126,7 +132,16 @@ def main():
     # timed and one checked each (cohort bench's loop), so 4 calls.
     count_prog = [cohort, "bench", "allreduce", "--sizes", str(top), "-n", "1", "-w", "0", "-c", "1"]
     count_calls = 4
-    lab = Lab(args.rate)
+    host_cc = sh("sysctl -n net.ipv4.tcp_congestion_control").strip()
+    if args.congestion:
+        sh(f"sysctl -qw net.ipv4.tcp_congestion_control={args.congestion}")
+    try:
+        lab = Lab(args.rate)
+    finally:
+        sh(f"sysctl -qw net.ipv4.tcp_congestion_control={host_cc}")
+    ns_cc = sh(f"ip netns exec {lab.name(0)} sysctl -n net.ipv4.tcp_congestion_control").strip()
+    print(f"# the namespaces' default congestion control: {ns_cc} (cohort's sockets: COHORT_TCP_CONGESTION, "
+          f"{os.environ.get('COHORT_TCP_CONGESTION', 'auto')})", file=sys.stderr, flush=True)
     try:
         results = {k: [] for k in configs}
         link = {}
@@ -144,7 +159,8 @@ def main():
     finally:
         lab.remove()
     # No commas: it is a CSV field.
-    what = f"allreduce across 2 hosts x 2 ranks (veth{' limited to ' + args.rate if args.rate else ''})"
+    what = (f"allreduce across 2 hosts x 2 ranks (veth{' limited to ' + args.rate if args.rate else ''}; "
+            f"namespaces' TCP congestion control {ns_cc})")
     print(compare_peers.table(results, what, 4, args.reps, with_gloo=not args.no_gloo))
     print(f"\nBytes over machine 0's link per {top >> 20} MiB allreduce (both directions, with a quarter of the job's "
           f"start-up): " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in link.items()) +
