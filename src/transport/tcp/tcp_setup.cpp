@@ -48,7 +48,6 @@ std::string err(int e) {
 void tune_socket(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  tune_congestion(fd);
   int buf = static_cast<int>(kSockBuf.bytes());
   if (buf > 0) {
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
@@ -85,6 +84,7 @@ core::Fd connect_to_lower(const TcpOptions& opts, int p, int k, Store& store, co
     fd.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd.valid()) throw IoError(fmt::format("socket() failed: {}", err(errno)));
     tune_socket(fd.get());
+    tune_congestion(fd.get());  // before connect(): accepted sockets inherit their listener's (open())
     if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
     last_err = errno;
     fd.reset();
