@@ -48,8 +48,10 @@ void allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8
 // says why), on views local and cross as above; members[h][j] is the group
 // rank at local index j of host h (HostLayout::members). Each sends its data
 // across hosts once, among the ranks of one local index:
-//   allgather: allgather across hosts, then allgather of the H-block bundles on the host;
-//   reduce_scatter: reduce-scatter on the host (of H-block bundles), then across hosts;
+//   allgather: allgather across hosts, then on the host an allgather per host's blocks, each
+//     block received where it lies in the output (no staging, no reordering);
+//   reduce_scatter: on the host a reduce-scatter per host's blocks, read where they lie in the
+//     input, into an H-block bundle; then a reduce-scatter of the bundle across hosts;
 //   broadcast: the root's local index broadcasts across hosts, then every host broadcasts inside
 //   (binomial up to binomial_max bytes, the pipelined chain above).
 using Members = std::vector<std::vector<int>>;
@@ -73,6 +75,13 @@ void allgather_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_pe
 void allgather_direct(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank);
 void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op,
                          int avg_div = 0);
+// The same rings over blocks anywhere in one buffer: rank r's block starts at
+// byte offsets[r] (of recv for allgather, where this rank's own block must
+// already be; of send for reduce_scatter). The node-aware algorithms use them
+// to move blocks straight between their places in rank order.
+void allgather_ring_blocks(Comm& c, uint8_t* recv, std::span<const size_t> offsets, size_t bytes_per_rank);
+void reduce_scatter_ring_blocks(Comm& c, const uint8_t* send, std::span<const size_t> offsets, uint8_t* recv,
+                                size_t count_per_rank, DType t, ReduceOp op, int avg_div = 0);
 // Every peer over shm with single copy: each byte crosses once, pulled by the
 // rank that needs it (in place as allgather_ring / reduce_scatter_ring take it);
 // allgather into shared outputs of at least allgather_push_min() bytes in all
