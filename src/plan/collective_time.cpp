@@ -127,11 +127,12 @@ class Predictor {
                flat(g_.cross, Coll::Allreduce, cross, part, H, L, false, how) +
                flat(g_.local, Coll::Allgather, Algo::Ring, bytes, L, 1, true, how);
       }
+      // On the host these run one ring per host's blocks (hierarchical_others.cpp): H rings of bytes / H.
       case Coll::Allgather:
         return flat(g_.cross, Coll::Allgather, Algo::Ring, bytes / L, H, L, false, how) +
-               flat(g_.local, Coll::Allgather, Algo::Ring, bytes, L, 1, true, how);
+               H * flat(g_.local, Coll::Allgather, Algo::Ring, bytes / H, L, 1, true, how);
       case Coll::ReduceScatter:
-        return flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes, L, 1, true, how) +
+        return H * flat(g_.local, Coll::ReduceScatter, Algo::Ring, bytes / H, L, 1, true, how) +
                flat(g_.cross, Coll::ReduceScatter, Algo::Ring, bytes / L, H, L, false, how);
       case Coll::Broadcast:
         // (The cross phase's ranks share their hosts with the others': not a group of one rank per host.)
