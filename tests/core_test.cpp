@@ -343,9 +343,17 @@ TEST(Tuner, AllgatherAndReduceScatterBySingleCopyOnSharedBuffers) {
   off.allreduce_single_copy_min = 0;
   no_shared.allreduce_single_copy_shared_min = 0;
   for (const Thresholds& t : {off, no_shared}) {
-    EXPECT_EQ(choose({Coll::Allgather, 64 << 20, 2, true, true}, t), Algo::Ring);
+    EXPECT_EQ(choose({Coll::Allgather, 128 << 10, 2, true, true}, t), Algo::Ring);
     EXPECT_EQ(choose({Coll::ReduceScatter, 64 << 20, 2, true, true}, t), Algo::Ring);
   }
+  // allgather from allreduce_single_copy_min (1 MiB of output) on any buffers: with or without the
+  // shared-buffer threshold, not with single copy off; the group does not ask for shared buffers there.
+  EXPECT_EQ(choose({Coll::Allgather, 512 << 10, 2, true, true}, no_shared), Algo::SingleCopy);
+  EXPECT_EQ(choose({Coll::Allgather, 64 << 20, 2, true, true}, off), Algo::Ring);
+  EXPECT_TRUE(single_copy_shared_only(Coll::Allgather, (1 << 20) - 1, Thresholds{}));
+  EXPECT_FALSE(single_copy_shared_only(Coll::Allgather, 1 << 20, Thresholds{}));
+  EXPECT_TRUE(single_copy_shared_only(Coll::ReduceScatter, 64 << 20, Thresholds{}));
+  EXPECT_FALSE(single_copy_shared_only(Coll::Allreduce, 1 << 20, Thresholds{}));
   EXPECT_EQ(override_from_env(Coll::ReduceScatter, "reduce_scatter=single_copy"), Algo::SingleCopy);
   EXPECT_EQ(override_from_env(Coll::Allgather, "single_copy"), Algo::SingleCopy);  // a bare name where it applies
 }

@@ -262,12 +262,18 @@ TEST(PlanPredict, MissingClassOrAlgorithmIsNamed) {
 }
 
 TEST(PlanPredict, OrdinaryBuffersRunTheRingWhereSharedOnesWouldSingleCopy) {
-  collectives::TunerInput in{Coll::Allgather, 1 << 20, 2, true, true, 1, 0};
+  // An allgather of 512 KiB in all (256 KiB a rank): single copy on shared buffers only.
+  collectives::TunerInput in{Coll::Allgather, 256 << 10, 2, true, true, 1, 0};
   EXPECT_EQ(collectives::choose(in), Algo::SingleCopy);
   EXPECT_EQ(algorithm_run(in, collectives::Thresholds{}), Algo::Ring);
+  // From allreduce_single_copy_min (1 MiB) in all, on any buffers.
+  in.bytes = 512 << 10;
+  EXPECT_EQ(algorithm_run(in, collectives::Thresholds{}), Algo::SingleCopy);
   in.coll = Coll::Allreduce;
   in.bytes = 4 << 20;
   EXPECT_EQ(algorithm_run(in, collectives::Thresholds{}), Algo::SingleCopy);
+  in.coll = Coll::ReduceScatter;  // only on shared buffers, at any size
+  EXPECT_EQ(algorithm_run(in, collectives::Thresholds{}), Algo::Ring);
 }
 
 // Megatron-LM SC21 (Narayanan et al. 2021), Table 1: parameters from eq. 2 for its configurations.

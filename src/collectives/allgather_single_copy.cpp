@@ -39,9 +39,10 @@
 // the other blocks of its own output. Inputs are only read. In place (the
 // input is block r of rank r's output) nobody writes that block.
 //
-// Like reduce_scatter_single_copy, the group runs it by default only on
-// shared buffers (faster than the ring there; about even with it through
-// process_vm_readv on the 2-core VM).
+// The group runs it by default on shared buffers from
+// COHORT_SINGLE_COPY_SHARED_BYTES of output, and on any buffers from
+// COHORT_SINGLE_COPY_BYTES (through process_vm_readv 1.1-1.5x the ring's
+// speed there on the Intel VM, even with it on the AMD one; docs/algorithms.md).
 #include <algorithm>
 #include <cstring>
 #include <vector>

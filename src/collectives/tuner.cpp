@@ -16,13 +16,14 @@ const core::Knob kAlgo{"COHORT_ALGO", "",
                        "pipeline, direct, single_copy, hierarchical), or a list like allreduce=ring,broadcast=binomial"};
 const core::Knob kSingleCopyBytes{
     "COHORT_SINGLE_COPY_BYTES", "1M",
-    "allreduces of at least this many bytes use single copy (process_vm_readv/writev between ranks of one host, "
-    "one copy per byte) when every peer is on this host and the kernel allows it; 0: never (for every collective)",
+    "allreduces and allgathers (output in all) of at least this many bytes use single copy (process_vm_readv/writev "
+    "between ranks of one host, one copy per byte) when every peer is on this host and the kernel allows it; 0: "
+    "never (for every collective)",
     core::KnobKind::Bytes};
 const core::Knob kSingleCopySharedBytes{
     "COHORT_SINGLE_COPY_SHARED_BYTES", "256K",
-    "allreduces from this many bytes up to COHORT_SINGLE_COPY_BYTES, and reduce_scatters and allgathers from this "
-    "many bytes up (in all), use single copy when every rank's buffers are shared buffers "
+    "allreduces and allgathers (in all) from this many bytes up to COHORT_SINGLE_COPY_BYTES, and reduce_scatters "
+    "from this many bytes up, use single copy when every rank's buffers are shared buffers "
     "(ProcessGroup::allocate_buffer, as DDP's buckets), the ring otherwise; 0: never",
     core::KnobKind::Bytes};
 const core::Knob kHierarchical{
@@ -132,11 +133,14 @@ Algo choose(const TunerInput& in, const Thresholds& t) {
       if (in.nranks <= 2 || in.bytes <= t.broadcast_binomial_max) return Algo::Binomial;
       return hier ? Algo::Hierarchical : Algo::Pipeline;
     case Coll::Reduce: return Algo::Binomial;
-    // Single copy for these only on shared buffers (the group then passes
-    // shared_only: the ring on ordinary memory, where it measured faster),
-    // from the shared-buffer threshold of allreduce, on the whole buffer.
+    // Single copy from the shared-buffer threshold of allreduce, on the whole
+    // buffer; on ordinary memory (single_copy_shared_only) only allgathers from
+    // allreduce_single_copy_min, else the ring, where it measured faster.
     case Coll::Allgather:  // in.bytes is one rank's block
-      if (single_copy_shared(in, in.bytes * static_cast<size_t>(in.nranks), t)) return Algo::SingleCopy;
+      if (const size_t total = in.bytes * static_cast<size_t>(in.nranks);
+          single_copy_shared(in, total, t) ||
+          (in.single_copy && t.allreduce_single_copy_min > 0 && total >= t.allreduce_single_copy_min))
+        return Algo::SingleCopy;
       if (in.nranks <= 8 && in.bytes <= t.allgather_direct_max) return Algo::Direct;
       return hier ? Algo::Hierarchical : Algo::Ring;
     case Coll::ReduceScatter:  // in.bytes is the whole input
@@ -194,6 +198,10 @@ Thresholds thresholds_from_env() {
   return t;
 }
 
+bool single_copy_shared_only(Coll c, size_t total_bytes, const Thresholds& t) {
+  return c == Coll::ReduceScatter || total_bytes < t.allreduce_single_copy_min;
+}
+
 std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, bool single_copy, int hosts,
                                 int ranks_per_host) {
   const size_t rd = all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp;
@@ -210,6 +218,10 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
           ? fmt::format(", single_copy from {} in all when every rank's buffers are shared",
                         kib(t.allreduce_single_copy_shared_min))
           : std::string();
+  const std::string ag_single_copy =
+      single_copy && t.allreduce_single_copy_min > 0
+          ? fmt::format("{}, single_copy from {} in all on any buffers", gs_single_copy, kib(t.allreduce_single_copy_min))
+          : gs_single_copy;
   std::string s = fmt::format(
       "tuner thresholds for {} ranks ({}): allreduce recursive_doubling up to {}, {}; broadcast binomial up "
       "to {}{}, pipeline above; allgather {}{}; reduce_scatter ring{}; reduce binomial",
@@ -217,7 +229,7 @@ std::string describe_thresholds(const Thresholds& t, int nranks, bool all_shm, b
       nranks <= 2 ? " (always with 2 ranks)" : "",
       nranks <= 8 ? fmt::format("direct up to {} per rank, ring above", kib(t.allgather_direct_max))
                   : std::string("ring (more than 8 ranks)"),
-      gs_single_copy, gs_single_copy);
+      ag_single_copy, gs_single_copy);
   if (t.hierarchical && hosts > 1 && ranks_per_host > 1)
     s += fmt::format("; {} hosts of {} ranks: hierarchical where the flat choice is a ring or chain (allreduce "
                      "above {}, reduce_scatter, allgather above the direct sizes, broadcast above {})",

@@ -50,6 +50,12 @@ struct Thresholds {
 // group reads it once, when it is made).
 Thresholds thresholds_from_env();
 
+// Where the tuner chose SingleCopy (and COHORT_ALGO did not force it): true
+// when it runs only if every rank's buffers are shared buffers, the ring
+// otherwise. Allreduce and allgather below allreduce_single_copy_min (of
+// total_bytes: the buffer, the whole output); reduce_scatter always.
+bool single_copy_shared_only(Coll c, size_t total_bytes, const Thresholds& t);
+
 // The default choice.
 Algo choose(const TunerInput& in, const Thresholds& t = Thresholds{});
 

@@ -271,10 +271,8 @@ void NativeGroup::run_algorithm(OpDesc& d) {
   }
   // Below allreduce_single_copy_min (and not forced by COHORT_ALGO), single copy runs only when every
   // rank's buffers are shared buffers; otherwise the ring, in the same operation after the address swap.
-  // reduce_scatter and allgather: single copy only on shared buffers, unless forced.
-  const bool shared_only =
-      a == Algo::SingleCopy && !forced &&
-      (d.coll != Coll::Allreduce || d.bytes() < thresholds_.allreduce_single_copy_min);
+  // reduce_scatter: single copy only on shared buffers, unless forced.
+  const bool shared_only = a == Algo::SingleCopy && !forced && c::single_copy_shared_only(d.coll, d.bytes(), thresholds_);
   COHORT_TRACE(kColl, "{} {} bytes algo {}{}", d.describe(), d.bytes(), c::algo_name(a),
                shared_only ? " if every rank's buffers are shared, else ring" : "");
 

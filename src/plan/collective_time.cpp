@@ -151,11 +151,15 @@ class Predictor {
 }  // namespace
 
 Algo algorithm_run(const collectives::TunerInput& in, const collectives::Thresholds& th) {
-  Algo a = collectives::forced_algo(in.coll).value_or(collectives::choose(in, th));
+  const std::optional<Algo> forced = collectives::forced_algo(in.coll);
+  Algo a = forced.value_or(collectives::choose(in, th));
   // Where the group could not run what COHORT_ALGO names, it runs the tuner's choice.
   if ((a == Algo::Hierarchical && (in.hosts < 2 || in.ranks_per_host < 2)) || (a == Algo::SingleCopy && !in.single_copy))
     a = collectives::choose(in, th);
-  if (a == Algo::SingleCopy && (in.coll != Coll::Allreduce || in.bytes < th.allreduce_single_copy_min)) return Algo::Ring;
+  // What the group runs on ordinary buffers (cohort bench's, the calibration's) when single copy was not forced.
+  const size_t total = in.coll == Coll::Allgather ? in.bytes * static_cast<size_t>(in.nranks) : in.bytes;
+  if (a == Algo::SingleCopy && forced != Algo::SingleCopy && collectives::single_copy_shared_only(in.coll, total, th))
+    return Algo::Ring;
   return a;
 }
 
