@@ -7,25 +7,33 @@
 #include "collectives/algorithms.hpp"
 
 #include <cstring>
-#include <vector>
 
 namespace cohort::collectives {
 
-void allgather_ring_blocks(Comm& c, uint8_t* recv, std::span<const size_t> offsets, size_t bytes_per_rank) {
+namespace {
+
+// The ring over blocks whose byte offset in recv is at(r), this rank's own already in place.
+template <class At>
+void ring(Comm& c, uint8_t* recv, size_t bytes_per_rank, At at) {
   const int n = c.size(), rank = c.rank();
   const int right = (rank + 1) % n, left = (rank - 1 + n) % n;
   for (int s = 0; s < n - 1; ++s) {
     int sb = ((rank - s) % n + n) % n, rb = ((rank - s - 1) % n + n) % n;
-    c.sendrecv(right, recv + offsets[sb], bytes_per_rank, left, Sink::copy_to(recv + offsets[rb]), bytes_per_rank);
+    c.sendrecv(right, recv + at(sb), bytes_per_rank, left, Sink::copy_to(recv + at(rb)), bytes_per_rank);
   }
 }
 
+}  // namespace
+
+void allgather_ring_blocks(Comm& c, uint8_t* recv, std::span<const size_t> offsets, size_t bytes_per_rank) {
+  ring(c, recv, bytes_per_rank, [offsets](int r) { return offsets[r]; });
+}
+
 void allgather_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t bytes_per_rank) {
-  const int n = c.size(), rank = c.rank();
-  if (send != recv + rank * bytes_per_rank) std::memcpy(recv + rank * bytes_per_rank, send, bytes_per_rank);
-  std::vector<size_t> offsets(n);
-  for (int r = 0; r < n; ++r) offsets[r] = r * bytes_per_rank;
-  allgather_ring_blocks(c, recv, offsets, bytes_per_rank);
+  const size_t b = bytes_per_rank;
+  const int rank = c.rank();
+  if (send != recv + rank * b) std::memcpy(recv + rank * b, send, b);
+  ring(c, recv, b, [b](int r) { return r * b; });
 }
 
 }  // namespace cohort::collectives

@@ -10,16 +10,19 @@
 #include "collectives/algorithms.hpp"
 
 #include <cstring>
-#include <vector>
 
 namespace cohort::collectives {
 
-void reduce_scatter_ring_blocks(Comm& c, const uint8_t* send, std::span<const size_t> offsets, uint8_t* recv,
-                                size_t count_per_rank, DType t, ReduceOp op, int avg_div) {
+namespace {
+
+// The ring over input blocks whose byte offset in send is at(r).
+template <class At>
+void ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op, int avg_div,
+          At at) {
   const int n = c.size(), rank = c.rank();
   const size_t b = count_per_rank * dtype_size(t);
   if (n == 1) {
-    if (send + offsets[0] != recv) std::memcpy(recv, send + offsets[0], b);
+    if (send + at(0) != recv) std::memcpy(recv, send + at(0), b);
     return;
   }
   const int right = (rank + 1) % n, left = (rank - 1 + n) % n;
@@ -28,17 +31,23 @@ void reduce_scatter_ring_blocks(Comm& c, const uint8_t* send, std::span<const si
   acc[1] = acc[0] + b;
   for (int s = 0; s < n - 1; ++s) {
     int sb = mod(rank - s - 1), rb = mod(rank - s - 2);
-    const uint8_t* src = s == 0 ? send + offsets[sb] : acc[(s - 1) % 2];
+    const uint8_t* src = s == 0 ? send + at(sb) : acc[(s - 1) % 2];
     uint8_t* dst = s == n - 2 ? recv : acc[s % 2];
-    c.sendrecv(right, src, b, left, Sink::reduce_into(dst, send + offsets[rb], t, op, s == n - 2 ? avg_div : 0), b);
+    c.sendrecv(right, src, b, left, Sink::reduce_into(dst, send + at(rb), t, op, s == n - 2 ? avg_div : 0), b);
   }
+}
+
+}  // namespace
+
+void reduce_scatter_ring_blocks(Comm& c, const uint8_t* send, std::span<const size_t> offsets, uint8_t* recv,
+                                size_t count_per_rank, DType t, ReduceOp op, int avg_div) {
+  ring(c, send, recv, count_per_rank, t, op, avg_div, [offsets](int r) { return offsets[r]; });
 }
 
 void reduce_scatter_ring(Comm& c, const uint8_t* send, uint8_t* recv, size_t count_per_rank, DType t, ReduceOp op,
                          int avg_div) {
-  std::vector<size_t> offsets(c.size());
-  for (int r = 0; r < c.size(); ++r) offsets[r] = r * count_per_rank * dtype_size(t);
-  reduce_scatter_ring_blocks(c, send, offsets, recv, count_per_rank, t, op, avg_div);
+  const size_t b = count_per_rank * dtype_size(t);
+  ring(c, send, recv, count_per_rank, t, op, avg_div, [b](int r) { return r * b; });
 }
 
 }  // namespace cohort::collectives

@@ -114,6 +114,12 @@ bool single_copy_shared(const TunerInput& in, size_t total, const Thresholds& t)
   return in.single_copy && t.allreduce_single_copy_min > 0 && t.allreduce_single_copy_shared_min > 0 &&
          total >= t.allreduce_single_copy_shared_min;
 }
+// Single copy on any buffers (from allreduce_single_copy_min) or, from the shared-buffer threshold, where
+// the group finds every rank's buffers shared (single_copy_shared_only says which).
+bool single_copy_any(const TunerInput& in, size_t total, const Thresholds& t) {
+  return single_copy_shared(in, total, t) ||
+         (in.single_copy && t.allreduce_single_copy_min > 0 && total >= t.allreduce_single_copy_min);
+}
 }  // namespace
 
 Algo choose(const TunerInput& in, const Thresholds& t) {
@@ -123,9 +129,7 @@ Algo choose(const TunerInput& in, const Thresholds& t) {
   const bool hier = t.hierarchical && in.hosts > 1 && in.ranks_per_host > 1;
   switch (in.coll) {
     case Coll::Allreduce:
-      if (in.single_copy && t.allreduce_single_copy_min > 0 &&
-          (in.bytes >= t.allreduce_single_copy_min ||
-           (t.allreduce_single_copy_shared_min > 0 && in.bytes >= t.allreduce_single_copy_shared_min)))
+      if (single_copy_any(in, in.bytes, t))
         return Algo::SingleCopy;  // below allreduce_single_copy_min only with shared buffers: the ring otherwise
       if (in.bytes <= (in.all_shm ? t.allreduce_rd_max_shm : t.allreduce_rd_max_tcp)) return Algo::RecursiveDoubling;
       return hier ? Algo::Hierarchical : Algo::Ring;
@@ -137,10 +141,7 @@ Algo choose(const TunerInput& in, const Thresholds& t) {
     // buffer; on ordinary memory (single_copy_shared_only) only allgathers from
     // allreduce_single_copy_min, else the ring, where it measured faster.
     case Coll::Allgather:  // in.bytes is one rank's block
-      if (const size_t total = in.bytes * static_cast<size_t>(in.nranks);
-          single_copy_shared(in, total, t) ||
-          (in.single_copy && t.allreduce_single_copy_min > 0 && total >= t.allreduce_single_copy_min))
-        return Algo::SingleCopy;
+      if (single_copy_any(in, in.bytes * static_cast<size_t>(in.nranks), t)) return Algo::SingleCopy;
       if (in.nranks <= 8 && in.bytes <= t.allgather_direct_max) return Algo::Direct;
       return hier ? Algo::Hierarchical : Algo::Ring;
     case Coll::ReduceScatter:  // in.bytes is the whole input
