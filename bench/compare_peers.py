@@ -48,7 +48,8 @@ def median_of(results, name, size, idx):
 PAIRS = [("cohort shm", "mpi shm"), ("cohort shm shared", "mpi shm"), ("cohort tcp", "mpi tcp"),
          ("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp"), ("cohort mpi", "mpi shm serialized"),
          ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm"),
-         ("cohort hierarchical", "cohort flat ring"), ("cohort hierarchical", "gloo tcp")]
+         ("cohort hierarchical", "cohort flat ring"), ("cohort hierarchical", "gloo tcp"),
+         ("cohort hierarchical shared", "cohort flat ring shared"), ("cohort hierarchical shared", "gloo tcp")]
 
 
 def table(results, coll, np, reps, with_gloo=True):

@@ -2,7 +2,9 @@
 """Allreduce across 2 "hosts" of 2 ranks each: network namespaces joined by
 veth links through a bridge, as tests/hierarchical_test.cpp builds them.
 Runs, interleaved REPS times, cohort's node-aware allreduce (the tuner's
-default there), cohort's flat algorithms (COHORT_HIERARCHICAL=0: recursive doubling
+default there) on ordinary buffers and on shared buffers (`cohort bench
+--shared-buffers`, as DDP's buckets are: each host's phases then run by
+single copy), cohort's flat algorithms on both (COHORT_HIERARCHICAL=0: recursive doubling
 up to 64 KiB, the ring above) and PyTorch
 2.13's gloo on the same namespaces, and prints busbw side by side with ratios,
 plus the bytes each configuration moved over machine 0's link per allreduce
@@ -120,7 +122,10 @@ def main():
     bench = [cohort, "bench", "allreduce", "--sizes", sizes, "-n", "0", "-w", "5", "-c", "1"]
     configs = {
         "cohort hierarchical": (bench, {}, True),
+        "cohort hierarchical shared": (bench + ["--shared-buffers"], {}, True),
         "cohort flat ring": (bench, {"COHORT_HIERARCHICAL": "0"}, True),
+        # The ring passes every byte through the slots or sockets whatever the buffers: the same job, to show it.
+        "cohort flat ring shared": (bench + ["--shared-buffers"], {"COHORT_HIERARCHICAL": "0"}, True),
     }
     if not args.no_gloo:
         if not os.access(PEER_PYTHON, os.X_OK):
@@ -151,10 +156,11 @@ def main():
                 print(f"# rep {rep + 1}/{args.reps}: {name}", file=sys.stderr, flush=True)
                 port += 2
                 results[name].append(compare_peers.parse_rows(run_on_both(lab, cohort, prog, env, port), has_root))
-        for name in ("cohort hierarchical", "cohort flat ring"):
+        for name, extra in (("cohort hierarchical", []), ("cohort hierarchical shared", ["--shared-buffers"]),
+                            ("cohort flat ring", [])):
             before = lab.link_bytes(0)
             port += 2
-            run_on_both(lab, cohort, count_prog, configs[name][1], port)
+            run_on_both(lab, cohort, count_prog + extra, configs[name][1], port)
             link[name] = (lab.link_bytes(0) - before) / count_calls
     finally:
         lab.remove()

@@ -148,8 +148,11 @@ inline void check_allreduce_large_f32(ProcessGroup& pg) {
 // buffers (the second time through the cached mappings).
 inline void check_allreduce_shared_buffers(ProcessGroup& pg) {
   const int n = pg.size();
-  for (int mixed = 0; mixed < 2; ++mixed) {
-    const bool shared = !mixed || pg.rank() % 2 == 0;
+  // All shared; even ranks only; the first half only (on 2 hosts of n/2 ranks: one host's ranks
+  // all shared, the other's none, so the hosts run their local phases in different forms).
+  for (int mixed = 0; mixed < 3; ++mixed) {
+    const bool shared = mixed == 0 || (mixed == 1 && pg.rank() % 2 == 0) || (mixed == 2 && pg.rank() < n / 2);
+    const char* which = mixed == 1 ? " (even ranks shared)" : mixed == 2 ? " (first half shared)" : "";
     auto alloc = [&](size_t bytes) {
       return shared ? pg.allocate_buffer(bytes) : std::shared_ptr<std::byte[]>(new std::byte[bytes + 1]());
     };
@@ -166,7 +169,7 @@ inline void check_allreduce_shared_buffers(ProcessGroup& pg) {
               pg.allreduce(Buffer{in.get(), count, t}, Buffer{dst, count, t}, {.op = op})->wait();
               EXPECT_ELEMS(count, load_value(dst, i, t), expected(i, op, n, t),
                            "shared-buffer allreduce " << dtype_name(t) << " " << reduce_op_name(op) << " count " << count
-                                                      << (inplace ? " in-place" : "") << (mixed ? " (even ranks shared)" : ""));
+                                                      << (inplace ? " in-place" : "") << which);
             }
         }
   }

@@ -132,6 +132,18 @@ TEST(HierarchicalSuite, TheTunerPicksItWhereTheFlatChoiceIsARingOrChain) {
   EXPECT_FALSE(std::regex_search(r.err, std::regex(" algo (ring|pipeline)"))) << r.err.substr(0, 4000);
 }
 
+// Shared buffers (allocate_buffer) on every rank of a host: that host's phases load and store the
+// peers' buffers directly. The check also runs with only even ranks' buffers shared (both hosts fall
+// back to the slots) and with only the first host's (the hosts take different forms in one call).
+TEST(HierarchicalSuite, SharedBuffersRunEachHostsPhasesBySingleCopy) {
+  auto r = run_suite(4, "LOCAL_RANK / 2", {{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}},
+                     {"--gtest_filter=Suite.AllreduceSharedBuffers"});
+  EXPECT_EQ(r.status, 0) << r.out << r.err.substr(0, 4000);
+  EXPECT_TRUE(std::regex_search(r.err, std::regex("allreduce #[0-9]+ .* algo hierarchical")))
+      << r.err.substr(0, 4000);
+  EXPECT_TRUE(contains(r.err, "shared buffers on this host: its phases by single copy")) << r.err.substr(0, 4000);
+}
+
 TEST(HierarchicalSuite, UnevenHostsRunFlatAndSaySo) {
   auto r = run_suite(3, "LOCAL_RANK / 2", {{"COHORT_ALGO", "hierarchical"}},
                      {"--gtest_filter=Suite.Allreduce*"});

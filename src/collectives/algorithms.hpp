@@ -42,8 +42,14 @@ inline int ring_owned_chunk(int rank, int n) { return (rank + 1) % n; }
 // cross_rd_max bytes, the ring above), then the ring's allgather on the host.
 // Only 1/L of the buffer crosses between hosts per rank (L ranks per host),
 // where a flat ring sends 2 (n-1)/n of it over each link it crosses.
-void allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
-                            ReduceOp op, int avg_div, size_t cross_rd_max);
+// With try_single_copy (the host's shm links allow single copy) the local
+// ranks swap their buffers' addresses first: when all of them are shared
+// buffers the host's two phases load and store the peers' buffers directly
+// instead of passing through shm slots (every local rank sees the same
+// answer); otherwise the ring's halves as above. True when the host's phases
+// ran by single copy.
+bool allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
+                            ReduceOp op, int avg_div, size_t cross_rd_max, bool try_single_copy = false);
 // The same structure for the other collectives (allreduce_hierarchical.cpp
 // says why), on views local and cross as above; members[h][j] is the group
 // rank at local index j of host h (HostLayout::members). Each sends its data

@@ -1,12 +1,11 @@
 // Node-aware allreduce (algorithms.hpp), for groups spread over several
 // hosts with the same number L of ranks on each:
 //
-//   1. reduce-scatter among the L ranks of each host (the ring's first half,
-//      over shared memory): rank l of a host ends with chunk (l + 1) % L
-//      reduced over its host;
+//   1. reduce-scatter among the L ranks of each host (over shared memory):
+//      each local rank ends with one chunk reduced over its host;
 //   2. allreduce of that chunk among the H ranks that own it, one per host
 //      (over the network): it is now reduced over every rank;
-//   3. allgather among the ranks of each host (the ring's second half).
+//   3. allgather among the ranks of each host.
 //
 // Per rank, step 2 sends 2 (H-1)/H of count/L elements across hosts; all L
 // ranks of a host do so at once, so a host sends 2 (H-1)/H of the buffer in
@@ -14,25 +13,125 @@
 // edges and sends 2 (n-1)/n of the buffer over each: for 2 hosts of 2 ranks,
 // 1.5 buffers each way against the 1 buffer here. (Horovod's hierarchical
 // allreduce and NCCL's intra-node rings and inter-node trees have this shape.)
+//
+// Steps 1 and 3 on the host take one of two forms:
+//   - the ring's two halves through the shm slots (any buffers): each byte
+//     is copied into a slot and out of it, and rank l owns chunk (l + 1) % L;
+//   - single copy, when the host's links allow it (ShmTransport::single_copy)
+//     and every local rank's send and receive buffers are shared buffers
+//     (ProcessGroup::allocate_buffer: DDP's buckets, `cohort bench
+//     --shared-buffers`). The local ranks swap their buffers' addresses and
+//     map the peers' buffers once; rank l owns the same chunk as in the ring
+//     (hosts may take different forms: the ranks of one local index must
+//     reduce the same chunk across hosts). It reduces that chunk of every
+//     local send buffer straight into its own receive buffer, runs step 2 on
+//     it, then stores the finished chunk straight into every local peer's
+//     receive buffer. No byte passes through a slot: per rank the host
+//     phases read and write about 5/2 of its chunk's bytes per local rank
+//     where the ring's halves move 9/2 (L = 2), and they need the peers'
+//     threads only for the address swap and the final "done" word.
+//     Ordinary buffers keep the ring: process_vm_readv pins their pages on
+//     every call, which measured slower than the slots on 2 cores
+//     (reduce_scatter_single_copy.cpp).
+//
+// Safety of the single-copy form: rank l reads only its chunk c of its peers'
+// send buffers and writes only chunk c of their receive buffers, and only
+// after it has read every send chunk c (its own step 1 comes first). In place
+// (send == recv) a peer q's chunk c is thus read by l before l writes it, and
+// q itself touches only its own chunk. A buffer is left alone by the peers once
+// its owner has every peer's "done" word.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
 #include "collectives/algorithms.hpp"
+#include "collectives/single_copy.hpp"
 #include "core/reduce.hpp"
 
 namespace cohort::collectives {
 
-void allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
-                            ReduceOp op, int avg_div, size_t cross_rd_max) {
-  const size_t es = dtype_size(t);
-  ring_reduce_scatter_phase(local, send, recv, count, t, op, 0);
-  const int owned = ring_owned_chunk(local.rank(), local.size());
-  uint8_t* chunk = recv + chunk_off(count, local.size(), owned) * es;
-  const size_t len = chunk_len(count, local.size(), owned);
-  if (len * es <= cross_rd_max) {
+namespace {
+
+void cross_allreduce(Comm& cross, uint8_t* chunk, size_t len, DType t, ReduceOp op, int avg_div, size_t cross_rd_max) {
+  if (len * dtype_size(t) <= cross_rd_max) {
     allreduce_recursive_doubling(cross, chunk, chunk, len, t, op);
     if (avg_div > 0) core::scale_avg(chunk, len, t, avg_div);
   } else {
     allreduce_ring(cross, chunk, chunk, len, t, op, avg_div);
   }
+}
+
+// The single-copy form (above). False, having moved no data, when some local
+// rank's buffers are not shared buffers: every local rank sees the same
+// swapped references, so all of them agree.
+bool hierarchical_single_copy(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
+                              ReduceOp op, int avg_div, size_t cross_rd_max) {
+  const int n = local.size(), l = local.rank();
+  const size_t es = dtype_size(t), bytes = count * es;
+  struct Both {
+    PeerBuffer send, recv;
+  };
+  const Both mine{{reinterpret_cast<uint64_t>(send), transport::find_shared_buffer(send, bytes)},
+                  {reinterpret_cast<uint64_t>(recv), transport::find_shared_buffer(recv, bytes)}};
+  std::vector<Both> theirs(static_cast<size_t>(n));
+  allgather_direct(local, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()),
+                   sizeof mine);
+  std::vector<PeerBuffer> sends, recvs;
+  for (const Both& b : theirs) {
+    sends.push_back(b.send);
+    recvs.push_back(b.recv);
+  }
+  if (!all_shared(sends) || !all_shared(recvs)) return false;
+  std::vector<const uint8_t*> peer_send(n, nullptr);
+  std::vector<uint8_t*> peer_recv(n, nullptr);
+  for (int q = 0; q < n; ++q) {
+    if (q == l) continue;
+    peer_send[q] = map_shared(local, q, sends[q].ref, sends[q].addr, bytes);
+    peer_recv[q] = map_shared(local, q, recvs[q].ref, recvs[q].addr, bytes);
+  }
+  const int owned = ring_owned_chunk(l, n);
+  const size_t off = chunk_off(count, n, owned) * es, len = chunk_len(count, n, owned) * es;
+
+  // 1. This rank's chunk of every local send buffer, reduced into this rank's receive buffer (cache-sized pieces).
+  const size_t piece_max = kSingleCopyPiece / es * es;
+  uint8_t* scratch = local.scratch(piece_max);
+  for (size_t p = 0; p < len; p += piece_max) {
+    const size_t m = std::min(piece_max, len - p), at = off + p;
+    for (int k = 1; k < n; ++k) {
+      const int q = (l + k) % n;
+      const uint8_t* theirs = peer_send[q] ? peer_send[q] + at : scratch;
+      if (!peer_send[q]) local.read_peer(q, sends[q].addr + at, scratch, m);
+      core::reduce(recv + at, k == 1 ? send + at : recv + at, theirs, m / es, t, op);
+    }
+  }
+  // 2. Across hosts.
+  cross_allreduce(cross, recv + off, len / es, t, op, avg_div, cross_rd_max);
+  // 3. The finished chunk into every local peer's receive buffer.
+  for (int k = 1; k < n; ++k) {
+    const int q = (l + k) % n;
+    if (peer_recv[q])
+      std::memcpy(peer_recv[q] + off, recv + off, len);
+    else
+      local.write_peer(q, recvs[q].addr + off, recv + off, len);
+  }
+  single_copy_done(local);  // "your chunk of mine is delivered, and I am done with your send buffer"
+  return true;
+}
+
+}  // namespace
+
+bool allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
+                            ReduceOp op, int avg_div, size_t cross_rd_max, bool try_single_copy) {
+  if (try_single_copy && local.size() > 1 &&
+      hierarchical_single_copy(local, cross, send, recv, count, t, op, avg_div, cross_rd_max))
+    return true;
+  const size_t es = dtype_size(t);
+  ring_reduce_scatter_phase(local, send, recv, count, t, op, 0);
+  const int owned = ring_owned_chunk(local.rank(), local.size());
+  uint8_t* chunk = recv + chunk_off(count, local.size(), owned) * es;
+  cross_allreduce(cross, chunk, chunk_len(count, local.size(), owned), t, op, avg_div, cross_rd_max);
   ring_allgather_phase(local, recv, count, t);
+  return false;
 }
 
 }  // namespace cohort::collectives

@@ -100,6 +100,7 @@ void NativeGroup::connect() {
   std::vector<std::string> peer_counts;  // "1 peer(s) over shm", per opened entry, for the INFO line
   link_of_.assign(n, -1);
   transport::Waiter* waiter = nullptr;
+  std::vector<bool> links_single_copy;  // per entry of links_: its peers allow single copy
   for (const transport::TransportEntry* e : transport::transports()) {
     transport::OpenRequest req{.my_rank = me,
                                .size = n,
@@ -120,7 +121,9 @@ void NativeGroup::connect() {
         link_of_[r] = static_cast<int>(links_.size());
       }
     if (e->reach != transport::Reach::SameHost) all_shm_ = false;
-    if (single_copy_why_.empty()) single_copy_why_ = links->single_copy_unavailable();
+    const std::string no_single_copy = links->single_copy_unavailable();
+    if (single_copy_why_.empty()) single_copy_why_ = no_single_copy;
+    links_single_copy.push_back(e->reach == transport::Reach::SameHost && no_single_copy.empty());
     if (!waiter) waiter = links->waiter();
     peer_counts.push_back(fmt::format("{} peer(s) over {}", req.ranks.size() - 1, e->name));
     links_.push_back(std::move(links));
@@ -141,6 +144,8 @@ void NativeGroup::connect() {
     };
     local_comm_ = view(layout_.local, layout_.local_index);
     cross_comm_ = view(layout_.cross, layout_.host_index);
+    local_single_copy_ = std::all_of(layout_.local.begin(), layout_.local.end(),
+                                     [&](int r) { return r == me || (link_of_[r] >= 0 && links_single_copy[link_of_[r]]); });
   }
   COHORT_INFO(kInit, "group {}: rank {}/{} connected: {}", setup_.group_id, me, n, fmt::join(peer_counts, ", "));
   if (core::log_enabled(core::LogLevel::Info, core::kInit)) log_peers(hosts);
@@ -178,8 +183,9 @@ std::string NativeGroup::transport_of(int peer) const {
 }
 
 std::shared_ptr<std::byte[]> NativeGroup::allocate_buffer(size_t bytes) {
-  // Only single-copy allreduces look at shared buffers: elsewhere one would only cost a descriptor.
-  if (single_copy_ && kSharedBuffers.boolean()) {
+  // Only single-copy allreduces (on one host, or on each host of a node-aware one) look at shared
+  // buffers: elsewhere one would only cost a descriptor.
+  if ((single_copy_ || local_single_copy_) && kSharedBuffers.boolean()) {
     try {
       return transport::allocate_shared_buffer(bytes);
     } catch (const Error& e) {

@@ -226,6 +226,40 @@ void NativeGroup::begin_views(const collectives::Comm& comm, core::Deadline dead
   cross_comm_->begin(comm.key(), deadline);
 }
 
+// The allreduce case of run_algorithm (algorithm a, as picked there).
+void NativeGroup::run_allreduce(OpDesc& d, collectives::Algo a, bool shared_only, core::Deadline deadline) {
+  namespace c = collectives;
+  auto& comm = *comm_;
+  auto* sp = static_cast<const uint8_t*>(d.send.data);
+  auto* rp = static_cast<uint8_t*>(d.recv.data);
+  const DType t = d.send.dtype;
+  const ReduceOp op = d.op == ReduceOp::Avg ? ReduceOp::Sum : d.op;
+  const int n = setup_.size, avg_div = d.op == ReduceOp::Avg ? n : 0;
+  // allreduce_gathered: single copy places the pieces itself (reading its own block's in place)
+  if (a != Algo::SingleCopy) core::copy_pieces(d.recv, d.pieces);
+  if (a == Algo::Ring) {
+    c::allreduce_ring(comm, sp, rp, d.send.count, t, op, avg_div);
+  } else if (a == Algo::Hierarchical && n > 1) {
+    begin_views(comm, deadline);
+    // On each host by single copy when every local rank's buffers are shared buffers (from
+    // the size where one-host allreduces take it for them), else the ring's halves.
+    const bool try_single_copy = local_single_copy_ && thresholds_.allreduce_single_copy_shared_min > 0 &&
+                                 d.bytes() >= thresholds_.allreduce_single_copy_shared_min;
+    if (c::allreduce_hierarchical(*local_comm_, *cross_comm_, sp, rp, d.send.count, t, op, avg_div,
+                                  thresholds_.allreduce_rd_max_tcp, try_single_copy))
+      COHORT_TRACE(kColl, "{}: shared buffers on this host: its phases by single copy", d.describe());
+  } else if (a == Algo::SingleCopy) {
+    if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, avg_div, shared_only, d.pieces)) {
+      d.algo = c::algo_name(Algo::Ring);
+      COHORT_TRACE(kColl, "{}: not every rank's buffers are shared: ring", d.describe());
+      c::allreduce_ring(comm, sp, rp, d.send.count, t, op, avg_div);
+    }
+  } else {
+    c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
+    if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
+  }
+}
+
 void NativeGroup::run_algorithm(OpDesc& d) {
   namespace c = collectives;
   auto timeout = d.timeout.count() > 0 ? d.timeout : setup_.timeout;
@@ -278,25 +312,7 @@ void NativeGroup::run_algorithm(OpDesc& d) {
 
   switch (d.coll) {
     case Coll::Allreduce:
-      // allreduce_gathered: single copy places the pieces itself (reading its own block's in place)
-      if (a != Algo::SingleCopy) core::copy_pieces(d.recv, d.pieces);
-      if (a == Algo::Ring) {
-        c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
-      } else if (a == Algo::Hierarchical && n > 1) {
-        begin_views(comm, deadline);
-        c::allreduce_hierarchical(*local_comm_, *cross_comm_, sp, rp, d.send.count, t, op,
-                                  d.op == ReduceOp::Avg ? n : 0, thresholds_.allreduce_rd_max_tcp);
-      } else if (a == Algo::SingleCopy) {
-        if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only,
-                                      d.pieces)) {
-          d.algo = c::algo_name(Algo::Ring);
-          COHORT_TRACE(kColl, "{}: not every rank's buffers are shared: ring", d.describe());
-          c::allreduce_ring(comm, sp, rp, d.send.count, t, op, d.op == ReduceOp::Avg ? n : 0);
-        }
-      } else {
-        c::allreduce_recursive_doubling(comm, sp, rp, d.send.count, t, op);
-        if (d.op == ReduceOp::Avg) core::scale_avg(rp, d.recv.count, t, n);
-      }
+      run_allreduce(d, a, shared_only, deadline);
       return;
     case Coll::Broadcast:
       if (n == 1) return;

@@ -92,6 +92,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   // Runs d with mu_ held by lk on entry and exit (released while it runs); completes w.
   void run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w);
   void run_algorithm(OpDesc& d);
+  void run_allreduce(OpDesc& d, collectives::Algo a, bool shared_only, core::Deadline deadline);
   // The algorithm for d, and whether COHORT_ALGO chose it (false also when
   // it asked for hierarchical where the group cannot run it).
   std::pair<collectives::Algo, bool> pick_algorithm(const OpDesc& d);
@@ -121,6 +122,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   collectives::HostLayout layout_;
   std::string hier_why_ = "every rank of the group is on one host";
   std::unique_ptr<collectives::Comm> local_comm_, cross_comm_;
+  bool local_single_copy_ = false;  // ... and local_comm_'s links allow single copy (shm, ShmTransport::single_copy)
   bool hier_warned_ = false;  // COHORT_ALGO forced hierarchical where it cannot run: said once
   bool all_shm_ = true;
   bool single_copy_ = false;            // all_shm_ and the shm transport allows single copy
