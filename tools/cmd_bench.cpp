@@ -309,8 +309,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--device", f.device,
                   "cpu: host buffers (native backend); cuda: GPU buffers with the nccl backend (a build with CUDA, docs/nccl.md)");
   cmd->add_flag("--shared-buffers", f.shared_buffers,
-               "allocate the buffers with ProcessGroup::allocate_buffer, as DDP's gradient buckets are: on one host "
-               "peers then map them and single-copy allreduces load and store them directly (like nccl-tests -R)");
+               "allocate the buffers with ProcessGroup::allocate_buffer, as DDP's gradient buckets are: peers on one host "
+               "then map them and single-copy allreduces (one host, or each host's phases of the node-aware one) "
+               "load and store them directly (like nccl-tests -R)");
   cmd->callback([&exit_code] {
     if (!cal.file.empty()) {
       if (!f.coll.empty())
