@@ -133,15 +133,20 @@ TEST(HierarchicalSuite, TheTunerPicksItWhereTheFlatChoiceIsARingOrChain) {
 }
 
 // Shared buffers (allocate_buffer) on every rank of a host: that host's phases load and store the
-// peers' buffers directly. The check also runs with only even ranks' buffers shared (both hosts fall
-// back to the slots) and with only the first host's (the hosts take different forms in one call).
+// peers' buffers directly. The allreduce check also runs with only even ranks' buffers shared (both
+// hosts fall back to the slots) and with only the first host's (the hosts take different forms in one
+// call); allgather and reduce_scatter run in place on shared buffers, as ZeRO and FSDP call them.
 TEST(HierarchicalSuite, SharedBuffersRunEachHostsPhasesBySingleCopy) {
-  auto r = run_suite(4, "LOCAL_RANK / 2", {{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}},
-                     {"--gtest_filter=Suite.AllreduceSharedBuffers"});
+  auto r = run_suite(4, "LOCAL_RANK / 2",
+                     {{"COHORT_DEBUG", "TRACE"}, {"COHORT_DEBUG_SUBSYS", "COLL"}, {"COHORT_ALGO", "hierarchical"}},
+                     {"--gtest_filter=Suite.AllreduceSharedBuffers:Suite.AllgatherReduceScatter"});
   EXPECT_EQ(r.status, 0) << r.out << r.err.substr(0, 4000);
-  EXPECT_TRUE(std::regex_search(r.err, std::regex("allreduce #[0-9]+ .* algo hierarchical")))
-      << r.err.substr(0, 4000);
+  for (const char* coll : {"allreduce", "allgather", "reduce_scatter"})
+    EXPECT_TRUE(std::regex_search(r.err, std::regex(std::string(coll) + " #[0-9]+ .* algo hierarchical")))
+        << coll << "\n" << r.err.substr(0, 4000);
   EXPECT_TRUE(contains(r.err, "shared buffers on this host: its phases by single copy")) << r.err.substr(0, 4000);
+  EXPECT_TRUE(contains(r.err, "shared outputs on this host: its phase by single copy")) << r.err.substr(0, 4000);
+  EXPECT_TRUE(contains(r.err, "shared inputs on this host: its phase by single copy")) << r.err.substr(0, 4000);
 }
 
 TEST(HierarchicalSuite, UnevenHostsRunFlatAndSaySo) {

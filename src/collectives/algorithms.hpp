@@ -61,10 +61,13 @@ bool allreduce_hierarchical(Comm& local, Comm& cross, const uint8_t* send, uint8
 //   broadcast: the root's local index broadcasts across hosts, then every host broadcasts inside
 //   (binomial up to binomial_max bytes, the pipelined chain above).
 using Members = std::vector<std::vector<int>>;
-void allgather_hierarchical(Comm& local, Comm& cross, const Members& members, const uint8_t* send, uint8_t* recv,
-                            size_t bytes_per_rank);
-void reduce_scatter_hierarchical(Comm& local, Comm& cross, const Members& members, const uint8_t* send, uint8_t* recv,
-                                 size_t count_per_rank, DType t, ReduceOp op, int avg_div);
+// With try_single_copy, allgather (on shared outputs) and reduce_scatter (on
+// shared inputs) run the host's phase by single copy as allreduce_hierarchical
+// does (hierarchical_others.cpp), and return true when they did.
+bool allgather_hierarchical(Comm& local, Comm& cross, const Members& members, const uint8_t* send, uint8_t* recv,
+                            size_t bytes_per_rank, bool try_single_copy = false);
+bool reduce_scatter_hierarchical(Comm& local, Comm& cross, const Members& members, const uint8_t* send, uint8_t* recv,
+                                 size_t count_per_rank, DType t, ReduceOp op, int avg_div, bool try_single_copy = false);
 void broadcast_hierarchical(Comm& local, Comm& cross, const Members& members, uint8_t* buf, size_t bytes, int root,
                             size_t binomial_max, size_t segment);
 void allreduce_recursive_doubling(Comm& c, const uint8_t* send, uint8_t* recv, size_t count, DType t, ReduceOp op);

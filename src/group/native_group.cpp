@@ -226,6 +226,15 @@ void NativeGroup::begin_views(const collectives::Comm& comm, core::Deadline dead
   cross_comm_->begin(comm.key(), deadline);
 }
 
+// The node-aware algorithms' phases on each host may run by single copy (they
+// check that every local rank's buffers are shared buffers): the host's shm
+// links allow it, and the buffer is at least as large as where one-host
+// collectives take single copy on shared buffers.
+bool NativeGroup::host_single_copy(size_t total_bytes) const {
+  return local_single_copy_ && thresholds_.allreduce_single_copy_shared_min > 0 &&
+         total_bytes >= thresholds_.allreduce_single_copy_shared_min;
+}
+
 // The allreduce case of run_algorithm (algorithm a, as picked there).
 void NativeGroup::run_allreduce(OpDesc& d, collectives::Algo a, bool shared_only, core::Deadline deadline) {
   namespace c = collectives;
@@ -241,12 +250,9 @@ void NativeGroup::run_allreduce(OpDesc& d, collectives::Algo a, bool shared_only
     c::allreduce_ring(comm, sp, rp, d.send.count, t, op, avg_div);
   } else if (a == Algo::Hierarchical && n > 1) {
     begin_views(comm, deadline);
-    // On each host by single copy when every local rank's buffers are shared buffers (from
-    // the size where one-host allreduces take it for them), else the ring's halves.
-    const bool try_single_copy = local_single_copy_ && thresholds_.allreduce_single_copy_shared_min > 0 &&
-                                 d.bytes() >= thresholds_.allreduce_single_copy_shared_min;
+    // On each host by single copy when every local rank's buffers are shared buffers, else the ring's halves.
     if (c::allreduce_hierarchical(*local_comm_, *cross_comm_, sp, rp, d.send.count, t, op, avg_div,
-                                  thresholds_.allreduce_rd_max_tcp, try_single_copy))
+                                  thresholds_.allreduce_rd_max_tcp, host_single_copy(d.send.bytes())))
       COHORT_TRACE(kColl, "{}: shared buffers on this host: its phases by single copy", d.describe());
   } else if (a == Algo::SingleCopy) {
     if (!c::allreduce_single_copy(comm, sp, rp, d.send.count, t, op, avg_div, shared_only, d.pieces)) {
@@ -330,7 +336,9 @@ void NativeGroup::run_algorithm(OpDesc& d) {
     case Coll::Allgather:
       if (a == Algo::Hierarchical && n > 1) {
         begin_views(comm, deadline);
-        c::allgather_hierarchical(*local_comm_, *cross_comm_, layout_.members, sp, rp, d.send.bytes());
+        if (c::allgather_hierarchical(*local_comm_, *cross_comm_, layout_.members, sp, rp, d.send.bytes(),
+                                      host_single_copy(d.recv.bytes())))
+          COHORT_TRACE(kColl, "{}: shared outputs on this host: its phase by single copy", d.describe());
       } else if (a == Algo::Direct) {
         c::allgather_direct(comm, sp, rp, d.send.bytes());
       } else if (a != Algo::SingleCopy || !c::allgather_single_copy(comm, sp, rp, d.send.bytes(), shared_only)) {
@@ -341,8 +349,9 @@ void NativeGroup::run_algorithm(OpDesc& d) {
     case Coll::ReduceScatter:
       if (a == Algo::Hierarchical && n > 1) {
         begin_views(comm, deadline);
-        c::reduce_scatter_hierarchical(*local_comm_, *cross_comm_, layout_.members, sp, rp, d.recv.count, t, op,
-                                       d.op == ReduceOp::Avg ? n : 0);
+        if (c::reduce_scatter_hierarchical(*local_comm_, *cross_comm_, layout_.members, sp, rp, d.recv.count, t, op,
+                                           d.op == ReduceOp::Avg ? n : 0, host_single_copy(d.send.bytes())))
+          COHORT_TRACE(kColl, "{}: shared inputs on this host: its phase by single copy", d.describe());
       } else if (a != Algo::SingleCopy ||
           !c::reduce_scatter_single_copy(comm, sp, rp, d.recv.count, t, op, d.op == ReduceOp::Avg ? n : 0, shared_only)) {
         if (a == Algo::SingleCopy) d.algo = c::algo_name(Algo::Ring);  // not every rank's input is shared

@@ -93,6 +93,7 @@ class NativeGroup final : public ProcessGroup, public WorkRunner, public std::en
   void run_locked(std::unique_lock<std::mutex>& lk, OpDesc& d, WorkImpl& w);
   void run_algorithm(OpDesc& d);
   void run_allreduce(OpDesc& d, collectives::Algo a, bool shared_only, core::Deadline deadline);
+  bool host_single_copy(size_t total_bytes) const;
   // The algorithm for d, and whether COHORT_ALGO chose it (false also when
   // it asked for hierarchical where the group cannot run it).
   std::pair<collectives::Algo, bool> pick_algorithm(const OpDesc& d);
