@@ -66,7 +66,7 @@ void cross_allreduce(Comm& cross, uint8_t* chunk, size_t len, DType t, ReduceOp 
 // swapped references, so all of them agree.
 bool hierarchical_single_copy(Comm& local, Comm& cross, const uint8_t* send, uint8_t* recv, size_t count, DType t,
                               ReduceOp op, int avg_div, size_t cross_rd_max) {
-  const int n = local.size(), l = local.rank();
+  const int n = local.size();
   const size_t es = dtype_size(t), bytes = count * es;
   struct Both {
     PeerBuffer send, recv;
@@ -82,33 +82,21 @@ bool hierarchical_single_copy(Comm& local, Comm& cross, const uint8_t* send, uin
     recvs.push_back(b.recv);
   }
   if (!all_shared(sends) || !all_shared(recvs)) return false;
-  std::vector<const uint8_t*> peer_send(n, nullptr);
-  std::vector<uint8_t*> peer_recv(n, nullptr);
-  for (int q = 0; q < n; ++q) {
-    if (q == l) continue;
-    peer_send[q] = map_shared(local, q, sends[q].ref, sends[q].addr, bytes);
-    peer_recv[q] = map_shared(local, q, recvs[q].ref, recvs[q].addr, bytes);
-  }
-  const int owned = ring_owned_chunk(l, n);
+  const std::vector<uint8_t*> peer_send = map_peers(local, sends, bytes), peer_recv = map_peers(local, recvs, bytes);
+  const int owned = ring_owned_chunk(local.rank(), n);
   const size_t off = chunk_off(count, n, owned) * es, len = chunk_len(count, n, owned) * es;
 
   // 1. This rank's chunk of every local send buffer, reduced into this rank's receive buffer (cache-sized pieces).
   const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = local.scratch(piece_max);
-  for (size_t p = 0; p < len; p += piece_max) {
-    const size_t m = std::min(piece_max, len - p), at = off + p;
-    for (int k = 1; k < n; ++k) {
-      const int q = (l + k) % n;
-      const uint8_t* theirs = peer_send[q] ? peer_send[q] + at : scratch;
-      if (!peer_send[q]) local.read_peer(q, sends[q].addr + at, scratch, m);
-      core::reduce(recv + at, k == 1 ? send + at : recv + at, theirs, m / es, t, op);
-    }
-  }
+  for (size_t p = 0; p < len; p += piece_max)
+    reduce_piece(local, recv + off + p, send + off + p, peer_send, sends, off + p, std::min(piece_max, len - p),
+                 scratch, t, op);
   // 2. Across hosts.
   cross_allreduce(cross, recv + off, len / es, t, op, avg_div, cross_rd_max);
   // 3. The finished chunk into every local peer's receive buffer.
   for (int k = 1; k < n; ++k) {
-    const int q = (l + k) % n;
+    const int q = (local.rank() + k) % n;
     if (peer_recv[q])
       std::memcpy(peer_recv[q] + off, recv + off, len);
     else

@@ -118,26 +118,19 @@ bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
       }
 
   // Peers' buffers this rank can load from and store to directly (nullptr: process_vm_readv/writev).
-  std::vector<const uint8_t*> peer_send(n, nullptr);
-  std::vector<uint8_t*> peer_recv(n, nullptr);
-  for (int q = 0; q < n; ++q) {
-    if (q == rank) continue;
-    peer_send[q] = map_shared(c, q, theirs[q].send_ref, theirs[q].send, bytes);
-    peer_recv[q] = map_shared(c, q, theirs[q].recv_ref, theirs[q].recv, bytes);
+  std::vector<PeerBuffer> sends, recvs;
+  for (const Addrs& a : theirs) {
+    sends.push_back({a.send, a.send_ref});
+    recvs.push_back({a.recv, a.recv_ref});
   }
+  const std::vector<uint8_t*> peer_send = map_peers(c, sends, bytes), peer_recv = map_peers(c, recvs, bytes);
 
   const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = c.scratch(piece_max);
   for (const OwnSpan& span : own) {
     for (size_t p = 0; p < span.len; p += piece_max) {
       const size_t m = std::min(piece_max, span.len - p), at = span.at + p;
-      const uint8_t* mine_at = span.src ? span.src + p : send + at;
-      for (int k = 1; k < n; ++k) {
-        const int q = (rank + k) % n;
-        const uint8_t* theirs_at = peer_send[q] ? peer_send[q] + at : scratch;
-        if (!peer_send[q]) c.read_peer(q, theirs[q].send + at, scratch, m);
-        core::reduce(recv + at, k == 1 ? mine_at : recv + at, theirs_at, m / es, t, op);
-      }
+      reduce_piece(c, recv + at, span.src ? span.src + p : send + at, peer_send, sends, at, m, scratch, t, op);
       if (avg_div > 1) core::scale_avg(recv + at, m / es, t, avg_div);
       for (int k = 1; k < n; ++k) {
         const int q = (rank + k) % n;

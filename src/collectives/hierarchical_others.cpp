@@ -23,7 +23,6 @@
 
 #include "collectives/algorithms.hpp"
 #include "collectives/single_copy.hpp"
-#include "core/reduce.hpp"
 
 namespace cohort::collectives {
 
@@ -43,9 +42,7 @@ LocalPeers map_local_peers(Comm& local, const void* p, size_t bytes) {
   LocalPeers out{swap_buffers(local, p, bytes), {}, false};
   out.shared = all_shared(out.bufs);
   if (!out.shared) return out;
-  out.mapped.assign(out.bufs.size(), nullptr);
-  for (int q = 0; q < local.size(); ++q)
-    if (q != local.rank()) out.mapped[q] = map_shared(local, q, out.bufs[q].ref, out.bufs[q].addr, bytes);
+  out.mapped = map_peers(local, out.bufs, bytes);
   return out;
 }
 
@@ -105,15 +102,9 @@ bool reduce_scatter_hierarchical(Comm& local, Comm& cross, const Members& member
       for (int h = 0; h < hosts; ++h) {
         const size_t off = static_cast<size_t>(members[h][index]) * b;
         uint8_t* out = bundle + h * b;
-        for (size_t p = 0; p < b; p += piece_max) {
-          const size_t m = std::min(piece_max, b - p), at = off + p;
-          for (int k = 1; k < per_host; ++k) {
-            const int q = (index + k) % per_host;
-            const uint8_t* theirs = peers.mapped[q] ? peers.mapped[q] + at : scratch;
-            if (!peers.mapped[q]) local.read_peer(q, peers.bufs[q].addr + at, scratch, m);
-            core::reduce(out + p, k == 1 ? send + at : out + p, theirs, m / es, t, op);
-          }
-        }
+        for (size_t p = 0; p < b; p += piece_max)
+          reduce_piece(local, out + p, send + off + p, peers.mapped, peers.bufs, off + p, std::min(piece_max, b - p),
+                       scratch, t, op);
       }
       single_copy_done(local);  // "I am done with your input"
     }

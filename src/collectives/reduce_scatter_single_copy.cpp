@@ -46,20 +46,13 @@ bool reduce_scatter_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, siz
   }
   const std::vector<PeerBuffer> theirs = swap_buffers(c, send, total);
   if (shared_only && !all_shared(theirs)) return false;  // every rank sees the same addresses: all agree
-  std::vector<const uint8_t*> peer_send(n, nullptr);
-  for (int q = 0; q < n; ++q)
-    if (q != rank) peer_send[q] = map_shared(c, q, theirs[q].ref, theirs[q].addr, total);
+  const std::vector<uint8_t*> peer_send = map_peers(c, theirs, total);
 
   const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = c.scratch(piece_max);
   for (size_t p = 0; p < block; p += piece_max) {
     const size_t m = std::min(piece_max, block - p), at = own + p;
-    for (int k = 1; k < n; ++k) {
-      const int q = (rank + k) % n;
-      const uint8_t* from = peer_send[q] ? peer_send[q] + at : scratch;
-      if (!peer_send[q]) c.read_peer(q, theirs[q].addr + at, scratch, m);
-      core::reduce(recv + p, k == 1 ? send + at : recv + p, from, m / es, t, op);
-    }
+    reduce_piece(c, recv + p, send + at, peer_send, theirs, at, m, scratch, t, op);
     if (avg_div > 1) core::scale_avg(recv + p, m / es, t, avg_div);
   }
   single_copy_done(c);  // "I am done with your input"

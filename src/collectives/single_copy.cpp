@@ -5,6 +5,7 @@
 
 #include "collectives/algorithms.hpp"
 #include "core/log.hpp"
+#include "core/reduce.hpp"
 
 namespace cohort::collectives {
 
@@ -38,6 +39,24 @@ uint8_t* map_shared(Comm& c, int q, const transport::SharedRef& ref, uint64_t ad
                "instead (correct, slower)",
                q, why);
   return p;
+}
+
+std::vector<uint8_t*> map_peers(Comm& c, const std::vector<PeerBuffer>& bufs, size_t bytes) {
+  std::vector<uint8_t*> mapped(bufs.size(), nullptr);
+  for (int q = 0; q < c.size(); ++q)
+    if (q != c.rank()) mapped[q] = map_shared(c, q, bufs[q].ref, bufs[q].addr, bytes);
+  return mapped;
+}
+
+void reduce_piece(Comm& c, uint8_t* out, const uint8_t* mine, const std::vector<uint8_t*>& mapped,
+                  const std::vector<PeerBuffer>& bufs, size_t at, size_t m, uint8_t* scratch, DType t, ReduceOp op) {
+  const int n = c.size();
+  for (int k = 1; k < n; ++k) {
+    const int q = (c.rank() + k) % n;
+    const uint8_t* theirs = mapped[q] ? mapped[q] + at : scratch;
+    if (!mapped[q]) c.read_peer(q, bufs[q].addr + at, scratch, m);
+    core::reduce(out, k == 1 ? mine : out, theirs, m / dtype_size(t), t, op);
+  }
 }
 
 void single_copy_done(Comm& c) {

@@ -42,6 +42,17 @@ bool all_shared(const std::vector<PeerBuffer>& buffers);
 // (then use Comm::read_peer / write_peer). A failed mapping is logged once.
 uint8_t* map_shared(Comm& c, int peer, const transport::SharedRef& ref, uint64_t addr, size_t bytes);
 
+// Every peer's buffer of `bufs` mapped into this process (map_shared), with
+// nullptr for this rank.
+std::vector<uint8_t*> map_peers(Comm& c, const std::vector<PeerBuffer>& bufs, size_t bytes);
+
+// One piece of a single-copy reduction: out[0, m) = mine[0, m) op, for every
+// peer q in the order rank + 1, rank + 2, ..., bytes [at, at + m) of q's
+// buffer: loaded from mapped[q] + at where it is mapped here, else read with
+// process_vm_readv into `scratch` (m bytes). out may be mine; 2 ranks or more.
+void reduce_piece(Comm& c, uint8_t* out, const uint8_t* mine, const std::vector<uint8_t*>& mapped,
+                  const std::vector<PeerBuffer>& bufs, size_t at, size_t m, uint8_t* scratch, DType t, ReduceOp op);
+
 // Collective: tells every peer that this rank is done with its buffers, and
 // waits until every peer has said the same.
 void single_copy_done(Comm& c);
