@@ -10,10 +10,13 @@
 #include <regex>
 
 #include "mpi/mpirun_args.hpp"
+#include "example_output.hpp"
 #include "proc_util.hpp"
 #include "test_deps.hpp"
 
 namespace {
+
+using cohort::testing::example_losses;
 
 namespace fs = std::filesystem;
 using cohort::testing::Proc;
@@ -28,14 +31,6 @@ JobResult run(const std::vector<std::string>& argv, const std::map<std::string, 
   std::vector<Proc> ps{cohort::testing::spawn(argv, env, std::string(COHORT_TEST_BIN_DIR) + "/ddp_mpirun_" + name)};
   EXPECT_TRUE(cohort::testing::wait_all(ps, std::chrono::seconds(900))) << name << " was killed after 900 s";
   return {ps[0].exit_code(), ps[0].out(), ps[0].err()};
-}
-
-std::map<int, double> losses(const std::string& out) {
-  std::map<int, double> m;
-  std::regex re(R"(LOSS step=(\d+) value=([-0-9.e]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it)
-    m[std::stoi((*it)[1])] = std::stod((*it)[2]);
-  return m;
 }
 
 std::string accuracy(const std::string& out) {
@@ -77,7 +72,7 @@ TEST(DdpMpirun, SameLossesAndAccuracyAsCohortRun) {
   launcher.insert(launcher.end(), kRecipe.begin(), kRecipe.end());
   JobResult ref = run(launcher, env, "cohort_run");
   ASSERT_EQ(ref.code, 0) << ref.out << ref.err;
-  const auto want = losses(ref.out);
+  const auto want = example_losses(ref.out);
   const std::string want_acc = accuracy(ref.out);
   ASSERT_GT(want.size(), 10u) << ref.out;
   ASSERT_FALSE(want_acc.empty()) << ref.out;
@@ -88,7 +83,7 @@ TEST(DdpMpirun, SameLossesAndAccuracyAsCohortRun) {
     e["MASTER_PORT"] = std::to_string(cohort::testing::free_port());  // native: rank 0 serves the store here
     JobResult got = run(under_mpirun(), e, backend);
     ASSERT_EQ(got.code, 0) << backend << "\n" << got.out << got.err;
-    const auto have = losses(got.out);
+    const auto have = example_losses(got.out);
     ASSERT_EQ(have.size(), want.size()) << backend << "\n" << got.out;
     for (const auto& [step, v] : want) EXPECT_NEAR(have.at(step), v, 1e-6) << backend << " step " << step;
     EXPECT_EQ(accuracy(got.out), want_acc) << backend << "\n" << got.out;

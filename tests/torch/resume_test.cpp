@@ -13,19 +13,15 @@
 #include <signal.h>
 
 #include "launch_harness.hpp"
+#include "example_output.hpp"
 #include "test_deps.hpp"
 
 namespace {
 
+using cohort::testing::example_losses;
+
 namespace lt = launch_test;
 namespace fs = std::filesystem;
-
-std::map<int, double> losses(const std::string& out) {
-  std::map<int, double> m;
-  std::regex re(R"(LOSS step=(\d+) value=([-0-9.e]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) m[std::stoi((*it)[1])] = std::stod((*it)[2]);
-  return m;
-}
 
 bool have_data() { return fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
 
@@ -64,7 +60,7 @@ void expect_resumes_after_a_kill(const std::string& dir, std::vector<std::string
   EXPECT_NE(killed.status, 0);
   auto resumed = lt::run(job(dir, with({"--resume"}), 50), env, 600);
   ASSERT_EQ(resumed.status, 0) << resumed.err;
-  auto got = losses(resumed.out);
+  auto got = example_losses(resumed.out);
   ASSERT_FALSE(got.empty());
   EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
@@ -82,7 +78,7 @@ void expect_converted_resume(const std::string& dir, const std::vector<std::stri
   auto resumed = lt::run(job(dir, extra, 50), env, 600);
   ASSERT_EQ(resumed.status, 0) << resumed.err;
   EXPECT_NE(resumed.out.find(note), std::string::npos) << resumed.out;
-  auto got = losses(resumed.out);
+  auto got = example_losses(resumed.out);
   ASSERT_FALSE(got.empty());
   EXPECT_EQ(got.begin()->first, 41) << resumed.out;
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;
@@ -94,7 +90,7 @@ TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto full = lt::run(job(base + "/a", {}), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  auto want = losses(full.out);
+  auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 70u) << full.out;
   // --max-steps 70 stopped the run mid-epoch: it saved that step, and the
   // same command with --resume has nothing left to train.
@@ -103,7 +99,7 @@ TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   ASSERT_EQ(again.status, 0) << again.err;
   EXPECT_NE(again.out.find("nothing to train: the run is at step 70 and --max-steps is 70"), std::string::npos)
       << again.out;
-  EXPECT_TRUE(losses(again.out).empty()) << again.out;
+  EXPECT_TRUE(example_losses(again.out).empty()) << again.out;
 
   // Rank 1 dies right after step 47: the newest checkpoint is step 40.
   auto killed = lt::run(job(base + "/b", {"--fault-kill-rank", "1", "--fault-at-step", "47"}), env, 600);
@@ -112,7 +108,7 @@ TEST(Resume, KilledRunResumesWithIdenticalLosses) {
   auto resumed = lt::run(job(base + "/b", {"--resume"}), env, 600);
   ASSERT_EQ(resumed.status, 0) << resumed.err;
   EXPECT_NE(resumed.out.find("resumed from"), std::string::npos) << resumed.out;
-  auto got = losses(resumed.out);
+  auto got = example_losses(resumed.out);
   ASSERT_FALSE(got.empty());
   EXPECT_EQ(got.begin()->first, 41) << "resume should continue after the step-40 checkpoint";
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
@@ -132,13 +128,13 @@ TEST(Resume, AdamWResumesWithIdenticalLosses) {
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto full = lt::run(job(base + "/a", {"--optimizer", "adamw"}, 50), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  auto want = losses(full.out);
+  auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 50u) << full.out;
   auto killed = lt::run(job(base + "/b", {"--optimizer", "adamw", "--fault-kill-rank", "0", "--fault-at-step", "27"}, 50), env, 600);
   EXPECT_NE(killed.status, 0);
   auto resumed = lt::run(job(base + "/b", {"--optimizer", "adamw", "--resume"}, 50), env, 600);
   ASSERT_EQ(resumed.status, 0) << resumed.err;
-  auto got = losses(resumed.out);
+  auto got = example_losses(resumed.out);
   ASSERT_FALSE(got.empty());
   EXPECT_EQ(got.begin()->first, 21) << "resume should continue after the step-20 checkpoint";
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
@@ -156,7 +152,7 @@ TEST(Resume, ShardedAdamWResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   const std::vector<std::string> sharded{"--optimizer", "adamw", "--shard", "zero2"};
   auto full = lt::run(job(base + "/a", sharded, 50), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  auto want = losses(full.out);
+  auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 50u) << full.out;
   ASSERT_TRUE(fs::exists(base + "/a/step_000000040/optimizer.rank1.safetensors"));
   expect_resumes_after_a_kill(base + "/b", sharded, want);
@@ -187,7 +183,7 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   const std::vector<std::string> fsdp{"--optimizer", "adamw", "--shard", "fsdp"};
   auto full = lt::run(job(base + "/a", fsdp, 50), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  auto want = losses(full.out);
+  auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 50u) << full.out;
   EXPECT_NE(full.out.find("RESULT memory model=cnn shard=fsdp world=2"), std::string::npos) << full.out;
   for (const char* file : {"model.rank0", "model.rank1", "optimizer.rank0", "optimizer.rank1"})
@@ -207,7 +203,7 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   auto plain = lt::run(job(base + "/p", {"--optimizer", "adamw"}, 50), env, 600);
   ASSERT_EQ(plain.status, 0) << plain.err;
   expect_converted_resume(fork_at(base + "/p", 40, base + "/p40"), {"--optimizer", "adamw", "--shard", "fsdp"},
-                          "its model and optimizer state are cut into this run's shards", losses(plain.out));
+                          "its model and optimizer state are cut into this run's shards", example_losses(plain.out));
 
   std::vector<std::string> one =
       job(fork_at(base + "/b", 40, base + "/one"), {"--optimizer", "adamw", "--shard", "fsdp", "--resume"}, 54);
@@ -215,7 +211,7 @@ TEST(Resume, FsdpResumesWithIdenticalLossesAndAtAnotherWorldSize) {
   auto alone = lt::run(one, env, 600);
   ASSERT_EQ(alone.status, 0) << alone.err;
   EXPECT_NE(alone.out.find("written by 2 ranks, this run has 1"), std::string::npos) << alone.out;
-  EXPECT_EQ(losses(alone.out).begin()->first, 41) << "from the step-40 checkpoint: " << alone.out;
+  EXPECT_EQ(example_losses(alone.out).begin()->first, 41) << "from the step-40 checkpoint: " << alone.out;
   fs::remove_all(base);
 }
 
@@ -230,7 +226,7 @@ TEST(Resume, PowerSgdHookStateResumesWithIdenticalLosses) {
   const std::vector<std::string> hook{"--comm-hook", "powersgd", "--powersgd-start-iter", "10"};
   auto full = lt::run(job(base + "/a", hook, 50), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  auto want = losses(full.out);
+  auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 50u) << full.out;
   for (const char* file : {"model", "optimizer", "powersgd.rank0", "powersgd.rank1"})
     EXPECT_TRUE(fs::exists(base + "/a/step_000000040/" + file + ".safetensors")) << file;
@@ -248,7 +244,7 @@ TEST(Resume, ASigtermedJobSavesTheStepItStoppedAtAndResumesFromIt) {
   std::map<std::string, std::string> env{{"OMP_NUM_THREADS", "1"}, {"OPENBLAS_NUM_THREADS", "1"}};
   auto full = lt::run(job(base + "/a", {}, 300), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  const auto want = losses(full.out);
+  const auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 300u) << full.out;
 
   // Time enough between SIGTERM and SIGKILL for a step and a save on a busy machine.
@@ -271,7 +267,7 @@ TEST(Resume, ASigtermedJobSavesTheStepItStoppedAtAndResumesFromIt) {
 
   auto resumed = lt::run(job(base + "/b", {"--resume"}, 300), env, 600);
   ASSERT_EQ(resumed.status, 0) << resumed.err;
-  const auto got = losses(resumed.out);
+  const auto got = example_losses(resumed.out);
   ASSERT_FALSE(got.empty()) << resumed.out;
   EXPECT_EQ(got.begin()->first, at + 1) << resumed.out;
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
@@ -297,7 +293,7 @@ TEST(Resume, ASigtermToOneRankAtAnEpochsEndStopsEveryRankAndTheRestartContinues)
   };
   auto full = lt::run(short_job(base + "/a", {}), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  const auto want = losses(full.out);
+  const auto want = example_losses(full.out);
   ASSERT_EQ(want.size(), 30u) << full.out;
 
   auto r = lt::run(short_job(base + "/b", {"--fault-kill-rank", "1", "--fault-at-step", "10", "--fault-signal", "TERM"}),
@@ -306,7 +302,7 @@ TEST(Resume, ASigtermToOneRankAtAnEpochsEndStopsEveryRankAndTheRestartContinues)
   EXPECT_NE(r.out.find("stopped at step 10: SIGTERM reached the job"), std::string::npos) << r.out;  // rank 0 prints it
   EXPECT_NE(r.out.find("resumed from " + base + "/b/step_000000010: epoch 1, step 10, sample 0 of the epoch"),
             std::string::npos) << r.out;
-  const auto got = losses(r.out);
+  const auto got = example_losses(r.out);
   ASSERT_EQ(got.size(), 30u) << r.out;
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-6) << "step " << step;
   fs::remove_all(base);
@@ -457,7 +453,7 @@ TEST(ExampleData, Bf16AutocastTrains) {
                     "--max-steps", "60", "--train-limit", "8192", "--augment", "none", "--log-losses"},
                    env, 600);
   ASSERT_EQ(r.status, 0) << r.err;
-  auto l = losses(r.out);
+  auto l = example_losses(r.out);
   ASSERT_EQ(l.size(), 60u) << r.out;
   double first = 0, last = 0;
   for (int s = 1; s <= 10; ++s) first += l.at(s) / 10;
@@ -487,13 +483,13 @@ TEST(Resume, RefusalsAndABucketLayoutConversion) {
   const std::vector<std::string> zero2 = {"--optimizer", "adamw", "--shard", "zero2"};
   auto full = lt::run(job(base + "/z", zero2, 30), env, 600);
   ASSERT_EQ(full.status, 0) << full.err;
-  const auto want = losses(full.out);  // from the step-20 checkpoint (the stop saved step 30 too)
+  const auto want = example_losses(full.out);  // from the step-20 checkpoint (the stop saved step 30 too)
   auto converted = lt::run(
       job(fork_at(base + "/z", 20, base + "/z20"), {"--optimizer", "adamw", "--shard", "zero1", "--first-bucket-mb", "0.05", "--resume"}, 30), env, 600);
   ASSERT_EQ(converted.status, 0) << converted.err;
   EXPECT_NE(converted.out.find("gathering its optimizer state and cutting it into this run's buckets"),
             std::string::npos) << converted.out;
-  const auto got = losses(converted.out);
+  const auto got = example_losses(converted.out);
   ASSERT_FALSE(got.empty());
   EXPECT_EQ(got.begin()->first, 21) << converted.out;
   for (auto& [step, v] : got) EXPECT_NEAR(v, want.at(step), 1e-4) << "step " << step;

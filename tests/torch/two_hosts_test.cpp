@@ -11,18 +11,14 @@
 #include <regex>
 
 #include "launch_harness.hpp"
+#include "example_output.hpp"
 
 namespace {
 
+using cohort::testing::example_losses;
+
 namespace lt = launch_test;
 namespace fs = std::filesystem;
-
-std::map<int, double> losses(const std::string& out) {
-  std::map<int, double> m;
-  std::regex re(R"(LOSS step=(\d+) value=([-0-9.e]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) m[std::stoi((*it)[1])] = std::stod((*it)[2]);
-  return m;
-}
 
 // `cohort run` of 4 ranks of the example; two_hosts: ranks 0-1 on host h0, 2-3 on h1.
 lt::Result train(const std::vector<std::string>& flags, bool two_hosts) {
@@ -58,7 +54,7 @@ TEST(TwoHosts, DdpZeroAndFsdpTrainAsOnOneHost) {
     const lt::Result one = train(c.flags, false), two = train(c.flags, true);
     ASSERT_EQ(one.status, 0) << what << one.out << one.err.substr(0, 3000);
     ASSERT_EQ(two.status, 0) << what << two.out << two.err.substr(0, 3000);
-    const auto want = losses(one.out), got = losses(two.out);
+    const auto want = example_losses(one.out), got = example_losses(two.out);
     ASSERT_EQ(want.size(), 12u) << what << one.out;
     ASSERT_EQ(got.size(), want.size()) << what << two.out;
     // The same sums in another order: the losses agree to float rounding.
