@@ -20,6 +20,7 @@ made (they take it as their default) and puts the old value back at the end: glo
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -44,6 +45,9 @@ class Lab:
         self.tag = f"coh_hb_{os.getpid()}"
         self.machines = machines
         self.made = []
+        # `timeout` and kill send SIGTERM: make it an exit, so that the callers' finally blocks remove the
+        # namespaces (left behind by a killed run before 2026-12-07).
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
             self._make(rate)
         except BaseException:
