@@ -38,6 +38,11 @@ def sh(cmd, check=True):
     return p.stdout
 
 
+def _exit_on_first_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
+
+
 class Lab:
     """MACHINES machines coh_hb_<pid>_n0, _n1, ... (10.82.0.1, .2, ...) on a bridge in coh_hb_<pid>_sw."""
 
@@ -46,8 +51,9 @@ class Lab:
         self.machines = machines
         self.made = []
         # `timeout` and kill send SIGTERM: make it an exit, so that the callers' finally blocks remove the
-        # namespaces (left behind by a killed run before 2026-12-07).
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        # namespaces (left behind by a killed run before 2026-12-07). The first one only: `timeout` signals
+        # its child and then the child's process group, and a second exit would cut the removal short.
+        signal.signal(signal.SIGTERM, _exit_on_first_sigterm)
         try:
             self._make(rate)
         except BaseException:
