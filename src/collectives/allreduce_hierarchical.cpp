@@ -41,7 +41,6 @@
 // q itself touches only its own chunk. A buffer is left alone by the peers once
 // its owner has every peer's "done" word.
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "collectives/algorithms.hpp"
@@ -68,21 +67,10 @@ bool hierarchical_single_copy(Comm& local, Comm& cross, const uint8_t* send, uin
                               ReduceOp op, int avg_div, size_t cross_rd_max) {
   const int n = local.size();
   const size_t es = dtype_size(t), bytes = count * es;
-  struct Both {
-    PeerBuffer send, recv;
-  };
-  const Both mine{{reinterpret_cast<uint64_t>(send), transport::find_shared_buffer(send, bytes)},
-                  {reinterpret_cast<uint64_t>(recv), transport::find_shared_buffer(recv, bytes)}};
-  std::vector<Both> theirs(static_cast<size_t>(n));
-  allgather_direct(local, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()),
-                   sizeof mine);
-  std::vector<PeerBuffer> sends, recvs;
-  for (const Both& b : theirs) {
-    sends.push_back(b.send);
-    recvs.push_back(b.recv);
-  }
-  if (!all_shared(sends) || !all_shared(recvs)) return false;
-  const std::vector<uint8_t*> peer_send = map_peers(local, sends, bytes), peer_recv = map_peers(local, recvs, bytes);
+  const SendRecvBuffers theirs = swap_send_recv(local, send, recv, bytes);
+  if (!all_shared(theirs.send) || !all_shared(theirs.recv)) return false;
+  const std::vector<uint8_t*> peer_send = map_peers(local, theirs.send, bytes),
+                              peer_recv = map_peers(local, theirs.recv, bytes);
   const int owned = ring_owned_chunk(local.rank(), n);
   const size_t off = chunk_off(count, n, owned) * es, len = chunk_len(count, n, owned) * es;
 
@@ -90,18 +78,12 @@ bool hierarchical_single_copy(Comm& local, Comm& cross, const uint8_t* send, uin
   const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = local.scratch(piece_max);
   for (size_t p = 0; p < len; p += piece_max)
-    reduce_piece(local, recv + off + p, send + off + p, peer_send, sends, off + p, std::min(piece_max, len - p),
+    reduce_piece(local, recv + off + p, send + off + p, peer_send, theirs.send, off + p, std::min(piece_max, len - p),
                  scratch, t, op);
   // 2. Across hosts.
   cross_allreduce(cross, recv + off, len / es, t, op, avg_div, cross_rd_max);
   // 3. The finished chunk into every local peer's receive buffer.
-  for (int k = 1; k < n; ++k) {
-    const int q = (local.rank() + k) % n;
-    if (peer_recv[q])
-      std::memcpy(peer_recv[q] + off, recv + off, len);
-    else
-      local.write_peer(q, recvs[q].addr + off, recv + off, len);
-  }
+  for (int k = 1; k < n; ++k) store_to_peer(local, (local.rank() + k) % n, peer_recv, theirs.recv, off, recv + off, len);
   single_copy_done(local);  // "your chunk of mine is delivered, and I am done with your send buffer"
   return true;
 }

@@ -101,44 +101,24 @@ bool allreduce_single_copy(Comm& c, const uint8_t* send, uint8_t* recv, size_t c
   // Peers read the rest of this buffer after the address swap: place it now.
   const std::vector<OwnSpan> own = place_pieces(recv, pieces, es, off, off + len);
   const size_t bytes = count * es;
-  struct Addrs {
-    uint64_t send, recv;
-    transport::SharedRef send_ref, recv_ref;
-  };
-  const Addrs mine{reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv),
-                   transport::find_shared_buffer(send, bytes), transport::find_shared_buffer(recv, bytes)};
-  std::vector<Addrs> theirs(n);
-  allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(theirs.data()), sizeof mine);
-  if (shared_only)
-    for (const Addrs& a : theirs)
-      if (a.send_ref.id == 0 || a.recv_ref.id == 0) {  // the same answer on every rank
-        for (const OwnSpan& s : own)
-          if (s.src) std::memcpy(recv + s.at, s.src, s.len);
-        return false;
-      }
+  const SendRecvBuffers theirs = swap_send_recv(c, send, recv, bytes);
+  if (shared_only && (!all_shared(theirs.send) || !all_shared(theirs.recv))) {  // the same answer on every rank
+    for (const OwnSpan& s : own)
+      if (s.src) std::memcpy(recv + s.at, s.src, s.len);
+    return false;
+  }
 
   // Peers' buffers this rank can load from and store to directly (nullptr: process_vm_readv/writev).
-  std::vector<PeerBuffer> sends, recvs;
-  for (const Addrs& a : theirs) {
-    sends.push_back({a.send, a.send_ref});
-    recvs.push_back({a.recv, a.recv_ref});
-  }
-  const std::vector<uint8_t*> peer_send = map_peers(c, sends, bytes), peer_recv = map_peers(c, recvs, bytes);
+  const std::vector<uint8_t*> peer_send = map_peers(c, theirs.send, bytes), peer_recv = map_peers(c, theirs.recv, bytes);
 
   const size_t piece_max = kSingleCopyPiece / es * es;
   uint8_t* scratch = c.scratch(piece_max);
   for (const OwnSpan& span : own) {
     for (size_t p = 0; p < span.len; p += piece_max) {
       const size_t m = std::min(piece_max, span.len - p), at = span.at + p;
-      reduce_piece(c, recv + at, span.src ? span.src + p : send + at, peer_send, sends, at, m, scratch, t, op);
+      reduce_piece(c, recv + at, span.src ? span.src + p : send + at, peer_send, theirs.send, at, m, scratch, t, op);
       if (avg_div > 1) core::scale_avg(recv + at, m / es, t, avg_div);
-      for (int k = 1; k < n; ++k) {
-        const int q = (rank + k) % n;
-        if (peer_recv[q])
-          std::memcpy(peer_recv[q] + at, recv + at, m);
-        else
-          c.write_peer(q, theirs[q].recv + at, recv + at, m);
-      }
+      for (int k = 1; k < n; ++k) store_to_peer(c, (rank + k) % n, peer_recv, theirs.recv, at, recv + at, m);
     }
   }
 

@@ -67,10 +67,7 @@ bool allgather_hierarchical(Comm& local, Comm& cross, const Members& members, co
         const int p = (index + q) % per_host;
         for (int h = 0; h < hosts; ++h) {
           const size_t off = static_cast<size_t>(members[h][index]) * b;
-          if (peers.mapped[p])
-            std::memcpy(peers.mapped[p] + off, recv + off, b);
-          else
-            local.write_peer(p, peers.bufs[p].addr + off, recv + off, b);
+          store_to_peer(local, p, peers.mapped, peers.bufs, off, recv + off, b);
         }
       }
       single_copy_done(local);  // "my blocks are in your output"

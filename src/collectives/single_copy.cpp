@@ -1,6 +1,7 @@
 #include "collectives/single_copy.hpp"
 
 #include <atomic>
+#include <cstring>
 #include <string>
 
 #include "collectives/algorithms.hpp"
@@ -14,6 +15,22 @@ std::vector<PeerBuffer> swap_buffers(Comm& c, const void* p, size_t bytes) {
   std::vector<PeerBuffer> all(static_cast<size_t>(c.size()));
   allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(all.data()), sizeof mine);
   return all;
+}
+
+SendRecvBuffers swap_send_recv(Comm& c, const void* send, const void* recv, size_t bytes) {
+  struct Both {
+    PeerBuffer send, recv;
+  };
+  const Both mine{{reinterpret_cast<uint64_t>(send), transport::find_shared_buffer(send, bytes)},
+                  {reinterpret_cast<uint64_t>(recv), transport::find_shared_buffer(recv, bytes)}};
+  std::vector<Both> all(static_cast<size_t>(c.size()));
+  allgather_direct(c, reinterpret_cast<const uint8_t*>(&mine), reinterpret_cast<uint8_t*>(all.data()), sizeof mine);
+  SendRecvBuffers out;
+  for (const Both& b : all) {
+    out.send.push_back(b.send);
+    out.recv.push_back(b.recv);
+  }
+  return out;
 }
 
 bool all_shared(const std::vector<PeerBuffer>& buffers) {
@@ -57,6 +74,14 @@ void reduce_piece(Comm& c, uint8_t* out, const uint8_t* mine, const std::vector<
     if (!mapped[q]) c.read_peer(q, bufs[q].addr + at, scratch, m);
     core::reduce(out, k == 1 ? mine : out, theirs, m / dtype_size(t), t, op);
   }
+}
+
+void store_to_peer(Comm& c, int q, const std::vector<uint8_t*>& mapped, const std::vector<PeerBuffer>& bufs, size_t at,
+                   const uint8_t* src, size_t m) {
+  if (mapped[q])
+    std::memcpy(mapped[q] + at, src, m);
+  else
+    c.write_peer(q, bufs[q].addr + at, src, m);
 }
 
 void single_copy_done(Comm& c) {

@@ -33,6 +33,12 @@ struct PeerBuffer {
 // Collective: every rank's (p, bytes), indexed by rank.
 std::vector<PeerBuffer> swap_buffers(Comm& c, const void* p, size_t bytes);
 
+// Collective: every rank's send and receive buffers of `bytes` each, in one exchange.
+struct SendRecvBuffers {
+  std::vector<PeerBuffer> send, recv;
+};
+SendRecvBuffers swap_send_recv(Comm& c, const void* send, const void* recv, size_t bytes);
+
 // True when every rank's buffer is a shared buffer (then the peers can map
 // them; the same answer on every rank, which all see the same list).
 bool all_shared(const std::vector<PeerBuffer>& buffers);
@@ -52,6 +58,11 @@ std::vector<uint8_t*> map_peers(Comm& c, const std::vector<PeerBuffer>& bufs, si
 // process_vm_readv into `scratch` (m bytes). out may be mine; 2 ranks or more.
 void reduce_piece(Comm& c, uint8_t* out, const uint8_t* mine, const std::vector<uint8_t*>& mapped,
                   const std::vector<PeerBuffer>& bufs, size_t at, size_t m, uint8_t* scratch, DType t, ReduceOp op);
+
+// Stores src[0, m) at byte `at` of peer q's buffer: through mapped[q] where it
+// is mapped here, else with process_vm_writev.
+void store_to_peer(Comm& c, int q, const std::vector<uint8_t*>& mapped, const std::vector<PeerBuffer>& bufs, size_t at,
+                   const uint8_t* src, size_t m);
 
 // Collective: tells every peer that this rank is done with its buffers, and
 // waits until every peer has said the same.
