@@ -49,7 +49,8 @@ PAIRS = [("cohort shm", "mpi shm"), ("cohort shm shared", "mpi shm"), ("cohort t
          ("cohort tcp", "gloo tcp"), ("cohort shm", "gloo tcp"), ("cohort mpi", "mpi shm serialized"),
          ("cohort mpi", "mpi shm"), ("cohort mpi single", "mpi shm"),
          ("cohort hierarchical", "cohort flat ring"), ("cohort hierarchical", "gloo tcp"),
-         ("cohort hierarchical shared", "cohort flat ring shared"), ("cohort hierarchical shared", "gloo tcp")]
+         ("cohort hierarchical shared", "cohort flat ring shared"), ("cohort hierarchical shared", "gloo tcp"),
+         ("cohort shm", "cohort shm spin 30us")]
 
 
 def table(results, coll, np, reps, with_gloo=True):
@@ -140,6 +141,9 @@ def main():
                     help="also run cohort over shm with its buffers from ProcessGroup::allocate_buffer (cohort bench "
                          "--shared-buffers), as DDP's buckets and sharded optimizers' flat buffers are: peers map them, "
                          "and single copy loads and stores them directly")
+    ap.add_argument("--with-spin", action="store_true",
+                    help="also run cohort over shm with COHORT_SPIN_US=30, the busy-poll its ranks did before they "
+                         "yielded at once where they outnumber the CPUs (docs/performance.md, \"More ranks than cores\")")
     args = ap.parse_args()
     if not os.access(os.path.join(HERE, "peers/bin/mpi_allreduce"), os.X_OK):
         sys.exit("compare_peers: bench/peers/bin/mpi_allreduce is not built; run bench/compare_peers.sh (it installs the "
@@ -165,6 +169,11 @@ def main():
         configs["cohort shm shared"] = lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node", str(args.np),
                                                               args.cohort, "bench", args.coll, "--sizes", sizes, "-n", "0", "-w",
                                                               "5", "-c", "1", "--shared-buffers"]), True)
+    if args.with_spin:
+        configs["cohort shm spin 30us"] = lambda: parse_rows(run([args.cohort, "run", "--standalone", "--nproc-per-node",
+                                                                 str(args.np), args.cohort, "bench", args.coll, "--sizes",
+                                                                 sizes, "-n", "0", "-w", "5", "-c", "1"],
+                                                                {"COHORT_SPIN_US": "30"}), True)
     if args.with_mpi_backend or args.only_mpi:
         # The same engine as "mpi shm", called through cohort's ProcessGroup: the difference is our call path.
         configs["cohort mpi"] = lambda: parse_rows(run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),

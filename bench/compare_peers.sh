@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs cohort and the peers (Open MPI shm and tcp, PyTorch gloo) side by side.
-#   bench/compare_peers.sh [--coll allreduce] [--reps 3] [--np 2] [--no-gloo] [--with-mpi-backend] [--only-mpi] [--shared-buffers] [--csv docs/perf/X.csv]
+#   bench/compare_peers.sh [--coll allreduce] [--reps 3] [--np 2] [--no-gloo] [--with-mpi-backend] [--only-mpi] [--shared-buffers] [--with-spin] [--csv docs/perf/X.csv]
 # Installs the peers (Debian's openmpi-bin, python3-torch) if missing, builds
 # cohort and the MPI benchmark, then prints a markdown table (docs/performance.md).
 set -euo pipefail

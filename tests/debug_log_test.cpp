@@ -13,7 +13,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 // One allreduce of the given size (default 1000 bytes: recursive doubling).
 lt::Result job(std::map<std::string, std::string> env, std::vector<std::string> bytes = {"1000"}) {
   for (const char* k : {"COHORT_DEBUG", "COHORT_DEBUG_SUBSYS", "COHORT_TRANSPORT", "COHORT_ALGO", "COHORT_SINGLE_COPY_BYTES",
-                        "COHORT_SINGLE_COPY_SHARED_BYTES"})
+                        "COHORT_SINGLE_COPY_SHARED_BYTES", "COHORT_HOST_CPUS", "COHORT_SPIN_US"})
     env.emplace(k, "");  // unset unless the test sets it: the caller's shell must not change the output
   return lt::run({"run", "--standalone", "--nproc-per-node", "2", lt::prog("coll_worker"), "allreduce-loop",
                   bytes.at(0), "1"},
@@ -42,6 +42,29 @@ TEST(DebugLog, InfoNamesTheTransportTheTopologyAndTheThresholds) {
         << r.err;
   }
   EXPECT_FALSE(contains(r.err, "TRACE")) << r.err;
+}
+
+// More ranks on the host than CPUs: a waiting rank yields at once instead of
+// spinning on a core that the rank it waits for needs, and INFO says so.
+TEST(DebugLog, RanksThatOutnumberTheCpusYieldInsteadOfSpinning) {
+  const std::string line = "INFO INIT: group 0: 2 ranks on this host share 1 CPU(s): a waiting rank yields at once";
+  auto one = job({{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "INIT"}, {"COHORT_HOST_CPUS", "1"}});
+  ASSERT_EQ(one.status, 0) << one.err;
+  EXPECT_TRUE(contains(one.err, "[rank0]: cohort[rank 0] " + line)) << one.err;
+  EXPECT_TRUE(contains(one.err, "[rank1]: cohort[rank 1] " + line)) << one.err;
+
+  auto two = job({{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "INIT"}, {"COHORT_HOST_CPUS", "2"}});
+  ASSERT_EQ(two.status, 0) << two.err;
+  EXPECT_FALSE(contains(two.err, "yields at once")) << two.err;
+
+  auto spin = job({{"COHORT_DEBUG", "INFO"}, {"COHORT_DEBUG_SUBSYS", "INIT"}, {"COHORT_HOST_CPUS", "1"},
+                   {"COHORT_SPIN_US", "30"}});
+  ASSERT_EQ(spin.status, 0) << spin.err;
+  EXPECT_FALSE(contains(spin.err, "yields at once")) << "the user's COHORT_SPIN_US wins:\n" << spin.err;
+
+  auto bad = job({{"COHORT_HOST_CPUS", "0"}});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_TRUE(contains(bad.err, "COHORT_HOST_CPUS=0 is not a number of CPUs; set it to 1 or more")) << bad.err;
 }
 
 TEST(DebugLog, InfoOverTcpNamesBothAddresses) {

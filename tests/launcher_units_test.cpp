@@ -190,6 +190,20 @@ TEST(WorkerEnv, MallocThresholdsUnlessTheUserSetThem) {
   for (const auto& [k, v] : worker_env_vars(job, 0)) EXPECT_NE(k, "GLIBC_TUNABLES");
 }
 
+// The workers learn how many CPUs they share, unless the user said it.
+TEST(WorkerEnv, HostCpusFromTheLauncherUnlessTheUserSetThem) {
+  EXPECT_EQ(host_cpus_default(nullptr, 2), 2);
+  EXPECT_EQ(host_cpus_default("", 16), 16) << "empty counts as unset";
+  EXPECT_EQ(host_cpus_default("4", 16), 0) << "the user's COHORT_HOST_CPUS stays";
+  JobEnv job;
+  job.host_cpus = 6;
+  std::map<std::string, std::string> m;
+  for (const auto& [k, v] : worker_env_vars(job, 0)) m[k] = v;
+  EXPECT_EQ(m["COHORT_HOST_CPUS"], "6");
+  job.host_cpus = 0;
+  for (const auto& [k, v] : worker_env_vars(job, 0)) EXPECT_NE(k, "COHORT_HOST_CPUS");
+}
+
 TEST(Output, PrefixerKeepsPartialLinesWhole) {
   LinePrefixer p("[rank1]: ");
   std::string out;

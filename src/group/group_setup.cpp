@@ -14,6 +14,7 @@
 #include "core/env.hpp"
 #include "core/log.hpp"
 #include "group/native_group.hpp"
+#include "transport/engine.hpp"
 #include "transport/registry.hpp"
 #include "transport/shared_buffer.hpp"
 
@@ -31,6 +32,24 @@ const core::Knob kHostId{"COHORT_HOST_ID", "",
                          "different ids never use shared memory between them and count as separate hosts for the "
                          "node-aware collectives (as NCCL_HOSTID; for tests and for containers that must not share "
                          "memory)"};
+
+const core::Knob kHostCpus{"COHORT_HOST_CPUS", "",
+                          "CPUs the ranks on this host share (set by `cohort run` from its CPU affinity; unset: the "
+                          "CPUs online). More ranks on the host than these: waiting ranks yield at once instead of "
+                          "spinning (COHORT_SPIN_US)",
+                          core::KnobKind::Int};
+
+int host_cpus() {
+  if (kHostCpus.is_set()) {
+    const int64_t v = kHostCpus.integer();
+    if (v < 1)
+      throw InvalidArgument(fmt::format("COHORT_HOST_CPUS={} is not a number of CPUs; set it to 1 or more, or unset it "
+                                        "to count the CPUs online",
+                                        v));
+    return static_cast<int>(v);
+  }
+  return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+}
 
 // Ranks with the same identity share /dev/shm and a network stack: same
 // hostname, same boot, same network namespace (so that tests with one
@@ -54,7 +73,7 @@ void NativeGroup::connect() {
   auto deadline = core::Deadline::after(setup_.timeout);
   conns_.resize(n);
   if (n == 1) {
-    engine_ = std::make_unique<transport::Engine>(nullptr);
+    engine_ = std::make_unique<transport::Engine>(nullptr, transport::spin_us_for(setup_.host_ranks, host_cpus()));
     comm_ = std::make_unique<collectives::Comm>(0, 1, std::vector<transport::Connection*>(1, nullptr), engine_.get());
     return;
   }
@@ -129,7 +148,13 @@ void NativeGroup::connect() {
     links_.push_back(std::move(links));
   }
   single_copy_ = single_copy_why_.empty();
-  engine_ = std::make_unique<transport::Engine>(waiter);
+  setup_.host_ranks = std::max(setup_.host_ranks, static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts[me])));
+  const int cpus = host_cpus(), spin_us = transport::spin_us_for(setup_.host_ranks, cpus);
+  if (spin_us == 0 && setup_.host_ranks > cpus)
+    COHORT_INFO(kInit, "group {}: {} ranks on this host share {} CPU(s): a waiting rank yields at once instead of "
+                       "spinning (COHORT_SPIN_US, COHORT_HOST_CPUS)",
+                setup_.group_id, setup_.host_ranks, cpus);
+  engine_ = std::make_unique<transport::Engine>(waiter, spin_us);
   std::vector<transport::Connection*> raw(n, nullptr);
   for (int r = 0; r < n; ++r) raw[r] = conns_[r].get();
   comm_ = std::make_unique<collectives::Comm>(me, n, raw, engine_.get());

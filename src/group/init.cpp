@@ -103,6 +103,7 @@ std::shared_ptr<ProcessGroup> init_process_group(InitOptions opts) {
   s.timeout = timeout;
   s.transport = opts.transport.empty() ? kTransport.str() : opts.transport;
   s.route_hint = route_hint;
+  s.host_ranks = le.local_world_size.value_or(0);
   if (backend == "nccl") return group::create_nccl_group(s, le.local_rank);
   return group::NativeGroup::create(std::move(s));
 }

@@ -42,6 +42,10 @@ struct GroupSetup {
   Millis timeout{300000};
   std::string transport;         // "", "shm" or "tcp"
   std::string route_hint;        // host to route TCP towards (the store's host)
+  // Ranks of the job on this host: the launcher's LOCAL_WORLD_SIZE, 0 when it
+  // did not say. connect() raises it to the group's own count, and sub-groups
+  // inherit it, so a pair of ranks still knows that 8 share 2 cores.
+  int host_ranks = 0;
 };
 
 class NativeGroup final : public ProcessGroup, public WorkRunner, public std::enable_shared_from_this<NativeGroup> {

@@ -78,6 +78,7 @@ std::vector<WorkerPlan> plan_attempt(const Job& job, int attempt, const std::str
   env.cohort_run_id = job.cohort_run_id;
   env.set_omp_threads = job.setup.set_omp;
   env.glibc_tunables = job.setup.glibc_tunables;
+  env.host_cpus = job.setup.host_cpus;
   std::vector<WorkerPlan> plans;
   for (int lr = 0; lr < job.opts.nproc_per_node; ++lr) {
     WorkerPlan p;

@@ -218,6 +218,7 @@ class ElasticAgent {
       env.cohort_run_id = cohort_run_id_;
       env.set_omp_threads = job_.set_omp;
       env.glibc_tunables = job_.glibc_tunables;
+      env.host_cpus = job_.host_cpus;
       std::vector<WorkerPlan> plans = plan_workers(opts_, job_, env);
 
       bool no_restart = false;

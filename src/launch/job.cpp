@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "cohort/error.hpp"
+#include "core/cpu_list.hpp"
 #include "core/env.hpp"
 #include "launch/output.hpp"
 
@@ -60,6 +61,7 @@ JobSetup prepare_job(const LaunchOptions& opts) {
   job.set_omp = omp_threads_default_needed(std::getenv("OMP_NUM_THREADS"), opts.nproc_per_node);
   job.glibc_tunables = malloc_tunables_default(std::getenv("GLIBC_TUNABLES"), std::getenv("MALLOC_TRIM_THRESHOLD_"),
                                                std::getenv("MALLOC_MMAP_THRESHOLD_"), kMallocTuning.boolean());
+  job.host_cpus = host_cpus_default(std::getenv("COHORT_HOST_CPUS"), static_cast<int>(core::current_affinity().size()));
   job.log_root = make_log_root(opts);
   job.bind_mode = parse_bind(opts.bind);
   job.bind = plan_binding_here(job.bind_mode, opts.nproc_per_node);

@@ -20,6 +20,7 @@ struct JobSetup {
   std::string host;      // this host's name
   bool set_omp = false;  // OMP_NUM_THREADS=1 for the workers
   std::string glibc_tunables;  // GLIBC_TUNABLES for the workers ("" : untouched)
+  int host_cpus = 0;           // COHORT_HOST_CPUS for the workers (0: untouched; host_cpus_default)
   BindMode bind_mode = BindMode::None;
   BindPlan bind;
 };

@@ -1,5 +1,6 @@
 #include "launch/worker_env.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -34,7 +35,13 @@ EnvVars worker_env_vars(const JobEnv& job, int local_rank) {
   };
   if (job.set_omp_threads) v.emplace_back("OMP_NUM_THREADS", "1");
   if (!job.glibc_tunables.empty()) v.emplace_back("GLIBC_TUNABLES", job.glibc_tunables);
+  if (job.host_cpus > 0) v.emplace_back("COHORT_HOST_CPUS", std::to_string(job.host_cpus));
   return v;
+}
+
+int host_cpus_default(const char* user, int launcher_cpus) {
+  if (user != nullptr && *user != '\0') return 0;
+  return std::max(0, launcher_cpus);
 }
 
 std::vector<std::string> merge_environment(char** base, const EnvVars& vars) {

@@ -26,6 +26,9 @@ struct JobEnv {
   std::string cohort_run_id;  // COHORT_RUN_ID: unique per job, names /dev/shm/cohort-<id>-*
   bool set_omp_threads = false;  // OMP_NUM_THREADS=1 (see omp_threads_default_needed)
   std::string glibc_tunables;    // GLIBC_TUNABLES for the workers; empty: untouched (see malloc_tunables_default)
+  // COHORT_HOST_CPUS: the CPUs the workers share (the launcher's affinity);
+  // 0: not set, as when the user set COHORT_HOST_CPUS (see host_cpus_default).
+  int host_cpus = 0;
   // Elastic rendezvous: nodes may run different numbers of workers, so the
   // global rank of local rank 0 and the world size come from the round.
   // -1: node_rank * nproc_per_node and nnodes * nproc_per_node.
@@ -38,6 +41,11 @@ using EnvVars = std::vector<std::pair<std::string, std::string>>;
 // The variables worker `local_rank` gets, in a fixed order. Global RANK is
 // node_rank * nproc_per_node + local_rank (rank_base + local_rank when set).
 EnvVars worker_env_vars(const JobEnv& job, int local_rank);
+
+// COHORT_HOST_CPUS for the workers: 0 (leave it) when the user set it
+// (`user`, from the launcher's environment), else the number of CPUs the
+// launcher may run on, which its unpinned workers inherit.
+int host_cpus_default(const char* user, int launcher_cpus);
 
 // `base` (a NULL-terminated environ) with `vars` set over it, as "K=V" strings.
 std::vector<std::string> merge_environment(char** base, const EnvVars& vars);

@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -15,7 +16,9 @@ namespace cohort::transport {
 namespace {
 
 const core::Knob kSpinUs{"COHORT_SPIN_US", "30",
-                         "microseconds a waiting rank busy-polls before it starts yielding the CPU", core::KnobKind::Int};
+                         "microseconds a waiting rank busy-polls before it starts yielding the CPU; unset, 30, or 0 "
+                         "where the ranks on this host outnumber its CPUs (COHORT_HOST_CPUS)",
+                         core::KnobKind::Int};
 const core::Knob kYieldUs{"COHORT_YIELD_US", "300",
                           "microseconds a waiting rank calls sched_yield() before it sleeps on a futex / poll()",
                           core::KnobKind::Int};
@@ -32,9 +35,15 @@ constexpr int kLivenessCheckMs = 100;
 
 }  // namespace
 
-Engine::Engine(Waiter* shm_waiter)
+int spin_us_for(int host_ranks, int host_cpus) {
+  if (kSpinUs.is_set()) return static_cast<int>(kSpinUs.integer());
+  const bool oversubscribed = host_ranks > 0 && host_cpus > 0 && host_ranks > host_cpus;
+  return oversubscribed ? 0 : static_cast<int>(kSpinUs.integer());
+}
+
+Engine::Engine(Waiter* shm_waiter, int spin_us)
     : shm_waiter_(shm_waiter),
-      spin_us_(static_cast<int>(kSpinUs.integer())),
+      spin_us_(std::max(0, spin_us)),
       yield_us_(static_cast<int>(kYieldUs.integer())) {}
 
 namespace {

@@ -9,6 +9,7 @@
 // spin for COHORT_SPIN_US, then sched_yield() until COHORT_YIELD_US has passed,
 // then sleep on the shared-memory doorbell (a futex) and/or poll() the TCP
 // sockets, waking at least every 100 ms to check peer liveness and the deadline.
+// Where the host's ranks outnumber its CPUs the spin is skipped (spin_us_for).
 #pragma once
 
 #include <span>
@@ -18,10 +19,20 @@
 
 namespace cohort::transport {
 
+// Microseconds a waiting rank busy-polls before it yields: COHORT_SPIN_US when
+// set; else 30, or 0 when the ranks on this host outnumber its CPUs
+// (host_ranks > host_cpus; either <= 0: unknown, so 30). There a spinning rank
+// holds a core that the rank it waits for needs to run: with 4 and 8 ranks on
+// 2 cores the spin made allreduces below 100 KiB 3-8x slower
+// (docs/performance.md, "More ranks than cores"). Open MPI yields when
+// oversubscribed for the same reason (mpi_yield_when_idle).
+int spin_us_for(int host_ranks, int host_cpus);
+
 class Engine {
  public:
   // shm_waiter: the shared-memory doorbell of this rank's group, or nullptr.
-  explicit Engine(Waiter* shm_waiter);
+  // spin_us: the busy-poll before yielding (spin_us_for).
+  Engine(Waiter* shm_waiter, int spin_us);
 
   // Runs every op to completion. Throws PeerError (from the connections) or
   // TimeoutError naming the peer whose message was still outstanding.
