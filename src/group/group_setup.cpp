@@ -13,6 +13,7 @@
 #include "collectives/tuner.hpp"
 #include "core/env.hpp"
 #include "core/log.hpp"
+#include "group/job_settings.hpp"
 #include "group/native_group.hpp"
 #include "transport/engine.hpp"
 #include "transport/registry.hpp"
@@ -51,18 +52,25 @@ int host_cpus() {
   return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
 }
 
+// The machine: ranks with the same one share its CPUs, whatever their network
+// namespace or COHORT_HOST_ID (hosts that tests make of one machine still
+// share its cores).
+std::string machine_identity() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return fmt::format("{}|{}", host, boot);
+}
+
 // Ranks with the same identity share /dev/shm and a network stack: same
 // hostname, same boot, same network namespace (so that tests with one
 // "host" per namespace really use TCP between them).
 std::string host_identity() {
   if (!kHostId.str().empty()) return "id|" + kHostId.str();
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
   char ns[128] = {0};
   ssize_t n = readlink("/proc/self/ns/net", ns, sizeof(ns) - 1);
-  return fmt::format("{}|{}|{}", host, boot, n > 0 ? std::string(ns, n) : "");
+  return fmt::format("{}|{}", machine_identity(), n > 0 ? std::string(ns, n) : "");
 }
 
 }  // namespace
@@ -85,9 +93,20 @@ void NativeGroup::connect() {
     throw InvalidArgument(fmt::format("COHORT_TRANSPORT={} is not a transport; use one of {} or leave it unset", pref,
                                       transport::transport_names()));
 
-  store.set_string(fmt::format("host/{}", me), host_identity());
-  std::vector<std::string> hosts(n);
-  for (int r = 0; r < n; ++r) hosts[r] = store.get_string(fmt::format("host/{}", r), Millis(std::max(1, deadline.remaining_ms())));
+  // Each rank's host identity, its machine's, and the settings every rank
+  // must share (job_settings.hpp): one key per rank for all three.
+  store.set_string(fmt::format("host/{}", me),
+                   host_identity() + "\n" + machine_identity() + "\n" + job_wide_settings(pref));
+  std::vector<std::string> hosts(n), machines(n), settings(n);
+  for (int r = 0; r < n; ++r) {
+    std::string v = store.get_string(fmt::format("host/{}", r), Millis(std::max(1, deadline.remaining_ms())));
+    const size_t a = v.find('\n'), b = a == std::string::npos ? a : v.find('\n', a + 1);
+    hosts[r] = v.substr(0, a);
+    machines[r] = a == std::string::npos ? std::string() : v.substr(a + 1, b - a - 1);
+    settings[r] = b == std::string::npos ? std::string() : v.substr(b + 1);
+  }
+  if (std::string why = settings_disagreement(settings); !why.empty())
+    throw InvalidArgument(fmt::format("group {}: {}", setup_.group_id, why));
 
   // Which entry reaches each peer; the same answer on every rank, since all
   // of them see the same host identities and the same COHORT_TRANSPORT.
@@ -148,7 +167,8 @@ void NativeGroup::connect() {
     links_.push_back(std::move(links));
   }
   single_copy_ = single_copy_why_.empty();
-  setup_.host_ranks = std::max(setup_.host_ranks, static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts[me])));
+  setup_.host_ranks =
+      std::max(setup_.host_ranks, static_cast<int>(std::count(machines.begin(), machines.end(), machines[me])));
   const int cpus = host_cpus(), spin_us = transport::spin_us_for(setup_.host_ranks, cpus);
   if (spin_us == 0 && setup_.host_ranks > cpus)
     COHORT_INFO(kInit, "group {}: {} ranks on this host share {} CPU(s): a waiting rank yields at once instead of "

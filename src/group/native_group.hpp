@@ -42,9 +42,11 @@ struct GroupSetup {
   Millis timeout{300000};
   std::string transport;         // "", "shm" or "tcp"
   std::string route_hint;        // host to route TCP towards (the store's host)
-  // Ranks of the job on this host: the launcher's LOCAL_WORLD_SIZE, 0 when it
-  // did not say. connect() raises it to the group's own count, and sub-groups
-  // inherit it, so a pair of ranks still knows that 8 share 2 cores.
+  // Ranks of the job that share this host's CPUs: the launcher's
+  // LOCAL_WORLD_SIZE, 0 when it did not say. connect() raises it to the
+  // group's own count of ranks on this machine (the same hostname and boot,
+  // any network namespace), and sub-groups inherit it, so a pair of ranks
+  // still knows that 8 share 2 cores.
   int host_ranks = 0;
 };
 
