@@ -73,6 +73,26 @@ std::string host_identity() {
   return fmt::format("{}|{}", machine_identity(), n > 0 ? std::string(ns, n) : "");
 }
 
+// Every rank's host identity, its machine's, and the settings every rank
+// must share (job_settings.hpp), by rank: one store key per rank for all three.
+struct Identities {
+  std::vector<std::string> hosts, machines, settings;
+};
+
+Identities exchange_identities(Store& store, int n, int me, const std::string& transport, core::Deadline deadline) {
+  store.set_string(fmt::format("host/{}", me),
+                   host_identity() + "\n" + machine_identity() + "\n" + job_wide_settings(transport));
+  Identities ids;
+  for (int r = 0; r < n; ++r) {
+    std::string v = store.get_string(fmt::format("host/{}", r), Millis(std::max(1, deadline.remaining_ms())));
+    const size_t a = v.find('\n'), b = a == std::string::npos ? a : v.find('\n', a + 1);
+    ids.hosts.push_back(v.substr(0, a));
+    ids.machines.push_back(a == std::string::npos ? std::string() : v.substr(a + 1, b - a - 1));
+    ids.settings.push_back(b == std::string::npos ? std::string() : v.substr(b + 1));
+  }
+  return ids;
+}
+
 }  // namespace
 
 void NativeGroup::connect() {
@@ -93,20 +113,10 @@ void NativeGroup::connect() {
     throw InvalidArgument(fmt::format("COHORT_TRANSPORT={} is not a transport; use one of {} or leave it unset", pref,
                                       transport::transport_names()));
 
-  // Each rank's host identity, its machine's, and the settings every rank
-  // must share (job_settings.hpp): one key per rank for all three.
-  store.set_string(fmt::format("host/{}", me),
-                   host_identity() + "\n" + machine_identity() + "\n" + job_wide_settings(pref));
-  std::vector<std::string> hosts(n), machines(n), settings(n);
-  for (int r = 0; r < n; ++r) {
-    std::string v = store.get_string(fmt::format("host/{}", r), Millis(std::max(1, deadline.remaining_ms())));
-    const size_t a = v.find('\n'), b = a == std::string::npos ? a : v.find('\n', a + 1);
-    hosts[r] = v.substr(0, a);
-    machines[r] = a == std::string::npos ? std::string() : v.substr(a + 1, b - a - 1);
-    settings[r] = b == std::string::npos ? std::string() : v.substr(b + 1);
-  }
-  if (std::string why = settings_disagreement(settings); !why.empty())
+  const Identities ids = exchange_identities(store, n, me, pref, deadline);
+  if (std::string why = settings_disagreement(ids.settings); !why.empty())
     throw InvalidArgument(fmt::format("group {}: {}", setup_.group_id, why));
+  const std::vector<std::string>& hosts = ids.hosts;
 
   // Which entry reaches each peer; the same answer on every rank, since all
   // of them see the same host identities and the same COHORT_TRANSPORT.
@@ -168,7 +178,7 @@ void NativeGroup::connect() {
   }
   single_copy_ = single_copy_why_.empty();
   setup_.host_ranks =
-      std::max(setup_.host_ranks, static_cast<int>(std::count(machines.begin(), machines.end(), machines[me])));
+      std::max(setup_.host_ranks, static_cast<int>(std::count(ids.machines.begin(), ids.machines.end(), ids.machines[me])));
   const int cpus = host_cpus(), spin_us = transport::spin_us_for(setup_.host_ranks, cpus);
   if (spin_us == 0 && setup_.host_ranks > cpus)
     COHORT_INFO(kInit, "group {}: {} ranks on this host share {} CPU(s): a waiting rank yields at once instead of "
