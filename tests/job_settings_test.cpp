@@ -18,10 +18,12 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 TEST(JobSettings, SameSettingsAgree) {
   ScopedEnv a("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr);
   const std::string s = job_wide_settings("");
-  EXPECT_TRUE(contains(s, "COHORT_SINGLE_COPY_SHARED_BYTES=262144\n")) << s;
-  EXPECT_TRUE(contains(s, "transport=\n")) << s;
-  EXPECT_EQ(settings_disagreement({s, s, s}), "");
-  EXPECT_EQ(settings_disagreement({}), "");
+  EXPECT_TRUE(contains(s, "host:COHORT_SINGLE_COPY_SHARED_BYTES=262144\n")) << s;
+  EXPECT_TRUE(contains(s, "job:COHORT_NSOCKS_PER_PEER=")) << s;
+  EXPECT_TRUE(contains(s, "job:COHORT_ALGO=")) << s;
+  EXPECT_TRUE(contains(s, "host:COHORT_TRANSPORT=\n")) << s;
+  EXPECT_EQ(settings_disagreement({s, s, s}, {"h", "h", "h"}), "");
+  EXPECT_EQ(settings_disagreement({}, {}), "");
 }
 
 TEST(JobSettings, SizesCompareByValueNotSpelling) {
@@ -34,7 +36,7 @@ TEST(JobSettings, SizesCompareByValueNotSpelling) {
     ScopedEnv e("COHORT_SINGLE_COPY_BYTES", "1048576");
     b = job_wide_settings("");
   }
-  EXPECT_EQ(settings_disagreement({a, b}), "");
+  EXPECT_EQ(settings_disagreement({a, b}, {"h", "h"}), "");
 }
 
 TEST(JobSettings, ADifferentRankIsNamedWithBothValues) {
@@ -48,22 +50,62 @@ TEST(JobSettings, ADifferentRankIsNamedWithBothValues) {
     ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", "1M");
     other = job_wide_settings("");
   }
-  const std::string why = settings_disagreement({base, base, other, base});
-  EXPECT_TRUE(contains(why, "COHORT_SINGLE_COPY_SHARED_BYTES is 1048576 on rank 2 but 262144 on rank 0")) << why;
+  const std::string why = settings_disagreement({base, base, other, base}, {"h", "h", "h", "h"});
+  EXPECT_TRUE(contains(why, "COHORT_SINGLE_COPY_SHARED_BYTES is 1048576 on rank 2 but 262144 on rank 0 (the same host)"))
+      << why;
   EXPECT_TRUE(contains(why, "set them once in the launcher's environment")) << why;
-  const std::string t = settings_disagreement({base, tcp});
-  EXPECT_TRUE(contains(t, "COHORT_TRANSPORT is tcp on rank 1 but unset on rank 0")) << t;
+  const std::string t = settings_disagreement({base, tcp}, {"h", "h"});
+  EXPECT_TRUE(contains(t, "COHORT_TRANSPORT is tcp on rank 1 but unset on rank 0 (the same host)")) << t;
 }
 
-// End to end: rank 1 alone sets a threshold. Every rank refuses at init,
-// naming it, instead of waiting in a collective until the timeout.
+// Single copy and the transport choose between the ranks of one host only:
+// two hosts may differ, two ranks of one host may not.
+TEST(JobSettings, HostKnobsMayDifferBetweenHosts) {
+  std::string base, other;
+  {
+    ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr);
+    base = job_wide_settings("");
+  }
+  {
+    ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", "1M");
+    other = job_wide_settings("");
+  }
+  EXPECT_EQ(settings_disagreement({base, base, other, other}, {"a", "a", "b", "b"}), "");
+  EXPECT_EQ(settings_disagreement({base, other}, {"a", "b"}), "");
+  const std::string why = settings_disagreement({base, base, base, other}, {"a", "a", "b", "b"});
+  EXPECT_TRUE(contains(why, "COHORT_SINGLE_COPY_SHARED_BYTES is 1048576 on rank 3 but 262144 on rank 2 (the same host)"))
+      << why;
+}
+
+// The algorithm choice and the TCP striping must agree across hosts too.
+TEST(JobSettings, JobKnobsMustAgreeAcrossHosts) {
+  std::string base, one_socket;
+  {
+    ScopedEnv e("COHORT_NSOCKS_PER_PEER", nullptr);
+    base = job_wide_settings("");
+  }
+  {
+    ScopedEnv e("COHORT_NSOCKS_PER_PEER", "1");
+    one_socket = job_wide_settings("");
+  }
+  const std::string why = settings_disagreement({base, one_socket}, {"a", "b"});
+  EXPECT_TRUE(contains(why, "COHORT_NSOCKS_PER_PEER is 1 on rank 1 but 2 on rank 0:")) << why;
+  EXPECT_TRUE(contains(why, "must be the same on every rank")) << why;
+}
+
+// End to end: rank 1 alone forces the ring for a 1000-byte allreduce that
+// rank 0 runs by recursive doubling. Without the check the two would wait for
+// each other's messages; every rank refuses at init instead, naming the knob.
 TEST(JobSettings, AJobWhoseRanksDisagreeFailsAtOnceNamingTheKnob) {
   const std::string worker = lt::prog("coll_worker");
   auto r = lt::run({"run", "--standalone", "--nproc-per-node", "2", "/bin/sh", "-c",
-                    "if [ \"$RANK\" = 1 ]; then export COHORT_SINGLE_COPY_SHARED_BYTES=1M; fi; exec " + worker +
-                        " allreduce-loop 1048576 3"},
-                   {{"COHORT_SINGLE_COPY_SHARED_BYTES", ""}, {"COHORT_TIMEOUT", "60s"}}, 60);
+                    "if [ \"$RANK\" = 1 ]; then export COHORT_ALGO=allreduce=ring; fi; exec " + worker +
+                        " allreduce-loop 1000 3"},
+                   {{"COHORT_ALGO", ""}, {"COHORT_TIMEOUT", "60s"}}, 90);
   EXPECT_NE(r.status, 0) << r.err;
-  EXPECT_TRUE(contains(r.err, "COHORT_SINGLE_COPY_SHARED_BYTES is 1048576 on rank 1 but 262144 on rank 0")) << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank0]: ERROR: group 0: COHORT_ALGO is allreduce=ring on rank 1 but unset on rank 0"))
+      << r.err;
+  EXPECT_TRUE(contains(r.err, "[rank1]: ERROR: group 0: COHORT_ALGO is allreduce=ring on rank 1 but unset on rank 0"))
+      << r.err;
   EXPECT_LT(r.seconds, 30) << "the refusal comes at init, not after a timeout";
 }

@@ -17,6 +17,7 @@
 #include "cohort/cohort.hpp"
 #include "core/job_secret.hpp"
 #include "core/sha256.hpp"
+#include "group/job_settings.hpp"
 #include "store/tcp_protocol.hpp"
 #include "transport/tcp/tcp_hello.hpp"
 #include "scoped_env.hpp"
@@ -206,7 +207,8 @@ TEST(TransportSecurity, RankListenerRefusesIntruders) {
   ScopedEnv restart("TORCHELASTIC_RESTART_COUNT", nullptr);
   auto store = std::make_shared<MemoryStore>();
   // Stand in for rank 1's host record so that rank 0 starts listening before rank 1 exists.
-  store->set_string("cohort/0/g0/host/1", "elsewhere");
+  // (Its host identity, machine and settings, as NativeGroup::connect writes them.)
+  store->set_string("cohort/0/g0/host/1", "elsewhere\n\n" + group::job_wide_settings("tcp"));
   auto init = [&](int rank) {
     InitOptions o;
     o.rank = rank;

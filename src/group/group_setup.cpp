@@ -114,7 +114,7 @@ void NativeGroup::connect() {
                                       transport::transport_names()));
 
   const Identities ids = exchange_identities(store, n, me, pref, deadline);
-  if (std::string why = settings_disagreement(ids.settings); !why.empty())
+  if (std::string why = settings_disagreement(ids.settings, ids.hosts); !why.empty())
     throw InvalidArgument(fmt::format("group {}: {}", setup_.group_id, why));
   const std::vector<std::string>& hosts = ids.hosts;
 

@@ -1,7 +1,8 @@
 // Settings that every rank of a job must share.
 //
-// The tuner's thresholds, COHORT_ALGO and the transport choose each
-// collective's algorithm, and every rank must run the same one: a rank whose
+// The tuner's thresholds, COHORT_ALGO, the TCP striping and the transport
+// choose each collective's algorithm and wire format, and every rank must run
+// the same one (the ranks of one host, for single copy): a rank whose
 // environment says otherwise would wait for messages no peer sends, until the
 // timeout. NativeGroup::connect publishes each rank's settings beside its host
 // identity and refuses to start when they differ, naming the knob and ranks.
@@ -13,14 +14,18 @@
 
 namespace cohort::group {
 
-// "NAME=value" lines, one per knob that must agree, with the value normalised
-// (sizes in bytes, booleans 1/0), and "transport=<transport>". Throws
-// InvalidArgument (from the knob) for a value that does not parse.
+// "job:NAME=value" lines for the knobs every rank must agree on (algorithm
+// choice, TCP striping), "host:NAME=value" for those the ranks of one host
+// must agree on (single copy, the transport `transport`), with the values
+// normalised (sizes in bytes, booleans 1/0). Throws InvalidArgument (from the
+// knob) for a value that does not parse.
 std::string job_wide_settings(const std::string& transport);
 
-// "" when every rank's settings (by rank) are the same; else what differs, as
-// the message of the error every rank raises: the first differing knob, the
-// first rank that differs from rank 0, both values, and the fix.
-std::string settings_disagreement(const std::vector<std::string>& settings_by_rank);
+// "" when the settings (by rank) agree: the "job:" ones with rank 0's, the
+// "host:" ones with those of the first rank of the same host (host_by_rank:
+// host identities). Else the message of the error every rank raises: the
+// first differing knob, both ranks, both values, and the fix.
+std::string settings_disagreement(const std::vector<std::string>& settings_by_rank,
+                                  const std::vector<std::string>& host_by_rank);
 
 }  // namespace cohort::group
