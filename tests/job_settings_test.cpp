@@ -13,6 +13,12 @@ namespace lt = launch_test;
 
 namespace {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// This process's settings with `name` set to `value` (nullptr: unset).
+std::string settings_with(const char* name, const char* value, const std::string& transport = "") {
+  ScopedEnv e(name, value);
+  return job_wide_settings(transport);
+}
 }  // namespace
 
 TEST(JobSettings, SameSettingsAgree) {
@@ -27,29 +33,15 @@ TEST(JobSettings, SameSettingsAgree) {
 }
 
 TEST(JobSettings, SizesCompareByValueNotSpelling) {
-  std::string a, b;
-  {
-    ScopedEnv e("COHORT_SINGLE_COPY_BYTES", "1M");
-    a = job_wide_settings("");
-  }
-  {
-    ScopedEnv e("COHORT_SINGLE_COPY_BYTES", "1048576");
-    b = job_wide_settings("");
-  }
+  const std::string a = settings_with("COHORT_SINGLE_COPY_BYTES", "1M");
+  const std::string b = settings_with("COHORT_SINGLE_COPY_BYTES", "1048576");
   EXPECT_EQ(settings_disagreement({a, b}, {"h", "h"}), "");
 }
 
 TEST(JobSettings, ADifferentRankIsNamedWithBothValues) {
-  std::string base, other, tcp;
-  {
-    ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr);
-    base = job_wide_settings("");
-    tcp = job_wide_settings("tcp");
-  }
-  {
-    ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", "1M");
-    other = job_wide_settings("");
-  }
+  const std::string base = settings_with("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr);
+  const std::string tcp = settings_with("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr, "tcp");
+  const std::string other = settings_with("COHORT_SINGLE_COPY_SHARED_BYTES", "1M");
   const std::string why = settings_disagreement({base, base, other, base}, {"h", "h", "h", "h"});
   EXPECT_TRUE(contains(why, "COHORT_SINGLE_COPY_SHARED_BYTES is 1048576 on rank 2 but 262144 on rank 0 (the same host)"))
       << why;
@@ -61,15 +53,8 @@ TEST(JobSettings, ADifferentRankIsNamedWithBothValues) {
 // Single copy and the transport choose between the ranks of one host only:
 // two hosts may differ, two ranks of one host may not.
 TEST(JobSettings, HostKnobsMayDifferBetweenHosts) {
-  std::string base, other;
-  {
-    ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr);
-    base = job_wide_settings("");
-  }
-  {
-    ScopedEnv e("COHORT_SINGLE_COPY_SHARED_BYTES", "1M");
-    other = job_wide_settings("");
-  }
+  const std::string base = settings_with("COHORT_SINGLE_COPY_SHARED_BYTES", nullptr);
+  const std::string other = settings_with("COHORT_SINGLE_COPY_SHARED_BYTES", "1M");
   EXPECT_EQ(settings_disagreement({base, base, other, other}, {"a", "a", "b", "b"}), "");
   EXPECT_EQ(settings_disagreement({base, other}, {"a", "b"}), "");
   const std::string why = settings_disagreement({base, base, base, other}, {"a", "a", "b", "b"});
@@ -79,15 +64,8 @@ TEST(JobSettings, HostKnobsMayDifferBetweenHosts) {
 
 // The algorithm choice and the TCP striping must agree across hosts too.
 TEST(JobSettings, JobKnobsMustAgreeAcrossHosts) {
-  std::string base, one_socket;
-  {
-    ScopedEnv e("COHORT_NSOCKS_PER_PEER", nullptr);
-    base = job_wide_settings("");
-  }
-  {
-    ScopedEnv e("COHORT_NSOCKS_PER_PEER", "1");
-    one_socket = job_wide_settings("");
-  }
+  const std::string base = settings_with("COHORT_NSOCKS_PER_PEER", nullptr);
+  const std::string one_socket = settings_with("COHORT_NSOCKS_PER_PEER", "1");
   const std::string why = settings_disagreement({base, one_socket}, {"a", "b"});
   EXPECT_TRUE(contains(why, "COHORT_NSOCKS_PER_PEER is 1 on rank 1 but 2 on rank 0:")) << why;
   EXPECT_TRUE(contains(why, "must be the same on every rank")) << why;
