@@ -180,7 +180,7 @@ void NativeGroup::connect() {
   setup_.host_ranks =
       std::max(setup_.host_ranks, static_cast<int>(std::count(ids.machines.begin(), ids.machines.end(), ids.machines[me])));
   const int cpus = host_cpus(), spin_us = transport::spin_us_for(setup_.host_ranks, cpus);
-  if (spin_us == 0 && setup_.host_ranks > cpus)
+  if (spin_us == 0 && transport::cpus_oversubscribed(setup_.host_ranks, cpus))
     COHORT_INFO(kInit, "group {}: {} ranks on this host share {} CPU(s): a waiting rank yields at once instead of "
                        "spinning (COHORT_SPIN_US, COHORT_HOST_CPUS)",
                 setup_.group_id, setup_.host_ranks, cpus);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <span>
 #include <sstream>
 #include <string_view>
@@ -56,11 +57,10 @@ struct Difference {
 };
 Difference first_difference(const std::map<std::string, std::string>& mine,
                             const std::map<std::string, std::string>& theirs, std::string_view scope) {
-  std::vector<std::string> keys;
-  for (const auto& m : {mine, theirs})
-    for (const auto& [k, v] : m)
-      if (k.rfind(scope, 0) == 0 && std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-  std::sort(keys.begin(), keys.end());
+  std::set<std::string> keys;  // sorted, each once
+  for (const auto* m : {&mine, &theirs})
+    for (const auto& [k, v] : *m)
+      if (k.rfind(scope, 0) == 0) keys.insert(k);
   for (const std::string& k : keys) {
     auto a = mine.find(k), b = theirs.find(k);
     const std::string va = a == mine.end() ? "(not known to that build)" : a->second;
@@ -86,14 +86,11 @@ std::string settings_disagreement(const std::vector<std::string>& settings_by_ra
   std::vector<std::map<std::string, std::string>> parsed;
   for (const std::string& s : settings_by_rank) parsed.push_back(parse(s));
   auto shown = [](const std::string& v) { return v.empty() ? std::string("unset") : v; };
-  for (size_t r = 1; r < parsed.size(); ++r) {
+  std::map<std::string, size_t> first_of_host;  // host identity -> its lowest rank
+  for (size_t r = 0; r < parsed.size(); ++r) {
     // Against rank 0 for the job's knobs, against the first rank of r's host for the host's.
-    size_t first_here = r;
-    for (size_t q = 0; q < r && q < host_by_rank.size() && r < host_by_rank.size(); ++q)
-      if (host_by_rank[q] == host_by_rank[r]) {
-        first_here = q;
-        break;
-      }
+    const size_t first_here =
+        r < host_by_rank.size() ? first_of_host.try_emplace(host_by_rank[r], r).first->second : r;
     for (auto [scope, other] : {std::pair<std::string_view, size_t>{"job:", 0}, {"host:", first_here}}) {
       if (other == r) continue;
       const Difference d = first_difference(parsed[other], parsed[r], scope);

@@ -35,10 +35,13 @@ constexpr int kLivenessCheckMs = 100;
 
 }  // namespace
 
+bool cpus_oversubscribed(int host_ranks, int host_cpus) {
+  return host_ranks > 0 && host_cpus > 0 && host_ranks > host_cpus;
+}
+
 int spin_us_for(int host_ranks, int host_cpus) {
   if (kSpinUs.is_set()) return static_cast<int>(kSpinUs.integer());
-  const bool oversubscribed = host_ranks > 0 && host_cpus > 0 && host_ranks > host_cpus;
-  return oversubscribed ? 0 : static_cast<int>(kSpinUs.integer());
+  return cpus_oversubscribed(host_ranks, host_cpus) ? 0 : static_cast<int>(kSpinUs.integer());
 }
 
 Engine::Engine(Waiter* shm_waiter, int spin_us)

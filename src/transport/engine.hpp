@@ -28,6 +28,9 @@ namespace cohort::transport {
 // oversubscribed for the same reason (mpi_yield_when_idle).
 int spin_us_for(int host_ranks, int host_cpus);
 
+// host_ranks > host_cpus, both known (> 0): the machine is oversubscribed.
+bool cpus_oversubscribed(int host_ranks, int host_cpus);
+
 class Engine {
  public:
   // shm_waiter: the shared-memory doorbell of this rank's group, or nullptr.
